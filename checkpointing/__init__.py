@@ -1,0 +1,1 @@
+"""Checkpointing over torch.distributed.checkpoint, with the run's carry and guard payload."""

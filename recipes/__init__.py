@@ -1,0 +1,1 @@
+"""Recipes: loading, validation, diffing, the trainer and the `kiln` command line."""

@@ -1,0 +1,75 @@
+"""The ``kiln`` command line. Each subcommand lives in its own module, imported only when used,
+so ``kiln --help`` and ``kiln show`` start without importing the training stack.
+
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int`` (exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from recipes.errors import KilnError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("recipes.commands.train", "train a recipe: kiln train RECIPE [--key=value ...]"),
+    "validate": ("recipes.commands.validate", "build every component on the meta device"),
+    "show": ("recipes.commands.show", "print the resolved recipe as TOML"),
+    "list": ("recipes.commands.list", "list registered components, their fields and defaults"),
+    "diff": ("recipes.commands.diff", "compare two recipes, run folders or checkpoints"),
+    "bench": ("recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
+    "data": ("recipes.commands.data", "prepare a packed-document dataset folder"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="kiln: composable LLM training recipes. Recipe keys can be overridden with "
+        "--section.key=value after the recipe path.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Arguments are added lazily in main() so --help of one command imports only it.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"kiln: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}",
+                  file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    # Recipe overrides (--a.b=c) are not argparse options: split them off first.
+    overrides = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=")[0]]
+    rest = [a for a in argv[1:] if a not in overrides]
+    args = cmd_parser.parse_args(rest)
+    args.overrides = overrides
+    try:
+        return int(module.run(args) or 0)
+    except KilnError as exc:
+        print(f"kiln {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `kiln show ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`kiln` subcommands, one module each (add_arguments + run)."""

@@ -1,0 +1,33 @@
+"""kiln's one exception hierarchy: every message says what is wrong, what is valid and what to do.
+
+The command line prints ``KilnError`` messages without a traceback; ``RecipeError`` (a bad
+recipe or command line) exits with status 2, the others with status 1.
+"""
+
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base of kiln's user-facing errors."""
+
+    exit_code = 1
+
+
+class RecipeError(KilnError):
+    """A malformed recipe, override or command line."""
+
+    exit_code = 2
+
+
+class DataError(KilnError):
+    """A missing, corrupt or mismatched dataset folder."""
+
+
+class CheckpointError(KilnError):
+    """A missing, corrupt, tampered or incompatible checkpoint."""
+
+
+class TrainingAborted(KilnError):
+    """A guard aborted training (loss spikes, too many skipped steps)."""
+
+    exit_code = 2

@@ -1,0 +1,86 @@
+"""The top-level recipe: its tables, their keys and defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from checkpointing.config import CheckpointConfig
+from components.base import Config, OptionalSub, Sub, component, default_config
+from parallelisms.config import ParallelismConfig
+
+
+class RunConfig(Config):
+    """Where the run writes and how it reports."""
+
+    name: str = Field("", description="run name; default: the recipe file's stem")
+    folder: str = Field("", description="run folder; default: runs/<name>")
+    log_interval: int = Field(10, ge=1, description="console / JSONL / TensorBoard every N steps")
+    tensorboard: bool = Field(True, description="write TensorBoard scalars under the run folder")
+    progress_bar: bool = Field(True, description="tqdm progress bar on rank 0")
+
+
+class TrainingConfig(Config):
+    """The batch plan, the training budget and the numerics."""
+
+    steps: int = Field(0, ge=0, description="optimizer steps (0 = derive from epochs or tokens)")
+    epochs: float = Field(0.0, ge=0, description="budget in data epochs (used when steps = 0)")
+    tokens: int = Field(0, ge=0, description="budget in tokens (used when steps = epochs = 0)")
+    global_batch: int = Field(8, ge=1, description="sequences per optimizer step, all ranks")
+    micro_batch: int = Field(4, ge=1, description="sequences per forward pass on one rank")
+    grad_accum: int = Field(
+        0, ge=0, description="micro-batches per step per rank (0 = global_batch/world/micro)"
+    )
+    seq_len: int = Field(256, ge=1, description="tokens per training sequence")
+    seed: int = Field(0, description="seed for init, data order and dropout")
+    grad_clip: float = Field(1.0, ge=0, description="clip the global grad norm (0 = off)")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="autocast dtype for the forward pass"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+    threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
+    step: Sub("step") = component("step", "standard", "how one optimizer step is computed")
+
+
+class EvalConfig(Config):
+    """Periodic evaluation on the held-out split."""
+
+    interval: int = Field(0, ge=0, description="evaluate every N steps (0 = off)")
+    tokens: int = Field(65536, ge=1, description="token budget per evaluation (all ranks)")
+    at_end: bool = Field(True, description="evaluate after the last step")
+
+
+class Recipe(Config):
+    """A kiln recipe: the components of one training run and their settings."""
+
+    description: str = Field("", description="free text shown by `kiln show`")
+    run: RunConfig = Field(default_factory=RunConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    model: Sub("model") = component("model", "transformer", "the network")
+    tokenizer: Sub("tokenizer") = component("tokenizer", "byte", "text to token ids")
+    data: Sub("dataset") = component("dataset", "packed_documents", "training data")
+    optimizer: OptionalSub("optimizer") = component(
+        "optimizer", None, "one optimizer for every parameter (or use [optimizers.NAME])"
+    )
+    optimizers: dict[str, Sub("optimizer")] = Field(
+        default_factory=dict, description="several optimizers, each routing its own parameters"
+    )
+    guards: dict[str, Sub("guard")] = Field(
+        default_factory=dict, description="step guards (e.g. loss-spike skipping), by name"
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _one_optimizer_table(self) -> Recipe:
+        if self.optimizer is not None and self.optimizers:
+            raise ValueError("set either [optimizer] or [optimizers.NAME] tables, not both")
+        if self.optimizer is None and not self.optimizers:
+            self.optimizer = default_config("optimizer", "adamw")
+        return self
+
+    def optimizer_tables(self) -> dict[str, Config]:
+        """Optimizers by name; a single [optimizer] table is called "main"."""
+        return {"main": self.optimizer} if self.optimizer is not None else dict(self.optimizers)
