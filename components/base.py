@@ -47,11 +47,22 @@ def default_config(kind: str, name: str, **values: Any) -> ComponentConfig:
     return entry.config(type=name, **values)
 
 
-def component(kind: str, default: str | None, description: str) -> Any:
-    """A field default for a sub-component: ``default`` names the registered implementation."""
+def component(kind: str, default: str | None, description: str, implied: str | None = None) -> Any:
+    """A field default for a sub-component: ``default`` names the registered implementation.
+
+    A recipe table for this field that omits ``type`` gets ``default`` (or ``implied``, for a
+    field whose default is "absent" but whose table, when written, has a natural type)."""
+    extra = {"kiln_default_type": default or implied}
     if default is None:
-        return Field(None, description=description)
-    return Field(default_factory=lambda: default_config(kind, default), description=description)
+        return Field(None, description=description, json_schema_extra=extra)
+    return Field(default_factory=lambda: default_config(kind, default), description=description,
+                 json_schema_extra=extra)
+
+
+def default_type(field: Any) -> str | None:
+    """The ``type`` a recipe table gets when it omits one (see ``component``)."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return extra.get("kiln_default_type")
 
 
 # The type of a sub-component field: serialised with its concrete class's fields.

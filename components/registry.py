@@ -155,8 +155,10 @@ def get(kind: str, name: str) -> Entry:
     entry = _entries.get((kind, name))
     if entry is None:
         valid = names(kind)
-        if not valid:
+        if not valid and kind not in kinds():
             raise RegistryError(f"unknown component kind {kind!r}; kinds: {', '.join(kinds())}")
+        if not valid:
+            raise RegistryError(f"no {kind} component is registered (looked for {name!r})")
         raise RegistryError(
             f"unknown {kind} {name!r}; valid: {', '.join(valid)}{did_you_mean(name, valid)}"
         )

@@ -11,7 +11,9 @@ import importlib
 import os
 import sys
 
+from components.registry import RegistryError
 from recipes.errors import KilnError
+from recipes.loader import parse_override
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _looks_like_override(arg: str) -> bool:
+    key = arg.split("=", 1)[0]
+    return (arg.startswith("--") and "." in key) or ("=" in arg and "." in key and "/" not in key)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -55,15 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
     # Recipe overrides (--a.b=c) are not argparse options: split them off first.
-    overrides = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=")[0]]
+    overrides = [a for a in argv[1:] if _looks_like_override(a)]
     rest = [a for a in argv[1:] if a not in overrides]
     args = cmd_parser.parse_args(rest)
     args.overrides = overrides
     try:
+        for arg in overrides:
+            parse_override(arg)  # syntax errors before any work
         return int(module.run(args) or 0)
     except KilnError as exc:
         print(f"kiln {name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except RegistryError as exc:
+        print(f"kiln {name}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `kiln show ... | head`

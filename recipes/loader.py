@@ -86,8 +86,8 @@ def _chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str
     """The file and its ``extends`` ancestors, deepest base first."""
     path = path.resolve()
     if path in seen:
-        cycle = " -> ".join(str(p) for p in (*seen, path))
-        raise RecipeError(f"{path}: `extends` cycle: {cycle}; remove one of the links")
+        cycle = " -> ".join(display(p) for p in (*seen, path))
+        raise RecipeError(f"{display(path)}: `extends` cycle: {cycle}; remove one of the links")
     data = read_toml(path)
     base = data.pop("extends", None)
     if base is None:
@@ -127,13 +127,21 @@ def parse_override(arg: str) -> tuple[str, Any]:
     return key, value
 
 
+def display(path: Path) -> str:
+    """A path as the user would write it: relative to the working folder when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def load_layers(path: str | Path, overrides: list[str] = ()) -> Layered:
     """Merge a recipe's ``extends`` chain, the recipe, then the overrides."""
     merged = Layered()
     chain = _chain(Path(path))
     for index, (file, data) in enumerate(chain):
-        _merge(merged, data, index, str(file))
-    merged.sources[""] = (len(chain) - 1, str(chain[-1][0]))
+        _merge(merged, data, index, display(file))
+    merged.sources[""] = (len(chain) - 1, display(chain[-1][0]))
     cli_layer = len(chain)
     for arg in overrides:
         key, value = parse_override(arg)

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from components import registry
-from components.base import ComponentConfig, Config, Kind
+from components.base import ComponentConfig, Config, Kind, default_type
 from recipes.errors import RecipeError
 from recipes.loader import Layered
 
@@ -59,7 +59,8 @@ def _fmt(path: str) -> str:
     return path or "<top level>"
 
 
-def _component(kind: str, data: Any, path: str, layers: Layered) -> ComponentConfig | None:
+def _component(kind: str, data: Any, path: str, layers: Layered,
+               implied: str | None = None) -> ComponentConfig | None:
     if data is None:
         return None
     if not isinstance(data, dict):
@@ -67,7 +68,7 @@ def _component(kind: str, data: Any, path: str, layers: Layered) -> ComponentCon
             f"{layers.source(path)}: [{path}] must be a table with type = \"<{kind}>\", "
             f"got {data!r}; choices: {', '.join(registry.names(kind))}"
         )
-    name = data.get("type")
+    name = data.get("type", implied)
     if name is None:
         raise RecipeError(
             f"{layers.source(path)}: [{path}] needs type = \"<{kind} name>\"; choices: "
@@ -79,7 +80,7 @@ def _component(kind: str, data: Any, path: str, layers: Layered) -> ComponentCon
         entry = registry.get(kind, name)
     except registry.RegistryError as exc:
         raise RecipeError(f"{layers.source(path + '.type')}: {path}.type: {exc}") from None
-    data = dict(data)
+    data = {**data, "type": name}
     type_layer = layers.layer(f"{path}.type")
     for key in list(data):
         if key != "type" and key not in _keys(entry.config):
@@ -115,7 +116,7 @@ def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) ->
         elif kind and container == "list" and isinstance(value, list):
             values[key] = [_component(kind, v, f"{sub}[{i}]", layers) for i, v in enumerate(value)]
         elif kind and not container:
-            values[key] = _component(kind, value, sub, layers)
+            values[key] = _component(kind, value, sub, layers, default_type(info))
         elif nested is not None and isinstance(value, dict):
             values[key] = build_config(nested, value, sub, layers)
         else:
@@ -124,6 +125,8 @@ def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) ->
         return cls.model_validate(values)
     except ValidationError as exc:
         raise RecipeError(_explain(exc, cls, prefix, layers)) from None
+    except registry.RegistryError as exc:  # a default sub-component that is not registered
+        raise RecipeError(f"{layers.source(path)}: [{_fmt(path)}]: {exc}") from None
 
 
 def _explain(exc: ValidationError, cls: type[BaseModel], prefix: str, layers: Layered) -> str:

@@ -61,7 +61,8 @@ class Recipe(Config):
     tokenizer: Sub("tokenizer") = component("tokenizer", "byte", "text to token ids")
     data: Sub("dataset") = component("dataset", "packed_documents", "training data")
     optimizer: OptionalSub("optimizer") = component(
-        "optimizer", None, "one optimizer for every parameter (or use [optimizers.NAME])"
+        "optimizer", None, "one optimizer for every parameter (or use [optimizers.NAME])",
+        implied="adamw",
     )
     optimizers: dict[str, Sub("optimizer")] = Field(
         default_factory=dict, description="several optimizers, each routing its own parameters"

@@ -1,0 +1,1 @@
+"""Optimizers: each routes its own parameters (see routing.py) and follows its own schedule."""

@@ -1,0 +1,35 @@
+"""AdamW, torch's implementation (foreach on CPU, fused on CUDA)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from components.optimizers.common import OptimizerConfig
+from components.registry import register
+
+
+class AdamWConfig(OptimizerConfig):
+    betas: list[float] = Field(
+        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2, description="[beta1, beta2]"
+    )
+    eps: float = Field(1e-8, gt=0, description="denominator epsilon")
+    implementation: Literal["auto", "foreach", "fused", "for_loop"] = Field(
+        "auto", description="auto: fused on CUDA, foreach elsewhere"
+    )
+
+
+@register("optimizer", "adamw", config=AdamWConfig)
+def build_adamw(cfg: AdamWConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay (torch.optim.AdamW)."""
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if on_cuda else "foreach"
+    flags = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
+        weight_decay=cfg.weight_decay, **flags,
+    )

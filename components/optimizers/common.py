@@ -1,0 +1,49 @@
+"""What every optimizer config shares: peak LR, weight decay, parameter routing and schedule."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from components.base import ComponentConfig, Config, Sub, component
+
+
+class ParamRule(Config):
+    """Selects parameters by dimensionality, name pattern and owning module type.
+
+    A parameter matches when every non-empty criterion matches: ``ndim`` contains its number of
+    dimensions, a pattern of ``include`` matches its name (fnmatch), no pattern of ``exclude``
+    does, and ``modules`` contains the class name of the module that owns it. ``rest`` matches
+    whatever no other optimizer's rule selected.
+    """
+
+    ndim: list[int] = Field(default_factory=list, description="accepted ndims (empty = any)")
+    include: list[str] = Field(
+        default_factory=list, description="fnmatch patterns on parameter names (empty = any)"
+    )
+    exclude: list[str] = Field(default_factory=list, description="fnmatch patterns to leave out")
+    modules: list[str] = Field(
+        default_factory=list, description="owning module class names, e.g. Embedding (empty = any)"
+    )
+    rest: bool = Field(False, description="take every parameter no other optimizer selected")
+
+
+class OptimizerConfig(ComponentConfig):
+    """Base of optimizer configs. Registered optimizers are built as ``obj(cfg, groups)``,
+    ``groups`` being torch param-group dicts (``params``, ``lr``, ``weight_decay``, ``name``)."""
+
+    lr: float = Field(3e-4, ge=0, description="peak learning rate (the schedule scales it)")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    params: ParamRule = Field(
+        default_factory=lambda: ParamRule(rest=True),
+        description="which parameters this optimizer trains",
+    )
+    no_decay: ParamRule | None = Field(
+        None, description="parameters of this optimizer exempt from weight decay (e.g. ndim=[1])"
+    )
+    schedule: Sub("schedule") = component("schedule", "warmup_cosine", "LR schedule")
+    step_every: Literal["segment", "global"] = Field(
+        "segment",
+        description="with segmented steps: step after every segment, or on the last one only",
+    )

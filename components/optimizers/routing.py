@@ -1,0 +1,107 @@
+"""Routing parameters to optimizers: every trainable parameter lands in exactly one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from components.optimizers.common import OptimizerConfig, ParamRule
+from recipes.errors import RecipeError
+
+
+@dataclass
+class Route:
+    """The parameters one optimizer trains, split into decayed and non-decayed groups."""
+
+    name: str
+    decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    no_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for _, p in self.decay + self.no_decay)
+
+
+def _owners(model: nn.Module) -> dict[str, str]:
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = type(module).__name__
+    return owners
+
+
+def matches(rule: ParamRule, name: str, param: nn.Parameter, owner: str) -> bool:
+    if rule.ndim and param.ndim not in rule.ndim:
+        return False
+    if rule.include and not any(fnmatchcase(name, pat) for pat in rule.include):
+        return False
+    if any(fnmatchcase(name, pat) for pat in rule.exclude):
+        return False
+    return not (rule.modules and owner not in rule.modules)
+
+
+def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Route]:
+    """Assign each trainable parameter to one optimizer table; error on gaps and overlaps."""
+    owners = _owners(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    chosen: dict[str, list[str]] = {n: [] for n, _ in params}
+    rest = [name for name, cfg in tables.items() if cfg.params.rest]
+    if len(rest) > 1:
+        raise RecipeError(f"optimizers {rest} all set params.rest = true; only one may take the rest")
+    for opt_name, cfg in tables.items():
+        if cfg.params.rest:
+            continue
+        for n, p in params:
+            if matches(cfg.params, n, p, owners.get(n, "")):
+                chosen[n].append(opt_name)
+    if rest:
+        for n in chosen:
+            if not chosen[n]:
+                chosen[n].append(rest[0])
+    doubly = {n: o for n, o in chosen.items() if len(o) > 1}
+    if doubly:
+        lines = [f"  {n}: {', '.join(o)}" for n, o in list(doubly.items())[:20]]
+        raise RecipeError("parameters routed to more than one optimizer:\n" + "\n".join(lines))
+    unrouted = [n for n, o in chosen.items() if not o]
+    if unrouted:
+        raise RecipeError(
+            "parameters routed to no optimizer (add a rule or set params.rest = true on one "
+            "optimizer): " + ", ".join(unrouted[:20]) + (" ..." if len(unrouted) > 20 else "")
+        )
+    routes = {name: Route(name) for name in tables}
+    for n, p in params:
+        opt_name = chosen[n][0]
+        rule = tables[opt_name].no_decay
+        exempt = rule is not None and matches(rule, n, p, owners.get(n, ""))
+        (routes[opt_name].no_decay if exempt else routes[opt_name].decay).append((n, p))
+    return routes
+
+
+def param_groups(route_: Route, cfg: OptimizerConfig) -> list[dict]:
+    """torch param groups for one optimizer: decayed and non-decayed, each with its peak LR."""
+    groups = []
+    for suffix, members, wd in (("", route_.decay, cfg.weight_decay), ("no_decay", route_.no_decay, 0.0)):
+        if members:
+            groups.append({
+                "params": [p for _, p in members],
+                "lr": cfg.lr,
+                "peak_lr": cfg.lr,
+                "weight_decay": wd,
+                "name": f"{route_.name}/{suffix}" if suffix else route_.name,
+            })
+    return groups
+
+
+def routing_table(routes: dict[str, Route], tables: dict[str, OptimizerConfig]) -> str:
+    """A printable table: optimizer, type, tensors, elements, peak LR, decayed / exempt."""
+    rows = [("optimizer", "type", "tensors", "params", "peak_lr", "decay/no_decay tensors")]
+    for name, r in routes.items():
+        cfg = tables[name]
+        rows.append((
+            name, cfg.type, str(len(r.decay) + len(r.no_decay)), f"{r.numel:,}",
+            f"{cfg.lr:g}", f"{len(r.decay)}/{len(r.no_decay)}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)

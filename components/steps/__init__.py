@@ -1,0 +1,1 @@
+"""Step functions: how one optimizer step is computed from its micro-batches."""

@@ -1,0 +1,42 @@
+"""The standard step: gradient accumulation over micro-batches, clip, guard, optimizer step."""
+
+from __future__ import annotations
+
+import torch
+
+from components.base import ComponentConfig
+from components.registry import register
+from components.steps.common import StepResult
+
+
+class StandardStepConfig(ComponentConfig):
+    pass
+
+
+@register("step", "standard")
+class StandardStep:
+    """Forward/backward every micro-batch, then one clipped, guarded optimizer step."""
+
+    Config = StandardStepConfig
+
+    def __init__(self, cfg: StandardStepConfig):
+        self.cfg = cfg
+
+    def __call__(self, trainer, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        trainer.zero_grad()
+        n = len(micro_batches)
+        total = torch.zeros((), device=trainer.device)
+        for i, batch in enumerate(micro_batches):
+            with trainer.grad_sync(i == n - 1):
+                loss = trainer.forward_loss(batch) / n  # mean over the step's tokens
+                loss.backward()
+            total += loss.detach()
+        trainer.sync_grads()
+        grad_norm = trainer.clip_grads()
+        stats = trainer.global_stats(loss=total, grad_norm=grad_norm)  # the one host sync
+        decision = trainer.guard_decision(stats, segment=0)
+        trainer.optimizer_step(decision, stats, segment=0, last_segment=True)
+        return StepResult(
+            loss=stats["loss"], tokens=trainer.tokens_per_step, grad_norm=stats.get("grad_norm"),
+            skipped=decision.skip, reason=decision.reason,
+        )

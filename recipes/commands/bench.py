@@ -1,0 +1,147 @@
+"""`kiln bench RECIPE [--steps N] [--warmup N] [--json]`: train the recipe briefly without
+checkpoints, evaluation or logging and report speed, MFU and memory in one table."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+
+import torch
+
+from recipes.recipe import load_recipe
+
+_BENCH_OVERRIDES = [
+    "--run.tensorboard=false", "--run.progress_bar=false", "--eval.interval=0",
+    "--eval.at_end=false", "--checkpoint.enable=false",
+]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("recipe", help="recipe file")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+class _Timer:
+    """A hook recording when each step ends."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_train_start(self, trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+
+def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    start = time.perf_counter()
+    from recipes.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        total = warmup + steps
+        recipe = load_recipe(recipe_path, [
+            *overrides, *_BENCH_OVERRIDES, f"--training.steps={total}", f"--run.folder={tmp}",
+            "--run.log_interval=1000000",
+        ])
+        timer = _Timer()
+        trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=open("/dev/null", "w"))
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.fit()
+    ends = timer.ends
+    first = ends[0] - start + _age_at(start)
+    window = ends[warmup:] if warmup < len(ends) else ends
+    step_time = (window[-1] - (ends[warmup - 1] if warmup else start)) / len(window)
+    tokens_per_s = trainer.plan.tokens_per_step / step_time
+    achieved = trainer.flops_per_token * tokens_per_s
+    peak = trainer.peak_flops * trainer.world.world_size
+    result = {
+        "recipe": recipe_path,
+        "parallelism": trainer.parallel_summary,
+        "params": trainer.model.num_params(),
+        "tokens_per_step": trainer.plan.tokens_per_step,
+        "tokens_per_second": tokens_per_s,
+        "step_time_s": step_time,
+        "flops_per_token": trainer.flops_per_token,
+        "achieved_flops": achieved,
+        "peak_flops": peak,
+        "mfu": achieved / peak if peak else None,
+        "peak_memory_bytes": trainer.memory_bytes(),
+        "optimizer_state_bytes": optimizer_state_bytes(trainer),
+        "time_to_first_step_s": first,
+        "device": str(trainer.device),
+        "threads": torch.get_num_threads(),
+        "rank": trainer.world.rank,
+    }
+    return result
+
+
+def _age_at(moment: float) -> float:
+    """Seconds from process start to ``moment`` (perf_counter), so time to first step includes
+    the interpreter start and the imports; 0 where /proc is missing."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    age_now = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    return max(age_now - (time.perf_counter() - moment), 0.0)
+
+
+def optimizer_state_bytes(trainer) -> int:
+    from components.optimizers import common
+
+    fn = getattr(common, "optimizer_state_bytes", None)
+    if fn is not None:
+        return sum(fn(opt) for opt in trainer.optimizers.optimizers.values())
+    total = 0
+    for opt in trainer.optimizers.optimizers.values():
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+    return total
+
+
+def render(r: dict) -> str:
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    rows = [
+        ("recipe", r["recipe"]),
+        ("parallelism", r["parallelism"]),
+        ("device / threads", f"{r['device']} / {r['threads']}"),
+        ("parameters", f"{r['params']:,}"),
+        ("tokens/s", f"{r['tokens_per_second']:,.0f}"),
+        ("step time", f"{r['step_time_s'] * 1000:.1f} ms ({r['tokens_per_step']:,} tokens/step)"),
+        ("model FLOPs/token", f"{r['flops_per_token']:.4g}"),
+        ("achieved FLOP/s", f"{r['achieved_flops'] / 1e9:.1f} GFLOP/s"),
+        ("peak FLOP/s", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s"
+         + (" (matmul probe)" if r["device"] == "cpu" else " (datasheet bf16)")),
+        ("MFU", mfu),
+        ("peak memory", f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB"
+         + (" (process RSS)" if r["device"] == "cpu" else " (CUDA max allocated)")),
+        ("optimizer state", f"{r['optimizer_state_bytes'] / 2**20:,.2f} MiB"),
+        ("time to first step", f"{r['time_to_first_step_s']:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def run(args) -> int:
+    result = measure(args.recipe, args.overrides, args.steps, args.warmup)
+    if result["rank"] != 0:
+        return 0
+    print(json.dumps(result) if args.json else render(result))
+    return 0

@@ -1,0 +1,22 @@
+"""`kiln train RECIPE [--key=value ...]`: train a recipe (one process, or one per torchrun rank)."""
+
+from __future__ import annotations
+
+from recipes.recipe import load_recipe
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("recipe", help="recipe file (or a run folder to continue)")
+
+
+def run(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    from recipes import distributed
+    from recipes.trainer import Trainer
+
+    try:
+        trainer = Trainer(recipe)
+        trainer.fit()
+    finally:
+        distributed.shutdown()
+    return 0

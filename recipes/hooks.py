@@ -1,0 +1,138 @@
+"""Periodic work around the step: logging, progress bar, evaluation. Checkpointing and other
+packages add their own hooks. A hook overrides any of the three methods."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from recipes import distributed as dist_utils
+
+
+class Hook:
+    def on_train_start(self, trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer, result) -> None:
+        pass
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+
+class LogHook(Hook):
+    """Console line, JSONL and TensorBoard every ``run.log_interval`` steps (and the last)."""
+
+    def __init__(self):
+        self._t0 = 0.0
+        self._tokens0 = 0
+        self._losses: list[float] = []
+
+    def on_train_start(self, trainer) -> None:
+        self._t0 = time.perf_counter()
+        self._tokens0 = trainer.progress.tokens
+
+    def on_step_end(self, trainer, result) -> None:
+        self._losses.append(result.loss)
+        step = trainer.progress.step
+        if step % trainer.recipe.run.log_interval and step != trainer.total_steps:
+            return
+        now = time.perf_counter()
+        elapsed = max(now - self._t0, 1e-9)
+        tps = (trainer.progress.tokens - self._tokens0) / elapsed
+        values = {
+            "loss": result.loss,
+            "loss_avg": sum(self._losses) / len(self._losses),
+            "tokens_per_second": tps,
+            "tokens_seen": trainer.progress.tokens,
+        }
+        if result.grad_norm is not None:
+            values["grad_norm"] = result.grad_norm
+        if trainer.peak_flops:
+            values["mfu"] = trainer.flops_per_token * tps / trainer.world.world_size / trainer.peak_flops
+        values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
+        values.update(result.metrics)
+        values.update(trainer.model_metrics())
+        values["memory_bytes"] = trainer.memory_bytes()
+        trainer.metrics.log(step, values)
+        if trainer.world.is_main:
+            skip = f"  skipped: {result.reason}" if result.skipped else ""
+            mfu = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""
+            gn = f"  grad_norm {result.grad_norm:.3f}" if result.grad_norm is not None else ""
+            trainer.print(
+                f"step {step:>6}/{trainer.total_steps}  loss {result.loss:.4f}{gn}  "
+                f"tok/s {tps:,.0f}{mfu}{skip}"
+            )
+        self._t0, self._tokens0, self._losses = now, trainer.progress.tokens, []
+
+
+class ProgressHook(Hook):
+    """A tqdm bar on the main rank: steps, loss, tokens/s, ETA."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.world.is_main and trainer.recipe.run.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=trainer.total_steps, initial=trainer.progress.step,
+                            unit="step", dynamic_ncols=True, leave=True)
+
+    def on_step_end(self, trainer, result) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{result.loss:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def on_train_end(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class EvalHook(Hook):
+    """Held-out loss every ``eval.interval`` steps and at the end, within a token budget."""
+
+    def on_step_end(self, trainer, result) -> None:
+        every = trainer.recipe.eval.interval
+        if every and trainer.progress.step % every == 0 and trainer.progress.step != trainer.total_steps:
+            self.evaluate(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.recipe.eval.at_end or trainer.recipe.eval.interval:
+            self.evaluate(trainer)
+
+    def evaluate(self, trainer) -> float:
+        loss = evaluate(trainer, trainer.recipe.eval.tokens)
+        trainer.metrics.log(trainer.progress.step, {"eval/loss": loss})
+        trainer.last_eval_loss = loss
+        if trainer.world.is_main:
+            trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
+                          f"ppl {math.exp(min(loss, 50)):.2f}")
+        return loss
+
+
+@torch.no_grad()
+def evaluate(trainer, token_budget: int) -> float:
+    """Mean loss over the eval split's first ``token_budget`` tokens (all ranks together)."""
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    loader = trainer.dataset.loader(
+        "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
+        * trainer.world.world_size, rank=trainer.world.rank, world_size=trainer.world.world_size,
+    )
+    total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
+    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.world.world_size
+    for i, batch in enumerate(loader):
+        if i * per_batch >= token_budget:
+            break
+        batch = trainer.to_device(batch)
+        loss = trainer.forward_loss(batch)
+        total[0] += loss.double() * batch["labels"].numel()
+        total[1] += batch["labels"].numel()
+    dist_utils.all_reduce_(total)
+    model.train(was_training)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")

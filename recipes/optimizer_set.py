@@ -1,0 +1,49 @@
+"""All of a run's optimizers and their schedules, stepped together."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.optimizers.routing import param_groups, route, routing_table
+
+
+class OptimizerSet:
+    """Routes parameters to the recipe's optimizers; sets LRs from each one's schedule."""
+
+    def __init__(self, model: nn.Module, tables: dict, total_steps: int):
+        self.tables = tables
+        self.routes = route(model, tables)
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedules = {}
+        for name, cfg in tables.items():
+            groups = param_groups(self.routes[name], cfg)
+            if not groups:
+                continue  # an optimizer whose rule selected nothing (e.g. no scalar params)
+            self.optimizers[name] = cfg.build(groups)
+            self.schedules[name] = cfg.schedule.build(total_steps=total_steps)
+
+    def table(self) -> str:
+        return routing_table(self.routes, self.tables)
+
+    def set_lr(self, step: int) -> None:
+        for name, opt in self.optimizers.items():
+            factor = self.schedules[name](step)
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * factor
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def step(self, last_segment: bool = True) -> None:
+        for name, opt in self.optimizers.items():
+            if last_segment or self.tables[name].step_every == "segment":
+                opt.step()
+
+    def lrs(self) -> dict[str, float]:
+        return {
+            g.get("name", name): float(g["lr"])
+            for name, opt in self.optimizers.items()
+            for g in opt.param_groups
+        }

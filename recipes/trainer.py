@@ -1,0 +1,263 @@
+"""The trainer: builds a run from a resolved recipe and loops over steps; hooks do the rest.
+
+The loop (``fit``) is short on purpose: the step component computes one optimizer step, and
+logging, evaluation, checkpointing and profiling hang off hooks (``recipes/hooks.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from components.steps.common import GuardDecision
+from recipes import batch_plan, distributed
+from recipes.errors import TrainingAborted
+from recipes.flops import peak_flops
+from recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
+from recipes.metrics import MetricsWriter
+from recipes.optimizer_set import OptimizerSet
+from recipes.recipe import to_toml
+from recipes.schema import Recipe
+
+
+@dataclass
+class Progress:
+    """How far training got: optimizer steps taken and tokens consumed (all ranks)."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step, self.tokens = int(d["step"]), int(d["tokens"])
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
+                 checkpoints: bool = True, out=None):
+        self.recipe = recipe
+        self.out = out or sys.stdout
+        tr = recipe.training
+        self.world = distributed.init(tr.device, recipe.parallelism.backend)
+        self.device = self.world.device
+        if tr.threads and self.device.type == "cpu":
+            torch.set_num_threads(tr.threads)
+        self.run_dir = Path(recipe.run.folder)
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_recipe(recipe, self.run_dir / "recipe.toml")
+        self.plan = batch_plan.plan(tr, self.world.world_size)
+        self.progress = Progress()
+        self.last_eval_loss: float | None = None
+        self.stop_requested = False
+
+        torch.manual_seed(tr.seed)
+        self.tokenizer = recipe.tokenizer.build()
+        self.dataset = recipe.data.build(tokenizer=self.tokenizer, seq_len=tr.seq_len, seed=tr.seed)
+        if self.world.is_main:
+            self.dataset.prepare()
+        distributed.barrier()
+        if not self.world.is_main:
+            self.dataset.prepare()
+        self.train_loader = self.dataset.loader(
+            "train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
+            rank=self.world.rank, world_size=self.world.world_size,
+        )
+        self.total_steps = batch_plan.total_steps(
+            tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
+
+        self.model = self._build_model()
+        self.parallel_summary = self._parallelize()
+        self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))
+        self.peak_flops = peak_flops(self.device.type) if self.world.is_main else 0.0
+        self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
+        self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
+        self.step_fn = tr.step.build()
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if tr.mixed_precision == "bf16" else contextlib.nullcontext()
+        )
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
+                                     enabled=self.world.is_main)
+        self.hooks: list[Hook] = []
+        if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
+            self.hooks.append(self._checkpoint_hook())
+        self.hooks += [LogHook(), EvalHook(), ProgressHook()]
+        self.hooks += hooks or []
+
+    # ----------------------------------------------------------------------------- building
+    def _build_model(self) -> torch.nn.Module:
+        tr = self.recipe.training
+        vocab = self.tokenizer.vocab_size
+        model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
+        if getattr(model, "vocab_size", vocab) < vocab:
+            from recipes.errors import RecipeError
+
+            raise RecipeError(
+                f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({vocab}); raise it or set 0 to use the tokenizer's"
+            )
+        return model.to(self.device)
+
+    def _parallelize(self) -> str:
+        # Parallelism call site: the parallelisms package wraps the model here (float8 ->
+        # activation checkpointing -> compile -> FSDP2). Until then: data parallel by all-reduce.
+        self._ddp = self.world.distributed
+        if self._ddp:
+            for p in self.model.parameters():  # same initial weights everywhere
+                torch.distributed.broadcast(p.data, src=0)
+            return f"data parallel (gradient all-reduce) over {self.world.world_size} ranks"
+        return "single process"
+
+    def _checkpoint_hook(self) -> Hook:
+        try:
+            from checkpointing.hook import CheckpointHook
+        except ImportError:
+            return Hook()
+        return CheckpointHook(self)
+
+    # -------------------------------------------------------- helpers the step components use
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.tokens_per_step
+
+    def zero_grad(self) -> None:
+        self.optimizers.zero_grad()
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast)."""
+        with self.autocast:
+            logits = self.model(batch["input_ids"])  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def grad_sync(self, is_last_microbatch: bool):
+        return contextlib.nullcontext()
+
+    def sync_grads(self) -> None:
+        if not self._ddp:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        distributed.all_reduce_(flat)
+        flat /= self.world.world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def clip_grads(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.recipe.training.grad_clip or float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
+        """Average the per-rank loss over ranks; one host sync for everything."""
+        keys = [k for k, v in values.items() if v is not None]
+        packed = torch.stack([values[k].detach().float().to(self.device) for k in keys])
+        if self.world.distributed and "loss" in keys:
+            distributed.all_reduce_(packed[keys.index("loss"):keys.index("loss") + 1])
+            packed[keys.index("loss")] /= self.world.world_size
+        return dict(zip(keys, packed.tolist(), strict=True))
+
+    def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
+        for guard in self.guards.values():
+            decision = guard.decide(stats, self.progress.step, segment)
+            if decision.skip or decision.abort:
+                return decision
+        return GuardDecision()
+
+    def optimizer_step(self, decision: GuardDecision, stats: dict[str, float], *,
+                       segment: int, last_segment: bool) -> None:
+        for guard in self.guards.values():
+            guard.commit(decision, stats, self.progress.step, segment)
+        if decision.abort:
+            raise TrainingAborted(f"step {self.progress.step + 1}: {decision.reason}")
+        if not decision.skip:
+            self.optimizers.set_lr(self.progress.step)
+            self.optimizers.step(last_segment=last_segment)
+        hook = getattr(self.model, "on_optimizer_step", None)
+        if hook is not None:
+            hook(decision.skip)
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def model_metrics(self) -> dict[str, float]:
+        fn = getattr(self.model, "metrics", None)
+        return dict(fn()) if fn is not None else {}
+
+    def memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
+
+    def print(self, text: str) -> None:
+        if self.world.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self.out)  # keeps the progress bar intact
+
+    # ------------------------------------------------------------------------------- the loop
+    def fit(self) -> Progress:
+        self.print(f"kiln: {self.recipe.run.name}: {self.total_steps} steps, "
+                   f"{self.model.num_params():,} parameters, {self.parallel_summary}")
+        self.print(f"batch: global {self.plan.global_batch} x seq {self.plan.seq_len} = "
+                   f"{self.plan.tokens_per_step:,} tokens/step; micro {self.plan.micro_batch} "
+                   f"x accum {self.plan.grad_accum} per rank")
+        self.print("optimizers:\n" + self.optimizers.table())
+        for hook in self.hooks:
+            hook.on_train_start(self)
+        batches = iter(self.train_loader)
+        self.model.train()
+        while self.progress.step < self.total_steps and not self.stop_requested:
+            micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
+            result = self.step_fn(self, micro)
+            self.progress.step += 1
+            self.progress.tokens += result.tokens
+            for hook in self.hooks:
+                hook.on_step_end(self, result)
+        for hook in self.hooks:
+            hook.on_train_end(self)
+        self.metrics.close()
+        return self.progress
+
+
+def write_recipe(recipe: Recipe, path: Path) -> None:
+    """The resolved recipe, headed by the kiln version and git revision (TOML comments)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("kiln")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    header = f"# resolved by kiln {version}, git {git_revision()}\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + to_toml(recipe), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def git_revision() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

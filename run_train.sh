@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Train a recipe: ./run_train.sh RECIPE [--section.key=value ...]
+# NGPU=N runs N processes under torchrun (N GPUs, or N CPU processes over gloo without CUDA).
+set -euo pipefail
+if [ $# -lt 1 ]; then
+    echo "usage: [NGPU=N] $0 RECIPE [--section.key=value ...]" >&2
+    exit 2
+fi
+NGPU=${NGPU:-1}
+if [ "$NGPU" -le 1 ]; then
+    exec python -m recipes.cli train "$@"
+fi
+exec torchrun --standalone --nnodes=1 --nproc-per-node="$NGPU" \
+    --local-ranks-filter="${LOG_RANK:-0}" \
+    -m recipes.cli train "$@"

@@ -1,0 +1,65 @@
+"""The `kiln` command line: help, list, show, validate, and every shipped recipe validating."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from recipes.cli import COMMANDS, main
+from tests.conftest import CONFIGS, REPO
+
+SHIPPED = sorted(CONFIGS.glob("*.toml"))
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_list_shows_builtins_with_fields(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("model:transformer", "attention:causal", "ffn:swiglu", "norm:rmsnorm",
+                 "position:rope", "optimizer:adamw", "schedule:warmup_cosine", "schedule:wsd",
+                 "dataset:packed_documents", "tokenizer:byte", "step:standard"):
+        assert name in out
+    assert "    theta: float = 10000.0" in out
+    assert main(["list", "schedule"]) == 0
+    assert "model:transformer" not in capsys.readouterr().out
+    assert main(["list", "flavour"]) == 2
+
+
+def test_show_prints_resolved_toml_with_overrides(capsys):
+    assert main(["show", str(CONFIGS / "llama_debug.toml"), "--training.steps=7"]) == 0
+    data = tomllib.loads(capsys.readouterr().out)
+    assert data["training"]["steps"] == 7
+    assert data["model"]["attention"]["position"]["theta"] == 500000.0
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path, capsys):
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().out
+    assert "parameters:" in capsys.readouterr().out
+
+
+def test_validate_reports_invalid_recipes(write, capsys):
+    bad = write("bad.toml", "[model]\ndim = -1\n[model.attention]\nn_heads = 3\n")
+    assert main(["validate", str(bad)]) != 0
+    assert "INVALID" in capsys.readouterr().out
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "recipes.cli", "show",
+                          str(CONFIGS / "debug.toml"), "--training.seed=5"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0 and "seed = 5" in out.stdout
