@@ -9,6 +9,21 @@ from __future__ import annotations
 import importlib
 
 BUILTINS: tuple[str, ...] = (
+    "components.optimizers.adamw",
+    "components.schedules.warmup_cosine",
+    "components.schedules.wsd",
+    "components.schedules.constant",
+    "components.steps.standard",
+    "components.norms.rmsnorm",
+    "components.positions.rope",
+    "components.attention.causal",
+    "components.ffn.swiglu",
+    "components.ffn.moe",
+    "components.guards.spike_guard",
+    "components.models.transformer",
+    "components.models.looped",
+    "components.data.byte_tokenizer",
+    "components.data.packed_documents",
 )
 
 

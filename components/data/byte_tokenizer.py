@@ -1,0 +1,58 @@
+"""The byte tokenizer: UTF-8 bytes as ids, plus BOS and EOS. No files, no network, no training.
+
+It lets every recipe run anywhere (the default data is Python source, which is mostly ASCII),
+and its fingerprint is part of the data cache key so a changed tokenizer never reads stale ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import Field
+
+from components.base import ComponentConfig
+from components.registry import register
+
+NUM_BYTES = 256
+
+
+class ByteTokenizerConfig(ComponentConfig):
+    """Settings of the byte tokenizer."""
+
+    add_bos: bool = Field(True, description="encode() starts a text with BOS")
+    add_eos: bool = Field(False, description="encode() ends a text with EOS")
+
+
+@register("tokenizer", "byte")
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0-255) plus BOS (256) and EOS (257): vocab_size 258."""
+
+    Config = ByteTokenizerConfig
+
+    bos_id = NUM_BYTES
+    eos_id = NUM_BYTES + 1
+    vocab_size = NUM_BYTES + 2
+
+    def __init__(self, cfg: ByteTokenizerConfig | None = None, **context: object) -> None:
+        self.cfg = cfg if cfg is not None else ByteTokenizerConfig(type="byte")
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; ``bos``/``eos`` override the config's add_bos/add_eos."""
+        ids = list(text.encode("utf-8"))
+        if self.cfg.add_bos if bos is None else bos:
+            ids.insert(0, self.bos_id)
+        if self.cfg.add_eos if eos is None else eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The bare ids of ``text`` (no specials) as uint16: the data builder's fast path."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: list[int] | np.ndarray) -> str:
+        """Text of ``ids``; specials are dropped and invalid UTF-8 becomes U+FFFD."""
+        data = bytes(int(i) for i in ids if 0 <= int(i) < NUM_BYTES)
+        return data.decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        """Identifies the id mapping (not add_bos/add_eos, which the data builder ignores)."""
+        return f"byte-v1:vocab={self.vocab_size}:bos={self.bos_id}:eos={self.eos_id}"

@@ -1,0 +1,164 @@
+"""The ``packed_documents`` dataset: documents packed into seq_len windows, built once, cached.
+
+With ``path = ""`` the configured source (by default the Python standard library of the
+running machine, so a recipe trains with no download) is tokenized into
+``$KILN_CACHE/packed/<source>-<key>``, where the key hashes everything that changes the bytes
+written; a second run reuses the folder. The trainer calls ``prepare()`` on rank 0, then a
+barrier, then on the other ranks, which only validate; a file lock and an atomic rename make
+concurrent calls safe anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from components.base import ComponentConfig
+from components.data.corpus import open_corpus
+from components.data.packed_layout import PackedLayout, Tokenizer, open_layout, write_layout
+from components.data.packed_loader import Loader
+from components.registry import register
+
+
+class PackedDocumentsConfig(ComponentConfig):
+    """Where the packed documents come from and how they are loaded."""
+
+    path: str = Field(
+        "", description='prepared dataset folder (`kiln data prepare`); "" = build the source '
+        "into the cache on first use"
+    )
+    source: Literal["stdlib", "folder"] = Field(
+        "stdlib", description="text to build from: this machine's Python stdlib .py files, or "
+        "a folder of .txt/.jsonl files (source_path)"
+    )
+    source_path: str = Field("", description='folder of .txt/.jsonl ({"text": ...}) files')
+    include_tests: bool = Field(False, description="stdlib source: also read its test suites")
+    max_bytes: int = Field(
+        16_000_000, ge=1, description="cap on source text (UTF-8 bytes); whole documents only"
+    )
+    num_epochs: int = Field(
+        4, ge=1, description="shuffled document orders written; later data epochs reuse them"
+    )
+    eval_fraction: float = Field(
+        0.02, ge=0, lt=1, description="share of documents held out for evaluation"
+    )
+    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
+    num_workers: int = Field(0, ge=0, description="loader worker processes (0 = in the trainer)")
+    pin_memory: bool = Field(False, description="pin batches for faster host-to-GPU copies")
+    prefetch: int = Field(2, ge=1, description="micro-batches each worker loads ahead")
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    return Path(cache_dir or os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serialises builders on one machine; the atomic rename covers the rest."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: rely on the atomic rename alone
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@register("dataset", "packed_documents")
+class PackedDocuments:
+    """Documents packed into seq_len windows; default: this machine's Python stdlib, cached."""
+
+    Config = PackedDocumentsConfig
+
+    def __init__(self, cfg: PackedDocumentsConfig, *, tokenizer: Tokenizer, seq_len: int,
+                 seed: int = 0, **context: Any) -> None:
+        self.cfg, self.tokenizer, self.seq_len, self.seed = cfg, tokenizer, seq_len, seed
+        self._folder: Path | None = Path(cfg.path).expanduser() if cfg.path else None
+        self._layout: PackedLayout | None = None
+        self._corpus = None
+
+    def _source(self) -> Any:
+        if self._corpus is None:
+            c = self.cfg
+            self._corpus = open_corpus(c.source, c.source_path, c.max_bytes, c.include_tests)
+        return self._corpus
+
+    def cache_key(self) -> str:
+        """Hash of everything that changes the folder's bytes (not seq_len: any seq_len reads
+        the same folder)."""
+        c = self.cfg
+        parts = [self._source().description, self.tokenizer.fingerprint(), c.max_bytes,
+                 self.seed, c.num_epochs, c.eval_fraction]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+    @property
+    def folder(self) -> Path:
+        """The dataset folder: ``path``, or the cache entry for this config."""
+        if self._folder is None:
+            name = f"{self.cfg.source}-{self.cache_key()}"
+            self._folder = cache_root(self.cfg.cache_dir) / "packed" / name
+        return self._folder
+
+    def prepare(self, *, create: bool = False) -> Path:
+        """Make sure the folder exists and is valid and return it. A cache entry is built when
+        missing; an explicit ``path`` only with ``create`` (`kiln data prepare`), so a typo in
+        a recipe fails instead of quietly building a new dataset."""
+        folder = self.folder
+        if not folder.exists() and (create or not self.cfg.path):
+            with _file_lock(folder.parent / f".{folder.name}.lock"):
+                if not folder.exists():
+                    self.build(folder)
+        self._layout = open_layout(folder, self.tokenizer)
+        return folder
+
+    def build(self, folder: Path) -> Path:
+        """Tokenize the source into a new layout folder (the slow part: about a second per
+        few MB with the byte tokenizer)."""
+        corpus = self._source()
+        return write_layout(
+            folder, corpus.documents(), self.tokenizer, seq_len=self.seq_len,
+            num_epochs=self.cfg.num_epochs, seed=self.seed, eval_fraction=self.cfg.eval_fraction,
+            source=corpus.description, extra={"max_bytes": self.cfg.max_bytes},
+        )
+
+    @property
+    def layout(self) -> PackedLayout:
+        if self._layout is None:
+            self.prepare()
+        assert self._layout is not None
+        return self._layout
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The folder's metadata.json (counts, splits, source, tokenizer)."""
+        return self.layout.meta
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Tokens in one train data epoch (BOS/EOS included)."""
+        return int(self.meta["splits"]["train"]["tokens"])
+
+    @property
+    def windows_per_epoch(self) -> int:
+        """seq_len windows per train data epoch."""
+        return (self.tokens_per_epoch - 1) // self.seq_len
+
+    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
+               world_size: int = 1) -> Loader:
+        """Rank ``rank``'s micro-batches of ``split`` ("train" or "eval"); see ``Loader``."""
+        c = self.cfg
+        return Loader(self.layout, split, seq_len=self.seq_len, micro_batch=micro_batch,
+                      global_batch=global_batch, rank=rank, world_size=world_size,
+                      num_workers=c.num_workers, pin_memory=c.pin_memory, prefetch=c.prefetch)

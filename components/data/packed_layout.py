@@ -1,0 +1,253 @@
+"""The packed-document dataset folder (layout version 1): writing, opening and validating it.
+
+    metadata.json          layout version, vocab, counts, seed, tokenizer, source (written last)
+    tokens.bin             every document as [BOS] + ids + [EOS], back to back (uint16/uint32)
+    doc_offsets.npy        int64 (num_docs + 1,): start of each document, then total_tokens
+    epoch_N/doc_start.npy  int64 (num_train_docs,): the train documents in data epoch N's order
+    epoch_N/doc_len.npy    int64 (num_train_docs,): their lengths (BOS and EOS included)
+    eval/doc_start.npy     the held-out documents (never in a train epoch), in a seeded order
+    eval/doc_len.npy
+
+The folder is built under a temporary name and renamed into place, so a crash never leaves a
+folder at the real path that looks valid. Opening it checks everything that is cheap to check
+(no pass over the tokens) and names the folder and the fix in every error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from recipes.errors import DataError
+
+LAYOUT_VERSION = 1
+META, TOKENS, OFFSETS = "metadata.json", "tokens.bin", "doc_offsets.npy"
+_REQUIRED = ("layout_version", "vocab_size", "token_dtype", "total_tokens", "num_docs",
+             "num_epochs", "seed", "bos_id", "eos_id", "tokenizer", "splits")
+
+
+class Tokenizer(Protocol):
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def fingerprint(self) -> str: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _rng(seed: int, stream: int, epoch: int = 0) -> np.random.Generator:
+    """Independent streams per (seed, purpose, epoch): epoch 1 of seed 0 never equals epoch 0
+    of seed 1, as it would with ``seed + epoch``."""
+    return np.random.default_rng([seed % (1 << 64), stream, epoch])
+
+
+def split_documents(num_docs: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
+    """(train ids, eval ids): eval is a seeded random ``eval_fraction`` of the documents, at
+    least one when the fraction is > 0, never all of them; eval keeps its shuffled order so
+    that an evaluation cut short by a token budget still sees a random sample."""
+    perm = _rng(seed, 0).permutation(num_docs)
+    n_eval = min(max(round(num_docs * eval_fraction), int(eval_fraction > 0)), num_docs - 1)
+    return np.sort(perm[n_eval:]), perm[:n_eval]
+
+
+def _bare_ids(tokenizer: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
+    """The ids of ``text`` without specials (the builder adds BOS/EOS itself)."""
+    fast = getattr(tokenizer, "encode_array", None)
+    if fast is not None:
+        return fast(text).astype(dtype, copy=False)
+    ids = tokenizer.encode(text)
+    lo = 1 if ids and ids[0] == tokenizer.bos_id else 0
+    hi = len(ids) - 1 if len(ids) > lo and ids[-1] == tokenizer.eos_id else len(ids)
+    return np.asarray(ids[lo:hi], dtype=dtype)
+
+
+def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer, *,
+                 seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
+                 source: str, extra: dict[str, Any] | None = None) -> Path:
+    """Tokenize ``texts`` (one document each) into a new layout folder at ``folder``.
+
+    If another process finished the same folder first, its copy is kept and ours discarded.
+    """
+    folder = Path(folder)
+    if folder.exists():
+        raise DataError(f"{folder} already exists; delete it or choose another output folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write(tmp, texts, tokenizer, seq_len=seq_len, num_epochs=num_epochs, seed=seed,
+               eval_fraction=eval_fraction, source=source, extra=extra or {})
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / META).is_file():  # not a concurrent builder's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(exist_ok=True)
+    np.save(path, np.ascontiguousarray(array, dtype=np.int64), allow_pickle=False)
+
+
+def _write(tmp: Path, texts: Iterable[str], tok: Tokenizer, *, seq_len: int, num_epochs: int,
+           seed: int, eval_fraction: float, source: str, extra: dict[str, Any]) -> None:
+    dtype = token_dtype(tok.vocab_size)
+    bos, eos = np.array([tok.bos_id], dtype), np.array([tok.eos_id], dtype)
+    offsets = [0]
+    with open(tmp / TOKENS, "wb") as f:
+        for text in texts:
+            ids = _bare_ids(tok, text, dtype)
+            f.write(bos.tobytes() + ids.tobytes() + eos.tobytes())
+            offsets.append(offsets[-1] + len(ids) + 2)
+        f.flush()
+        os.fsync(f.fileno())
+    num_docs = len(offsets) - 1
+    if num_docs < 1:
+        raise DataError(f"the source ({source}) gave no documents; check the source and max_bytes")
+    doc_offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(doc_offsets)
+    _save(tmp / OFFSETS, doc_offsets)
+    train, held_out = split_documents(num_docs, eval_fraction, seed)
+    for epoch in range(num_epochs):
+        order = _rng(seed, 1, epoch).permutation(train)
+        _save(tmp / f"epoch_{epoch}" / "doc_start.npy", doc_offsets[order])
+        _save(tmp / f"epoch_{epoch}" / "doc_len.npy", lengths[order])
+    _save(tmp / "eval" / "doc_start.npy", doc_offsets[held_out])
+    _save(tmp / "eval" / "doc_len.npy", lengths[held_out])
+    meta = {
+        "layout_version": LAYOUT_VERSION, "vocab_size": tok.vocab_size, "token_dtype": dtype.name,
+        "total_tokens": int(doc_offsets[-1]), "num_docs": num_docs, "seq_len": seq_len,
+        "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
+        "bos_id": tok.bos_id, "eos_id": tok.eos_id, "tokenizer": tok.fingerprint(),
+        "source": source,
+        "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum())}
+                   for name, ids in (("train", train), ("eval", held_out))},
+        **extra,
+    }
+    part = tmp / (META + ".part")
+    part.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(part, tmp / META)  # last: a folder without metadata.json is never valid
+
+
+@dataclass
+class PackedLayout:
+    """An opened, validated layout folder; ``tokens`` is a read-only memmap."""
+
+    folder: Path
+    meta: dict[str, Any]
+    tokens: np.ndarray  # (total_tokens,) uint16 | uint32
+    doc_offsets: np.ndarray  # (num_docs + 1,) int64
+
+    @property
+    def num_epochs(self) -> int:
+        return int(self.meta["num_epochs"])
+
+    def order(self, split: str, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(doc_start, doc_len) of ``split`` ("train": data epoch ``epoch`` modulo the epochs
+        written; "eval": the held-out documents)."""
+        sub = self.folder / ("eval" if split == "eval" else f"epoch_{epoch % self.num_epochs}")
+        return _load(self.folder, sub / "doc_start.npy"), _load(self.folder, sub / "doc_len.npy")
+
+
+def _bad(folder: Path, what: str) -> DataError:
+    return DataError(
+        f"dataset folder {folder} is not a valid packed-document layout v{LAYOUT_VERSION}: "
+        f"{what}; delete it and rerun `kiln data prepare` (or the training run that built it)"
+    )
+
+
+def _load(folder: Path, path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise _bad(folder, f"{path.relative_to(folder)} is missing") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise _bad(folder, f"{path.relative_to(folder)} is unreadable ({exc})") from None
+
+
+def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> PackedLayout:
+    """Open and validate ``folder``; with ``tokenizer``, also check it matches the data."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"dataset folder {folder} does not exist; build it with "
+                        f"`kiln data prepare --out {folder}` or fix the data path")
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError:
+        raise _bad(folder, f"{META} is missing (an interrupted build?)") from None
+    except (ValueError, OSError) as exc:
+        raise _bad(folder, f"{META} is unreadable ({exc})") from None
+    missing = [k for k in _REQUIRED if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise _bad(folder, f"{META} lacks {', '.join(missing)}")
+    if meta["layout_version"] != LAYOUT_VERSION:
+        raise _bad(folder, f"layout_version is {meta['layout_version']!r}, this kiln reads "
+                           f"{LAYOUT_VERSION}")
+    if tokenizer is not None:
+        _check_tokenizer(folder, meta, tokenizer)
+    dtype = np.dtype(meta["token_dtype"])
+    total = int(meta["total_tokens"])
+    size = (folder / TOKENS).stat().st_size if (folder / TOKENS).is_file() else None
+    if size != total * dtype.itemsize:
+        found = "missing" if size is None else f"{size} bytes"
+        raise _bad(folder, f"{TOKENS} is {found}, expected {total} {dtype.name} tokens "
+                           f"({total * dtype.itemsize} bytes)")
+    tokens = np.memmap(folder / TOKENS, dtype=dtype, mode="r", shape=(total,))
+    offsets = _load(folder, folder / OFFSETS)
+    if (offsets.shape != (meta["num_docs"] + 1,) or offsets[0] != 0 or offsets[-1] != total
+            or np.any(np.diff(offsets) < 2)):
+        raise _bad(folder, f"{OFFSETS} does not describe {meta['num_docs']} documents "
+                           f"covering {total} tokens")
+    if np.any(tokens[offsets[:-1]] != meta["bos_id"]) or np.any(tokens[offsets[1:] - 1]
+                                                                != meta["eos_id"]):
+        raise _bad(folder, f"documents in {TOKENS} do not start with BOS and end with EOS")
+    layout = PackedLayout(folder, meta, tokens, offsets)
+    _check_orders(layout)
+    return layout
+
+
+def _check_tokenizer(folder: Path, meta: dict[str, Any], tok: Tokenizer) -> None:
+    if meta["vocab_size"] != tok.vocab_size or meta["tokenizer"] != tok.fingerprint():
+        raise DataError(
+            f"dataset folder {folder} was tokenized by {meta['tokenizer']!r} (vocab "
+            f"{meta['vocab_size']}), but the recipe's tokenizer is {tok.fingerprint()!r} (vocab "
+            f"{tok.vocab_size}); point data.path at a folder built with this tokenizer, or "
+            "delete it and rerun `kiln data prepare`"
+        )
+
+
+def _check_orders(layout: PackedLayout) -> None:
+    """Every order names whole documents; train epochs permute the same set; eval is the rest."""
+    folder, offsets, meta = layout.folder, layout.doc_offsets, layout.meta
+    seen: dict[str, np.ndarray] = {}
+    for split, epoch in [("eval", 0)] + [("train", e) for e in range(layout.num_epochs)]:
+        name = "eval" if split == "eval" else f"epoch_{epoch}"
+        start, length = layout.order(split, epoch)
+        count = meta["splits"][split]["docs"]
+        if start.shape != (count,) or length.shape != (count,):
+            raise _bad(folder, f"{name}/doc_start.npy and doc_len.npy must hold {count} entries")
+        idx = np.searchsorted(offsets, start).clip(0, len(offsets) - 2)
+        if np.any(offsets[idx] != start) or np.any(offsets[idx + 1] - start != length):
+            raise _bad(folder, f"{name} holds (doc_start, doc_len) pairs that are not documents")
+        key = np.sort(idx)
+        if split == "train" and "train" in seen and not np.array_equal(seen["train"], key):
+            raise _bad(folder, f"{name} does not hold the same documents as epoch_0")
+        seen.setdefault(split, key)
+    everything = np.concatenate([seen["eval"], seen.get("train", seen["eval"][:0])])
+    if np.unique(everything).size != meta["num_docs"] or everything.size != meta["num_docs"]:
+        raise _bad(folder, "the eval documents overlap the train documents or some are missing")

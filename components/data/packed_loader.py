@@ -1,0 +1,216 @@
+"""The loader of a packed-document folder: windows of an epoch's stream, sharded by global step.
+
+A data epoch's stream is its documents concatenated in that epoch's order. Window ``w`` is
+stream tokens ``[w*L, w*L + L + 1)``; inputs are its first L tokens and labels its last L.
+Global step ``g`` of an epoch uses windows ``[g*GB, (g+1)*GB)``, and rank ``r`` of ``W`` takes
+the contiguous slice ``[g*GB + r*GB/W, g*GB + (r+1)*GB/W)`` in micro-batches of ``mb`` rows.
+Every world size therefore sees the same global batch, which is what makes a 1-process and a
+2-process run compute the same loss. The incomplete last global batch of an epoch is dropped;
+then the next data epoch begins (its orders cycle through those written).
+
+The position is one integer (micro-batches served on this rank), so ``state_dict`` is a few
+plain ints, and seeking is arithmetic plus one ``searchsorted`` per batch: nothing replays.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from components.data.packed_layout import TOKENS, PackedLayout, open_layout
+from recipes.errors import DataError, RecipeError
+
+_ENDLESS = 1 << 62  # the train stream cycles data epochs forever; the trainer decides when to stop
+
+
+class _Windows:
+    """Reads windows of a split's stream; opens the memmap lazily so workers pickle cheaply."""
+
+    def __init__(self, layout: PackedLayout, split: str, seq_len: int) -> None:
+        self.folder, self.split, self.seq_len = layout.folder, split, seq_len
+        self.dtype, self.total = np.dtype(layout.meta["token_dtype"]), len(layout.tokens)
+        self.num_epochs = layout.num_epochs
+        self._layout: PackedLayout | None = layout
+        self._tokens: np.ndarray | None = layout.tokens
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_layout": None, "_tokens": None, "_orders": {}}
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(doc_start, cum) of a data epoch; cum (n + 1,) is where each document starts in the
+        stream, so a stream position maps to a token with one searchsorted."""
+        key = 0 if self.split == "eval" else epoch % self.num_epochs
+        if key not in self._orders:  # keep one epoch: epochs are read in order
+            start, length = self._open().order(self.split, key)
+            self._orders = {key: (start, np.concatenate([[0], np.cumsum(length)]))}
+        return self._orders[key]
+
+    def _open(self) -> PackedLayout:
+        if self._layout is None:  # in a worker process that was handed a pickled copy
+            self._layout = open_layout(self.folder)
+        return self._layout
+
+    def stream_tokens(self) -> int:
+        return int(self._order(0)[1][-1])
+
+    def read(self, epoch: int, first: int, rows: int) -> np.ndarray:
+        """Windows ``first .. first+rows-1`` of ``epoch``: int64 (rows, seq_len + 1)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.folder / TOKENS, self.dtype, "r", shape=(self.total,))
+        doc_start, cum = self._order(epoch)
+        pos = (first + np.arange(rows))[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        doc = np.searchsorted(cum, pos, side="right") - 1  # (rows, L + 1)
+        return np.asarray(self._tokens[doc_start[doc] + (pos - cum[doc])], dtype=np.int64)
+
+
+class _MicroBatches(Dataset):
+    """Map-style: item ``i`` is this rank's micro-batch number ``start + i`` of the stream."""
+
+    def __init__(self, loader: Loader, start: int, length: int) -> None:
+        self.windows, self.start, self.length = loader._windows, start, length
+        self.loader_plan = loader._plan()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        epoch, first, rows = _locate(self.start + i, *self.loader_plan)
+        w = self.windows.read(epoch, first, rows)  # (mb, L + 1)
+        return {"input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),  # (mb, L)
+                "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:]))}  # (mb, L)
+
+
+def _locate(pos: int, per_step: int, steps: int, gb: int, per_rank: int, rank: int,
+            mb: int) -> tuple[int, int, int]:
+    """(data epoch, first window, rows) of micro-batch ``pos`` on ``rank``."""
+    step, micro = divmod(pos, per_step)
+    epoch, step = divmod(step, steps)
+    return epoch, step * gb + rank * per_rank + micro * mb, mb
+
+
+class Loader:
+    """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) of one rank.
+
+    The train loader runs forever through data epochs and continues where it is when iterated
+    again; ``state_dict``/``load_state_dict`` save and restore the position exactly (with any
+    ``num_workers``, and across world sizes at step boundaries). The eval loader makes one pass
+    from the beginning each time it is iterated.
+    """
+
+    def __init__(self, layout: PackedLayout, split: str, *, seq_len: int, micro_batch: int,
+                 global_batch: int, rank: int, world_size: int, num_workers: int = 0,
+                 pin_memory: bool = False, prefetch: int = 2) -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        _check_batch_plan(micro_batch, global_batch, rank, world_size)
+        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.micro_per_step = global_batch // world_size // micro_batch
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._windows = _Windows(layout, split, seq_len)
+        self.tokens_per_epoch = self._windows.stream_tokens()
+        """tokens in one data epoch's stream (BOS/EOS included); a step trains on GB*L."""
+        self.windows_per_epoch = (self.tokens_per_epoch - 1) // seq_len
+        self.steps_per_epoch = self.windows_per_epoch // global_batch
+        if self.steps_per_epoch == 0:
+            what = "train split" if split == "train" else "eval split (see eval_fraction)"
+            raise DataError(
+                f"{layout.folder}: the {what} has {self.tokens_per_epoch} tokens, fewer than one "
+                f"global batch needs ({global_batch} x {seq_len} + 1); use more data "
+                "(max_bytes, source) or a smaller global_batch or seq_len"
+            )
+        self._pos = 0  # micro-batches served on this rank since data epoch 0, step 0
+        self._it: Any = None
+
+    def _plan(self) -> tuple[int, ...]:
+        return (self.micro_per_step, self.steps_per_epoch, self.global_batch,
+                self.global_batch // self.world_size, self.rank, self.micro_batch)
+
+    def _dataloader(self, start: int) -> StatefulDataLoader:
+        end = _ENDLESS if self.split == "train" else self.steps_per_epoch * self.micro_per_step
+        workers = self.num_workers
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            # kiln's cursor (self._pos) is the checkpointed state, so the engine's own
+            # snapshots are not needed: make them rare instead of one per batch.
+            return StatefulDataLoader(
+                _MicroBatches(self, start, max(end - start, 0)), batch_size=None,
+                num_workers=workers, pin_memory=self.pin_memory, snapshot_every_n_steps=1 << 30,
+                prefetch_factor=self.prefetch if workers else None,
+            )
+
+    def __iter__(self) -> Any:
+        if self.split == "eval":
+            return iter(self._dataloader(0))
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self._dataloader(self._pos))
+        batch = next(self._it)
+        self._pos += 1
+        return batch
+
+    def __len__(self) -> int:
+        """Micro-batches per rank in one data epoch (the whole eval pass for "eval")."""
+        return self.steps_per_epoch * self.micro_per_step
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(data epoch, global step within it, micro-batches of that step already served)."""
+        step, micro = divmod(self._pos, self.micro_per_step)
+        return (*divmod(step, self.steps_per_epoch), micro)
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, step, micro = self.position
+        return {"data_epoch": epoch, "step": step, "micro": micro,
+                "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "micro_batch": self.micro_batch, "world_size": self.world_size,
+                "windows_per_epoch": self.windows_per_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Seek to a saved position; the next batch is the one that followed it."""
+        for key in ("seq_len", "global_batch", "windows_per_epoch"):
+            if int(state[key]) != getattr(self, key):
+                raise DataError(
+                    f"the data cursor was saved with {key} = {state[key]}, this loader has "
+                    f"{getattr(self, key)}; resume with the same data and batch plan (or start "
+                    "the data from the beginning)"
+                )
+        micro = int(state["micro"])
+        if micro and (state["micro_batch"], state["world_size"]) != (self.micro_batch,
+                                                                     self.world_size):
+            raise DataError(
+                "the data cursor was saved in the middle of a step with another micro_batch or "
+                "world size; resume from a checkpoint taken at a step boundary"
+            )
+        step = int(state["data_epoch"]) * self.steps_per_epoch + int(state["step"])
+        self._seek(step * self.micro_per_step + micro)
+
+    def skip_steps(self, n: int) -> None:
+        """Jump ``n`` global steps ahead (e.g. past the data that caused a loss spike)."""
+        if n < 0:
+            raise ValueError(f"skip_steps needs n >= 0, got {n}")
+        self._seek(self._pos + n * self.micro_per_step)
+
+    def _seek(self, pos: int) -> None:
+        self._pos, self._it = pos, None
+
+
+def _check_batch_plan(micro_batch: int, global_batch: int, rank: int, world_size: int) -> None:
+    if min(micro_batch, global_batch, world_size) < 1 or not 0 <= rank < world_size:
+        raise RecipeError(f"invalid batch plan: micro_batch={micro_batch}, global_batch="
+                          f"{global_batch}, rank={rank}, world_size={world_size}")
+    if global_batch % (world_size * micro_batch):
+        raise RecipeError(
+            f"training.global_batch = {global_batch} must be divisible by world size "
+            f"{world_size} x training.micro_batch {micro_batch}; e.g. global_batch = "
+            f"{world_size * micro_batch * max(1, global_batch // (world_size * micro_batch))}"
+        )
