@@ -10,12 +10,20 @@ from components.base import Config
 
 
 class ParallelismConfig(Config):
-    """How the model is spread over devices and sped up; applied by `parallelisms.parallelize`."""
+    """How the model is spread over devices and sped up; applied by `parallelisms.parallelize`
+    in a fixed order: float8 -> activation checkpointing -> per-block compile -> FSDP2."""
 
-    dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = world size / dp_replicate")
-    dp_replicate: int = Field(1, description="HSDP replicate degree (replicas of the sharded group)")
+    # --------------------------------------------------------------------- data parallelism
+    dp_shard: int = Field(
+        -1, description="FSDP2 shard degree; -1 = world size / dp_replicate", ge=-1
+    )
+    dp_replicate: int = Field(
+        1, ge=1, description="HSDP replicate degree (replicas of the sharded group)"
+    )
     fsdp: Literal["auto", "on", "off"] = Field(
-        "auto", description="FSDP2 fully_shard: auto = on when the world size is > 1"
+        "auto",
+        description="FSDP2 fully_shard: auto = on when the world size is > 1; off = replicate "
+        "the model and all-reduce gradients (DDP-style)",
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="FSDP2 MixedPrecisionPolicy param dtype (compute dtype)"
@@ -24,31 +32,66 @@ class ParallelismConfig(Config):
         "float32", description="FSDP2 MixedPrecisionPolicy gradient reduce dtype"
     )
     reshard_after_forward: Literal["default", "always", "never"] = Field(
-        "default", description="FSDP2 resharding: default = all blocks but the last"
+        "default",
+        description="FSDP2 free gathered params after forward: default = every block but the "
+        "last (its backward starts at once), always, never (ZeRO-2-like, more memory)",
     )
+    grad_bucket_mb: int = Field(
+        25, ge=1, description="fsdp = off: gradient all-reduce bucket size in MiB"
+    )
+    # ------------------------------------------------------------------------------ float8
     float8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
         "off", description="torchao float8 training recipe for Linear layers"
     )
     float8_fallback: bool = Field(
-        False, description="on hardware without fp8 support, train in high precision instead of failing"
+        False,
+        description="on a GPU without fp8 (compute capability < 8.9) train in high precision "
+        "instead of failing",
     )
     float8_min_dim: int = Field(
-        64, description="skip Linear layers whose in or out features are below this"
+        64, ge=1, description="skip Linear layers whose in or out features are below this"
     )
+    float8_exclude: list[str] = Field(
+        default_factory=list,
+        description="more fnmatch patterns on module names to keep in high precision (the LM "
+        "head `output`/`lm_head`, `*norm*` and `*embed*` are always kept)",
+    )
+    float8_fsdp_all_gather: bool = Field(
+        True, description="tensorwise + FSDP2: all-gather weights in float8 (less traffic)"
+    )
+    # ----------------------------------------------------------------------------- compile
     compile: bool = Field(False, description="torch.compile each block")
     compile_loss: bool = Field(False, description="also torch.compile the loss")
-    compile_fullgraph: bool = Field(False, description="torch.compile(fullgraph=True)")
+    compile_fullgraph: bool = Field(
+        False, description="torch.compile(fullgraph=True): fail on graph breaks"
+    )
+    # ---------------------------------------------------------------- activation checkpoints
     activation_checkpoint: Literal["none", "full", "selective"] = Field(
-        "none", description="recompute activations in backward: none | full | selective"
+        "none",
+        description="recompute activations in backward: none | full (every block) | selective "
+        "(every ac_every-th block, or op-level with ac_ops)",
     )
     ac_every: int = Field(
-        1, description="selective activation checkpointing: checkpoint every N-th block"
+        2, ge=1, description="selective activation checkpointing: checkpoint every N-th block"
     )
     ac_ops: bool = Field(
-        False, description="selective AC at op level (save matmuls, recompute the rest)"
+        False,
+        description="selective AC at op level on every block: save matmul and attention "
+        "outputs, recompute the cheap element-wise ops",
     )
+    # -------------------------------------------------------------------------------- init
     meta_init: bool = Field(
         True, description="build on the meta device, shard, then initialise each shard"
+    )
+    init_mode: Literal["auto", "replica", "sharded"] = Field(
+        "auto",
+        description="meta init: replica = initialise the full model then keep the local shard "
+        "(bit-equal to single-process init; full model in memory for a moment); sharded = "
+        "initialise the shards in place (never materialises the model, not bit-equal); auto = "
+        "replica up to replica_init_max_params",
+    )
+    replica_init_max_params: int = Field(
+        2_000_000_000, ge=0, description="init_mode = auto: largest model initialised as a replica"
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process-group backend: auto = nccl on CUDA, gloo on CPU"

@@ -96,12 +96,13 @@ class EvalHook(Hook):
     """Held-out loss every ``eval.interval`` steps and at the end, within a token budget."""
 
     def on_step_end(self, trainer, result) -> None:
-        every = trainer.recipe.eval.interval
-        if every and trainer.progress.step % every == 0 and trainer.progress.step != trainer.total_steps:
+        cfg, step = trainer.recipe.eval, trainer.progress.step
+        at_end = cfg.at_end and step == trainer.total_steps  # done once, by on_train_end
+        if cfg.interval and step % cfg.interval == 0 and not at_end:
             self.evaluate(trainer)
 
     def on_train_end(self, trainer) -> None:
-        if trainer.recipe.eval.at_end or trainer.recipe.eval.interval:
+        if trainer.recipe.eval.at_end:
             self.evaluate(trainer)
 
     def evaluate(self, trainer) -> float:

@@ -41,6 +41,8 @@ class Progress:
 
 
 class Trainer:
+    cross_entropy = staticmethod(F.cross_entropy)  # _parallelize may compile it (compile_loss)
+
     def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
                  checkpoints: bool = True, out=None):
         self.recipe = recipe
@@ -97,7 +99,11 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         tr = self.recipe.training
         vocab = self.tokenizer.vocab_size
-        model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
+        if self.recipe.parallelism.meta_init:  # allocated and initialised after parallelize
+            with torch.device("meta"):
+                model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
+        else:
+            model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         if getattr(model, "vocab_size", vocab) < vocab:
             from recipes.errors import RecipeError
 
@@ -105,23 +111,34 @@ class Trainer:
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
                 f"vocabulary ({vocab}); raise it or set 0 to use the tokenizer's"
             )
-        return model.to(self.device)
+        return model if self.recipe.parallelism.meta_init else model.to(self.device)
 
     def _parallelize(self) -> str:
-        # Parallelism call site: the parallelisms package wraps the model here (float8 ->
-        # activation checkpointing -> compile -> FSDP2). Until then: data parallel by all-reduce.
-        self._ddp = self.world.distributed
-        if self._ddp:
-            for p in self.model.parameters():  # same initial weights everywhere
-                torch.distributed.broadcast(p.data, src=0)
-            return f"data parallel (gradient all-reduce) over {self.world.world_size} ranks"
-        return "single process"
+        # Parallelism call site: float8 -> activation checkpointing -> compile -> FSDP2 (or
+        # gradient all-reduce without FSDP), then meta-device init (parallelisms package).
+        from parallelisms import materialize, parallelize
+        from parallelisms.compile import compile_loss
+
+        pcfg = self.recipe.parallelism
+        if not pcfg.meta_init and self.world.distributed:
+            for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
+                torch.distributed.broadcast(t.data, src=0)
+        self.parallel = parallelize(self.model, pcfg, self.world)
+        details = self.parallel.describe().splitlines()[1:]
+        if pcfg.meta_init:
+            details.append(materialize(
+                self.model, self.device, self.recipe.training.seed, mode=pcfg.init_mode,
+                replica_max_params=pcfg.replica_init_max_params,
+            ))
+        if pcfg.compile_loss:
+            self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
+        for line in details:
+            self.print(f"parallelism: {line}")
+        return self.parallel.summary
 
     def _checkpoint_hook(self) -> Hook:
-        try:
-            from checkpointing.hook import CheckpointHook
-        except ImportError:
-            return Hook()
+        from checkpointing.hook import CheckpointHook
+
         return CheckpointHook(self)
 
     # -------------------------------------------------------- helpers the step components use
@@ -136,27 +153,23 @@ class Trainer:
         """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast)."""
         with self.autocast:
             logits = self.model(batch["input_ids"])  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        loss = self.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
+        aux = pop_aux() if pop_aux is not None else None
+        # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.
+        return loss if aux is None else loss + (aux - aux.detach())
 
     def grad_sync(self, is_last_microbatch: bool):
-        return contextlib.nullcontext()
+        """Around each micro-batch's backward: FSDP2 reduces gradients on the last one only."""
+        return self.parallel.grad_sync(is_last_microbatch)
 
     def sync_grads(self) -> None:
-        if not self._ddp:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.flatten() for g in grads])
-        distributed.all_reduce_(flat)
-        flat /= self.world.world_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        """After the last backward: all-reduce gradients when replicated without FSDP."""
+        self.parallel.sync_grads()
 
     def clip_grads(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.recipe.training.grad_clip or float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        """Clip to the global norm over all shards (grad_clip 0 = measure only)."""
+        return self.parallel.clip_grads(self.recipe.training.grad_clip)
 
     def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
         """Average the per-rank loss over ranks; one host sync for everything."""
@@ -183,6 +196,7 @@ class Trainer:
         if not decision.skip:
             self.optimizers.set_lr(self.progress.step)
             self.optimizers.step(last_segment=last_segment)
+            self.parallel.after_optimizer_step()
         hook = getattr(self.model, "on_optimizer_step", None)
         if hook is not None:
             hook(decision.skip)
@@ -221,6 +235,9 @@ class Trainer:
         self.model.train()
         while self.progress.step < self.total_steps and not self.stop_requested:
             micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
+            set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
+            if set_progress is not None:
+                set_progress(self.progress.step, self.total_steps)
             result = self.step_fn(self, micro)
             self.progress.step += 1
             self.progress.tokens += result.tokens

@@ -1,0 +1,62 @@
+"""Per-block ``torch.compile``: the repeated blocks compile once and reuse the code.
+
+Blocks are compiled in place (``nn.Module.compile``), so parameter names and state-dict keys stay
+those of the eager model (no ``_orig_mod.`` prefix in checkpoints). Compilation is lazy (first
+forward), so the toolchain is checked up front: a missing C++ compiler (CPU) or Triton (CUDA)
+would otherwise fail deep inside the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from parallelisms.blocks import model_blocks
+from parallelisms.config import ParallelismConfig
+from recipes.errors import KilnError
+
+
+def check_toolchain(device: torch.device) -> None:
+    """Raise a KilnError saying what to install when inductor cannot compile for ``device``."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise KilnError(
+                "parallelism.compile needs Triton on CUDA (torch.compile's inductor backend) "
+                "and it is not importable; install the `triton` build matching your torch, or "
+                "set parallelism.compile = false"
+            )
+        return
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, RuntimeError) as err:
+        raise KilnError(
+            "parallelism.compile needs a C++ compiler on CPU (torch.compile's inductor backend "
+            f"builds C++ kernels) and none was found ({err}); install g++ (or set CXX), or set "
+            "parallelism.compile = false"
+        ) from err
+
+
+def apply_compile(model: nn.Module, cfg: ParallelismConfig, device: torch.device) -> str:
+    """Compile every block in place; return a description ("" when off)."""
+    if not cfg.compile:
+        return ""
+    check_toolchain(device)
+    blocks = model_blocks(model)
+    for block in blocks:
+        block.compile(fullgraph=cfg.compile_fullgraph)
+    return "compile per block" + (" (fullgraph)" if cfg.compile_fullgraph else "")
+
+
+def compile_loss(fn: Callable, cfg: ParallelismConfig, device: torch.device) -> Callable:
+    """The loss function, compiled when ``compile_loss`` is set."""
+    if not cfg.compile_loss:
+        return fn
+    check_toolchain(device)
+    return torch.compile(fn, fullgraph=cfg.compile_fullgraph)

@@ -1,0 +1,120 @@
+"""float8 training via torchao: swap eligible ``nn.Linear`` layers for ``Float8Linear``.
+
+The filter keeps the numerically sensitive or tiny layers in high precision: the LM head, norms
+and embeddings (by name: ``ALWAYS_EXCLUDED`` plus ``float8_exclude``), layers with a dimension
+below ``float8_min_dim`` (the casts cost more than the fp8 matmul saves) and layers whose
+dimensions are not multiples of 16 (a ``torch._scaled_mm`` kernel constraint on CUDA; kept on
+CPU too so a recipe converts the same layers everywhere).
+
+torchao is imported lazily: its import logs warnings about optional CUDA extensions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from parallelisms.blocks import clean_name
+from parallelisms.config import ParallelismConfig
+from recipes.errors import KilnError
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
+ALWAYS_EXCLUDED = ("output", "lm_head", "*norm*", "*embed*")  # LM head, norms, embeddings
+
+
+@contextlib.contextmanager
+def _quiet(*names: str):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _torchao_float8():
+    with _quiet("torchao", "torch.utils._pytree"):
+        import torchao.float8 as f8
+    return f8
+
+
+def float8_filter(cfg: ParallelismConfig) -> Callable[[nn.Module, str], bool]:
+    """``(module, fqn) -> convert?`` for torchao's ``module_filter_fn``."""
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        name = clean_name(fqn)
+        if any(fnmatchcase(name, pat) for pat in (*ALWAYS_EXCLUDED, *cfg.float8_exclude)):
+            return False
+        dims = (module.in_features, module.out_features)
+        return min(dims) >= cfg.float8_min_dim and all(d % 16 == 0 for d in dims)
+
+    return keep
+
+
+def float8_support(device: torch.device) -> str | None:
+    """None if ``device`` can run float8 matmuls; else why not."""
+    if device.type != "cuda":
+        return None  # CPU runs torch._scaled_mm (slowly): fine for tests
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"{name} (compute capability {cap[0]}.{cap[1]}) has no fp8 tensor cores; float8 "
+            f"needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+ (Ada, Hopper, Blackwell)"
+        )
+    return None
+
+
+def float8_config(cfg: ParallelismConfig, fsdp: bool):
+    """torchao's ``Float8LinearConfig`` for the recipe (float8 all-gather for tensorwise+FSDP)."""
+    f8 = _torchao_float8()
+    config = f8.Float8LinearConfig.from_recipe_name(cfg.float8)
+    if cfg.float8 == "tensorwise" and fsdp and cfg.float8_fsdp_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def apply_float8(
+    model: nn.Module, cfg: ParallelismConfig, device: torch.device, fsdp: bool
+) -> tuple[list[str], str]:
+    """Convert the filtered Linear layers in place; return (converted names, a note).
+
+    The note is empty, or says why float8 was skipped (``float8_fallback`` on hardware without
+    fp8). Without the fallback, such hardware is an error.
+    """
+    if cfg.float8 == "off":
+        return [], ""
+    problem = float8_support(device)
+    if problem is not None:
+        if not cfg.float8_fallback:
+            raise KilnError(
+                f"parallelism.float8 = {cfg.float8!r}: {problem}. Set parallelism.float8 = "
+                "\"off\", or parallelism.float8_fallback = true to train in high precision"
+            )
+        return [], f"float8 {cfg.float8} skipped: {problem} (float8_fallback)"
+    keep = float8_filter(cfg)
+    chosen = [clean_name(n) for n, m in model.named_modules() if keep(m, n)]
+    if not chosen:
+        return [], f"float8 {cfg.float8}: no Linear layer passes the filter"
+    f8 = _torchao_float8()
+    f8.convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(cfg, fsdp))
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = [clean_name(n) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    return converted, ""
+
+
+def float8_post_optimizer_step(model: nn.Module) -> None:
+    """tensorwise + float8 all-gather: compute next step's weight scales in one collective."""
+    _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)

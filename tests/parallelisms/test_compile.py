@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallelisms import compile as compile_mod
+from parallelisms.activation_checkpoint import apply_activation_checkpoint
+from parallelisms.config import ParallelismConfig
+from recipes.errors import KilnError
+from tests.parallelisms.tiny import batches, loss_fn, tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager():
+    """One tiny compile test (compiling is slow here): per-block compile over selective AC."""
+    cfg = ParallelismConfig(compile=True, activation_checkpoint="selective", ac_every=2)
+    eager, compiled = tiny_model(seed=2, n_layers=2), tiny_model(seed=2, n_layers=2)
+    apply_activation_checkpoint(compiled, cfg)
+    assert compile_mod.apply_compile(compiled, cfg, CPU) == "compile per block"
+    # compiled in place: names are unchanged apart from the AC wrapper
+    assert not any("_orig_mod" in n for n, _ in compiled.named_parameters())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    for seqs in batches(0, 2, 4):
+        losses = []
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            loss = loss_fn(model, seqs)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+
+
+def test_missing_cpp_compiler_is_a_clear_error(monkeypatch):
+    from torch._inductor import cpp_builder, exc
+
+    def missing():
+        raise exc.InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(KilnError, match="C\\+\\+ compiler.*install g\\+\\+.*compile = false"):
+        compile_mod.apply_compile(tiny_model(meta=True), ParallelismConfig(compile=True), CPU)
+
+
+def test_off_leaves_blocks_alone():
+    model = tiny_model(meta=True)
+    assert compile_mod.apply_compile(model, ParallelismConfig(), CPU) == ""
+    assert all(b._compiled_call_impl is None for b in model.blocks())
+    fn = lambda x: x  # noqa: E731
+    assert compile_mod.compile_loss(fn, ParallelismConfig(), CPU) is fn

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallelisms.float8 as f8
+from parallelisms.config import ParallelismConfig
+from recipes.errors import KilnError
+from tests.parallelisms.tiny import batches, loss_fn, tiny_model
+
+CPU = torch.device("cpu")
+
+
+class Mixed(nn.Module):
+    """One layer per filter rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 64)
+        self.ok = nn.Linear(64, 128)  # converted
+        self.small = nn.Linear(64, 32)  # out_features < min_dim
+        self.odd = nn.Linear(72, 64)  # 72 is not a multiple of 16
+        self.pre_norm = nn.Linear(64, 64)  # name matches *norm*
+        self.inner = nn.Sequential(nn.Linear(128, 64))  # converted (inner.0)
+        self.output = nn.Linear(64, 64)  # the LM head
+
+
+def _float8_names(model: nn.Module) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def test_filter_converts_exactly_the_allowed_layers():
+    model = Mixed()
+    converted, note = f8.apply_float8(model, ParallelismConfig(float8="rowwise"), CPU, False)
+    assert note == ""
+    assert converted == ["ok", "inner.0"] == _float8_names(model)
+
+
+def test_transformer_converts_block_linears_only():
+    model = tiny_model(meta=True)  # conversion works on meta, before materialisation
+    converted, _ = f8.apply_float8(model, ParallelismConfig(float8="rowwise"), CPU, False)
+    assert len(converted) == 3 * 7  # wq wk wv wo w1 w2 w3 per block
+    assert all(n.startswith("layers.") for n in converted)
+    assert "output" not in converted
+
+
+def test_min_dim_and_exclude_are_configurable():
+    cfg = ParallelismConfig(float8="rowwise", float8_exclude=["inner.*"])
+    assert f8.apply_float8(Mixed(), cfg, CPU, False)[0] == ["ok"]
+    cfg = ParallelismConfig(float8="rowwise", float8_min_dim=32)
+    assert f8.apply_float8(Mixed(), cfg, CPU, False)[0] == ["ok", "small", "inner.0"]
+
+
+def test_off_converts_nothing():
+    model = Mixed()
+    assert f8.apply_float8(model, ParallelismConfig(), CPU, False) == ([], "")
+    assert _float8_names(model) == []
+
+
+def test_unsupported_hardware_fails_or_falls_back(monkeypatch):
+    monkeypatch.setattr(f8, "float8_support", lambda device: "A100 has no fp8")
+    with pytest.raises(KilnError, match="A100 has no fp8.*float8_fallback = true"):
+        f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)
+    model = Mixed()
+    cfg = ParallelismConfig(float8="rowwise", float8_fallback=True)
+    converted, note = f8.apply_float8(model, cfg, CPU, False)
+    assert converted == [] and "skipped" in note and _float8_names(model) == []
+
+
+def test_cpu_is_supported():
+    assert f8.float8_support(CPU) is None
+
+
+def test_fsdp_float8_all_gather_only_for_tensorwise():
+    cfg = ParallelismConfig(float8="tensorwise")
+    assert f8.float8_config(cfg, fsdp=True).enable_fsdp_float8_all_gather
+    assert not f8.float8_config(cfg, fsdp=False).enable_fsdp_float8_all_gather
+    rowwise = ParallelismConfig(float8="rowwise")
+    assert not f8.float8_config(rowwise, fsdp=True).enable_fsdp_float8_all_gather
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_trains_on_cpu(recipe):
+    model = tiny_model(seed=0)
+    converted, _ = f8.apply_float8(model, ParallelismConfig(float8=recipe), CPU, False)
+    assert converted
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for seqs in batches(0, 8, 8):
+        opt.zero_grad()
+        loss = loss_fn(model, seqs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from parallelisms.config import ParallelismConfig
+from parallelisms.mesh import mesh_shape
+from recipes.errors import RecipeError
+
+
+@pytest.mark.parametrize(
+    ("shard", "rep", "world", "shape"),
+    [
+        (-1, 1, 8, (1, 8)), (-1, 2, 8, (2, 4)), (4, 2, 8, (2, 4)), (1, 2, 2, (2, 1)),
+        (-1, 1, 1, (1, 1)),
+    ],
+)
+def test_shapes(shard, rep, world, shape):
+    assert mesh_shape(ParallelismConfig(dp_shard=shard, dp_replicate=rep), world) == shape
+
+
+def test_product_must_equal_world():
+    msg = r"dp_replicate \(2\) x dp_shard \(2\) = 4.*world size is 8"
+    with pytest.raises(RecipeError, match=msg):
+        mesh_shape(ParallelismConfig(dp_shard=2, dp_replicate=2), 8)
+
+
+def test_replicate_must_divide_world():
+    with pytest.raises(RecipeError, match="does not divide the world size 8"):
+        mesh_shape(ParallelismConfig(dp_replicate=3), 8)
+
+
+def test_zero_shard_rejected():
+    with pytest.raises(RecipeError, match="dp_shard = 0"):
+        mesh_shape(ParallelismConfig(dp_shard=0), 2)

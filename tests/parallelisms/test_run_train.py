@@ -1,0 +1,38 @@
+"""Acceptance: `NGPU=2 ./run_train.sh train_configs/debug.toml` trains with FSDP2 on CPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _train(tmp_path, ngpu: int, *extra: str) -> str:
+    cmd = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=5",
+           "--training.micro_batch=4", f"--run.folder={tmp_path / str(ngpu)}",
+           "--run.log_interval=1", "--run.progress_bar=false", "--checkpoint.enable=false",
+           "--eval.interval=0", "--eval.at_end=false", *extra]
+    env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _losses(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"step +\d+/5 +loss ([0-9.]+)", log)]
+
+
+@pytest.mark.slow
+def test_ngpu2_runs_fsdp2_on_cpu(tmp_path):
+    two = _train(tmp_path, 2, "--parallelism.activation_checkpoint=selective")
+    assert "FSDP2 over 2 ranks (shard 2 x replicate 1)" in two
+    assert "activation checkpointing selective every 2nd block (2 of 4)" in two
+    assert "init: replica then shard (equals single-process init)" in two
+    one = _train(tmp_path, 1)
+    assert "single process" in one
+    assert len(_losses(two)) == 5
+    assert _losses(two) == pytest.approx(_losses(one), abs=2e-4)  # 4-decimal log lines

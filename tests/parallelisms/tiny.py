@@ -1,0 +1,65 @@
+"""Small models, data and a training loop shared by the parallelism tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from components import registry
+
+VOCAB = 96
+SEQ = 16
+
+
+def transformer_config(**overrides):
+    cfg = registry.get("model", "transformer").config
+    values = {"type": "transformer", "dim": 64, "n_layers": 3, "vocab_size": VOCAB}
+    values.update(overrides)
+    model_cfg = cfg(**values)
+    model_cfg.attention.n_heads = 4
+    model_cfg.ffn.hidden_dim = 128
+    return model_cfg
+
+
+def tiny_model(seed: int = 0, meta: bool = False, **overrides) -> nn.Module:
+    """The real `transformer` component: dim 64, 3 blocks, 4 heads, SwiGLU 128, vocab 96."""
+    cfg = transformer_config(**overrides)
+    if meta:
+        with torch.device("meta"):
+            return cfg.build(vocab_size=VOCAB, seq_len=SEQ)
+    torch.manual_seed(seed)
+    return cfg.build(vocab_size=VOCAB, seq_len=SEQ)
+
+
+def pattern_batch(gen: torch.Generator, n: int) -> torch.Tensor:
+    """(n, SEQ+1) sequences counting up by a per-sequence stride: learnable in a few steps."""
+    start = torch.randint(0, VOCAB, (n, 1), generator=gen)
+    stride = torch.randint(1, 4, (n, 1), generator=gen)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
+def batches(seed: int, steps: int, global_batch: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [pattern_batch(gen, global_batch) for _ in range(steps)]
+
+
+def loss_fn(model: nn.Module, seqs: torch.Tensor) -> torch.Tensor:
+    logits = model(seqs[:, :-1])  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), seqs[:, 1:].flatten())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
