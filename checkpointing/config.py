@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from components.base import Config
@@ -12,13 +14,17 @@ class CheckpointConfig(Config):
 
     enable: bool = Field(True, description="save checkpoints at all")
     folder: str = Field("checkpoints", description="under the run folder, unless absolute")
-    interval: int = Field(0, description="save every N steps (0 = only at the end)")
-    keep_last: int = Field(3, description="immutable step_XXXXXXX snapshots to keep (0 = all)")
+    interval: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
+    keep_last: int = Field(
+        3, ge=0, description="immutable step_XXXXXXX snapshots to keep (0 = all); `final` is kept"
+    )
     async_save: bool = Field(
         False, alias="async", description="dcp.async_save: train while the save finishes"
     )
     resume: str = Field(
-        "auto", description='"auto" (newest complete checkpoint in the run), "off", or a path'
+        "auto",
+        description='"auto" (newest complete checkpoint of this run), "off", a checkpoint or '
+        'run folder, or "hf://OWNER/REPO[/step_XXXXXXX]" to download one from the Hub',
     )
     weights_only: bool = Field(
         False, description="resume weights only: fresh optimizer, schedule and guard history"
@@ -27,5 +33,21 @@ class CheckpointConfig(Config):
         False, description="weights-only resume: use the optimizer's EMA weights when present"
     )
     skip_data_steps: int = Field(
-        0, description="on resume, skip this many steps of data (avoid replaying a spike)"
+        0, ge=0,
+        description="when resuming from an explicit path, skip this many steps of data (so a "
+        "rollback does not replay the batches that caused a spike)",
+    )
+    preemption: bool = Field(
+        True, description="on SIGTERM/SIGINT save at the next step boundary and exit 0"
+    )
+    hub_repo: str = Field(
+        "", description='Hugging Face Hub repo "OWNER/NAME" to upload to ("" = no upload)'
+    )
+    hub_upload: Literal["checkpoints", "export", "both"] = Field(
+        "checkpoints", description="what to upload: checkpoints, the final export, or both"
+    )
+    hub_keep: int = Field(2, ge=0, description="checkpoints kept on the Hub (0 = all)")
+    hub_private: bool = Field(True, description="create the Hub repo as private")
+    hub_token_env: str = Field(
+        "HF_TOKEN", description="environment variable holding the Hub token (never logged)"
     )

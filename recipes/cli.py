@@ -23,7 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("recipes.commands.list", "list registered components, their fields and defaults"),
     "diff": ("recipes.commands.diff", "compare two recipes, run folders or checkpoints"),
     "bench": ("recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
+    "eval": ("recipes.commands.eval",
+             "held-out loss of a run's checkpoint; --loops 1,2,4,8 for looped models"),
     "data": ("recipes.commands.data", "prepare a packed-document dataset folder"),
+    "export": ("recipes.commands.export",
+               "checkpoint -> safetensors + config.json (+ Hugging Face Llama layout)"),
 }
 
 

@@ -21,6 +21,9 @@ class Hook:
     def on_train_end(self, trainer) -> None:
         pass
 
+    def close(self, trainer) -> None:
+        """Always called last, also when training raised: release what the hook holds."""
+
 
 class LogHook(Hook):
     """Console line, JSONL and TensorBoard every ``run.log_interval`` steps (and the last)."""
@@ -55,6 +58,8 @@ class LogHook(Hook):
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
         values.update(trainer.model_metrics())
+        for guard in trainer.guards.values():  # skip counters, baselines
+            values.update(getattr(guard, "metrics", dict)())
         values["memory_bytes"] = trainer.memory_bytes()
         trainer.metrics.log(step, values)
         if trainer.world.is_main:
@@ -86,7 +91,7 @@ class ProgressHook(Hook):
             self.bar.set_postfix(loss=f"{result.loss:.4f}", refresh=False)
             self.bar.update(1)
 
-    def on_train_end(self, trainer) -> None:
+    def close(self, trainer) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -102,7 +107,7 @@ class EvalHook(Hook):
             self.evaluate(trainer)
 
     def on_train_end(self, trainer) -> None:
-        if trainer.recipe.eval.at_end:
+        if trainer.recipe.eval.at_end and not trainer.stop_requested:
             self.evaluate(trainer)
 
     def evaluate(self, trainer) -> float:

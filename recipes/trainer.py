@@ -229,23 +229,27 @@ class Trainer:
                    f"{self.plan.tokens_per_step:,} tokens/step; micro {self.plan.micro_batch} "
                    f"x accum {self.plan.grad_accum} per rank")
         self.print("optimizers:\n" + self.optimizers.table())
-        for hook in self.hooks:
-            hook.on_train_start(self)
-        batches = iter(self.train_loader)
-        self.model.train()
-        while self.progress.step < self.total_steps and not self.stop_requested:
-            micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
-            set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
-            if set_progress is not None:
-                set_progress(self.progress.step, self.total_steps)
-            result = self.step_fn(self, micro)
-            self.progress.step += 1
-            self.progress.tokens += result.tokens
+        try:
             for hook in self.hooks:
-                hook.on_step_end(self, result)
-        for hook in self.hooks:
-            hook.on_train_end(self)
-        self.metrics.close()
+                hook.on_train_start(self)
+            batches = iter(self.train_loader)
+            self.model.train()
+            set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
+            while self.progress.step < self.total_steps and not self.stop_requested:
+                micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
+                if set_progress is not None:
+                    set_progress(self.progress.step, self.total_steps)
+                result = self.step_fn(self, micro)
+                self.progress.step += 1
+                self.progress.tokens += result.tokens
+                for hook in self.hooks:
+                    hook.on_step_end(self, result)
+            for hook in self.hooks:
+                hook.on_train_end(self)
+        finally:
+            for hook in self.hooks:
+                hook.close(self)
+            self.metrics.close()
         return self.progress
 
 

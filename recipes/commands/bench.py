@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from recipes.hooks import Hook
 from recipes.recipe import load_recipe
 
 _BENCH_OVERRIDES = [
@@ -22,24 +23,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="measured steps")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--loops", default="", help="looped models: peak activation memory of "
+                        "one step at each H (e.g. 4,8,16), segment length K from the recipe")
 
 
-class _Timer:
+class _Timer(Hook):
     """A hook recording when each step ends."""
 
     def __init__(self):
         self.ends: list[float] = []
 
-    def on_train_start(self, trainer) -> None:
-        pass
-
     def on_step_end(self, trainer, result) -> None:
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
-
-    def on_train_end(self, trainer) -> None:
-        pass
 
 
 def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -140,6 +137,13 @@ def render(r: dict) -> str:
 
 
 def run(args) -> int:
+    if args.loops:
+        from components.steps.bptt_memory import bench_loops
+        from components.steps.bptt_memory import render as render_loops
+
+        rows = bench_loops(args.recipe, args.overrides, args.loops)
+        print(json.dumps(rows) if args.json else render_loops(rows))
+        return 0
     result = measure(args.recipe, args.overrides, args.steps, args.warmup)
     if result["rank"] != 0:
         return 0

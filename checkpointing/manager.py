@@ -1,0 +1,375 @@
+"""Save and load a run's complete state through DCP, atomically, optionally in the background.
+
+The manager works on a *train state*: any object with ``model``, ``optimizers`` (an
+``OptimizerSet`` or a dict name -> optimizer), ``progress`` (``state_dict``/``load_state_dict``),
+``guards`` (dict), ``world`` (``recipes.distributed.World``), ``recipe`` and optionally
+``train_loader`` (``state_dict``/``load_state_dict``). The trainer is one; tests use small ones.
+
+Model and optimizers go through ``get_state_dict``/``set_state_dict`` so plain and FSDP2-sharded
+models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
+model's carry, the loader cursor) goes into the rank's safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from checkpointing import layout, payload, rng, storage
+from recipes import distributed
+from recipes.errors import CheckpointError
+
+STATE = "state.json"
+RECIPE = "recipe.toml"
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank_{rank:05d}.safetensors"
+
+
+def optimizers_of(state) -> dict[str, torch.optim.Optimizer]:
+    opts = state.optimizers
+    return dict(opts.optimizers) if hasattr(opts, "optimizers") else dict(opts)
+
+
+@dataclass
+class Loaded:
+    """What a load restored (for the caller's report)."""
+
+    folder: Path
+    step: int
+    weights_only: bool
+    saved_world_size: int
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, world, *, keep_last: int = 3, async_save: bool = False,
+                 on_publish: Callable[[Path], None] | None = None, log=print) -> None:
+        self.root = Path(root)
+        self.world = world
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.on_publish = on_publish
+        self.log = log
+        self._pending: dict[str, Any] | None = None  # the one save in flight
+        self.last_saved_step: int | None = None
+        self.failures: list[str] = []
+        # Background saves need their own process group: DCP's collectives then never
+        # interleave with the training loop's on the default group.
+        self._pg = dist.new_group(backend="gloo") if async_save and world.distributed else None
+
+    # ------------------------------------------------------------------------------- saving
+    def save(self, state, *, extra: dict[str, Any] | None = None) -> Path:
+        """Save the state at its current step; returns the folder it will be published as."""
+        self.wait()
+        step = int(state.progress.step)
+        name = layout.step_name(step)
+        tmp = self.root / f"{layout.TMP_PREFIX}{name}"
+        if self.world.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            layout.remove_temporaries(self.root)
+            tmp.mkdir()
+        distributed.barrier()
+
+        # Small per-rank state first, synchronously: it must be captured at this step.
+        rng_tensors, rng_info = rng.capture()
+        pay = payload.capture(step, state.model, state.guards)
+        carry_tensors, pay_header = payload.split(pay)
+        loader = getattr(state, "train_loader", None)
+        header = {
+            "rank": self.world.rank, "world_size": self.world.world_size, "rng": rng_info,
+            "payload": pay_header,
+            "loader": storage.to_json(loader.state_dict(), "loader") if loader is not None
+            and hasattr(loader, "state_dict") else None,
+        }
+        storage.save_rank_file(rank_file(tmp, self.world.rank), {**rng_tensors, **carry_tensors},
+                               header)
+
+        tensors, rest = storage.split_tree(self._app_state(state, with_optim=True))
+        meta = {
+            "format": layout.FORMAT, "step": step, "tokens": int(state.progress.tokens),
+            "world_size": self.world.world_size, "progress": state.progress.state_dict(),
+            "optimizers": sorted(optimizers_of(state)), "json_state": rest,
+        }
+        seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
+        if self.world.is_main:
+            layout.write_json(tmp / STATE, meta)
+            _write_recipe(state.recipe, tmp / RECIPE)
+        writer = FileSystemWriter(str(tmp), sync_files=True)
+        if not self.async_save:
+            with storage.quiet_dcp():
+                dcp.save(tensors, storage_writer=writer, no_dist=not self.world.distributed)
+            distributed.barrier()
+            if self.world.is_main:
+                self._publish(tmp, step, seal)
+            distributed.barrier()
+            self.last_saved_step = step
+            return self.root / name
+
+        with storage.quiet_dcp():
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._pg,
+                                    no_dist=not self.world.distributed)
+        marker = self.root / f"{layout.TMP_PREFIX}{name}.done.{self.world.rank}"
+        future.add_done_callback(lambda f: _write_marker(marker, f))
+        pending: dict[str, Any] = {"future": future, "step": step}
+        if self.world.is_main:
+            thread = threading.Thread(target=self._finish_async, args=(tmp, step, seal),
+                                      name="kiln-checkpoint", daemon=True)
+            thread.start()
+            pending["thread"] = thread
+        self._pending = pending
+        self.last_saved_step = step
+        return self.root / name
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending["future"].result()
+        except Exception as exc:  # reported below; the previous checkpoint stays the latest
+            self.failures.append(f"step {pending['step']}: {exc}")
+        if "thread" in pending:
+            pending["thread"].join()
+        for msg in self.failures:
+            self.log(f"kiln: checkpoint save FAILED ({msg}); the previous checkpoint is kept")
+        self.failures.clear()
+
+    def _finish_async(self, tmp: Path, step: int, seal: dict[str, Any]) -> None:
+        markers = [self.root / f"{tmp.name}.done.{r}" for r in range(self.world.world_size)]
+        deadline = time.monotonic() + float(os.environ.get("KILN_CKPT_TIMEOUT_S", "3600"))
+        while not all(m.exists() for m in markers):
+            if time.monotonic() > deadline:
+                self.failures.append(f"step {step}: timed out waiting for every rank's write")
+                return
+            time.sleep(0.05)
+        errors = [m.read_text() for m in markers if m.read_text() != "ok"]
+        for m in markers:
+            m.unlink(missing_ok=True)
+        if errors:
+            self.failures.append(f"step {step}: {errors[0]}")
+            return
+        try:
+            self._publish(tmp, step, seal)
+        except Exception as exc:  # a failed publish must not kill training; wait() reports it
+            self.failures.append(f"step {step}: publishing failed: {exc}")
+
+    def _publish(self, tmp: Path, step: int, seal: dict[str, Any]) -> None:
+        """Rank 0: seal, rename into place, point ``latest`` at it, rotate, index."""
+        name = layout.step_name(step)
+        layout.write_manifest(tmp, step, seal)
+        layout.publish(tmp, self.root / name)
+        layout.write_atomic(self.root / "latest", name + "\n")
+        removed = layout.rotate(self.root, self.keep_last)
+        layout.write_index(self.root)
+        self.log(f"kiln: checkpoint step {step} -> {self.root / name}"
+                 + (f" (rotated out {', '.join(removed)})" if removed else ""))
+        if self.on_publish is not None:
+            self.on_publish(self.root / name)
+
+    def mark_final(self, step: int) -> None:
+        """Point ``final`` at the checkpoint of ``step`` (rank 0; after ``wait``)."""
+        self.wait()
+        if self.world.is_main:
+            layout.set_link(self.root, "final", layout.step_name(step))
+            layout.write_index(self.root)
+        distributed.barrier()
+
+    # ------------------------------------------------------------------------------ loading
+    def load(self, state, folder: Path, *, weights_only: bool = False,
+             from_ema: bool = False) -> Loaded:
+        """Restore ``state`` from a checkpoint folder; validates before changing anything."""
+        folder = Path(folder)
+        self._verify_everywhere(folder)
+        meta = read_state(folder)
+        saved_ws = meta["world_size"]
+        if not weights_only and saved_ws != self.world.world_size:
+            raise CheckpointError(
+                f"{folder}: saved by {saved_ws} processes, this run has "
+                f"{self.world.world_size}. Per-rank RNG and data cursors cannot be mapped exactly; "
+                f"run with {saved_ws} processes, or set checkpoint.weights_only = true to start "
+                "a fresh schedule from these weights"
+            )
+        step = int(meta["step"])
+        ranked = None
+        if not weights_only:
+            tensors, header = storage.load_rank_file(rank_file(folder, self.world.rank))
+            ranked = _check_rank_state(folder, tensors, header, step, state)
+
+        with_optim = not weights_only or from_ema
+        current = self._app_state(state, with_optim=with_optim)
+        tensors, _ = storage.split_tree(current)
+        storage.load_tensors(
+            tensors, folder, no_dist=not self.world.distributed,
+            hint=" -- the saved tensors do not fit this model/optimizer; did the model or "
+            "optimizer change? `kiln diff` the checkpoint against the recipe")
+        self._apply_app_state(state, tensors, meta["json_state"], with_optim, folder)
+
+        if weights_only:
+            if from_ema:
+                swapped = [n for n, o in optimizers_of(state).items() if hasattr(o, "swap_ema")]
+                if not swapped:
+                    raise CheckpointError(
+                        "checkpoint.from_ema = true, but none of the optimizers "
+                        f"({', '.join(optimizers_of(state))}) keeps EMA weights (swap_ema)"
+                    )
+                for name in swapped:
+                    optimizers_of(state)[name].swap_ema()
+            for opt in optimizers_of(state).values():
+                opt.state.clear()  # fresh moments: a new run that starts from these weights
+            return Loaded(folder, step, True, saved_ws)
+
+        rng_tensors, rng_info, pay, loader_state = ranked
+        state.progress.load_state_dict(meta["progress"])
+        for name, guard in state.guards.items():
+            guard.load_state_dict(pay["guard_fields"][name])
+        if pay["carry"] is not None:
+            state.model.load_carry_state(
+                {k: v.to(_device_of(state.model)) for k, v in pay["carry"].items()})
+        loader = getattr(state, "train_loader", None)
+        if loader is not None and loader_state is not None:
+            loader.load_state_dict(loader_state)
+        rng.restore(rng_tensors, rng_info, where=str(folder))
+        return Loaded(folder, step, False, saved_ws)
+
+    def _verify_everywhere(self, folder: Path) -> None:
+        """Rank 0 hashes the folder; every rank raises if it failed."""
+        error = None
+        if self.world.is_main:
+            try:
+                layout.verify(folder, hashes=True)
+            except CheckpointError as exc:
+                error = exc
+        if self.world.distributed:
+            flag = torch.tensor([1.0 if error else 0.0])
+            distributed.all_reduce_(flag, "max")
+            if flag.item() and error is None:
+                raise CheckpointError(f"{folder}: rank 0 found the checkpoint invalid (see rank 0)")
+        if error is not None:
+            raise error
+
+    # -------------------------------------------------------------------- model + optimizers
+    def _app_state(self, state, *, with_optim: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+        if with_optim:
+            out["optimizer"] = {name: get_optimizer_state_dict(state.model, opt)
+                                for name, opt in optimizers_of(state).items()}
+        return out
+
+    def _apply_app_state(self, state, tensors: dict, saved_rest: dict, with_optim: bool,
+                         folder: Path) -> None:
+        model_sd = storage.merge_tree(tensors["model"], saved_rest.get("model", {}))
+        set_model_state_dict(state.model, model_sd)
+        if not with_optim:
+            return
+        saved_opt = saved_rest.get("optimizer", {})
+        for name, opt in optimizers_of(state).items():
+            # An optimizer without tensor state (sign-SGD without momentum) has no tensors.
+            loaded, saved = tensors.get("optimizer", {}).get(name, {}), saved_opt.get(name)
+            if not isinstance(saved, dict) or "param_groups" not in saved:
+                raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
+            current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
+            _check_groups(folder, name, saved["param_groups"], current_groups)
+            # Hyperparameters come from the current recipe (LR is set from the schedule every
+            # step); the moments and any non-tensor per-parameter state come from the checkpoint.
+            sd = storage.merge_tree(loaded, {"state": saved.get("state", {})})
+            sd["param_groups"] = current_groups
+            set_optimizer_state_dict(state.model, opt, sd)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def read_state(folder: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder / STATE}: unreadable ({exc})") from exc
+    required = {"format", "step", "tokens", "world_size", "progress", "optimizers", "json_state"}
+    if not isinstance(meta, dict) or set(meta) != required or meta["format"] != layout.FORMAT \
+            or type(meta["step"]) is not int or type(meta["world_size"]) is not int \
+            or not isinstance(meta["json_state"], dict) or not isinstance(meta["progress"], dict) \
+            or meta["progress"].get("step") != meta["step"]:
+        raise CheckpointError(f"{folder / STATE}: malformed run state (edited or corrupt)")
+    return meta
+
+
+def _check_rank_state(folder: Path, tensors: dict, header: dict, step: int, state):
+    where = str(rank_file(folder, header.get("rank", -1)))
+    if set(header) != {"rank", "world_size", "rng", "payload", "loader"}:
+        raise CheckpointError(f"{where}: malformed rank state header {sorted(header)}")
+    rng_tensors = {k: v for k, v in tensors.items() if k.startswith(rng.PREFIX)}
+    other = {k: v for k, v in tensors.items() if not k.startswith(rng.PREFIX)}
+    rng._validate(rng_tensors, header["rng"], where)
+    pay = payload.join(other, header["payload"], where)
+    pay = payload.validate(pay, expected_step=step, guard_names=set(state.guards), where=where)
+    aborted = payload.aborted_guards(pay)
+    if aborted:
+        raise CheckpointError(
+            f"{folder}: guard(s) {aborted} had aborted training at step {step}; a full resume "
+            "would continue a run that was stopped on purpose. Roll back to an earlier "
+            "checkpoint, or set checkpoint.weights_only = true to start fresh guard history"
+        )
+    if header["rank"] != state.world.rank or header["world_size"] != state.world.world_size:
+        raise CheckpointError(f"{where}: written for rank {header['rank']} of "
+                              f"{header['world_size']}, read by rank {state.world.rank}")
+    if pay["carry"] is not None and getattr(state.model, "load_carry_state", None) is None:
+        raise CheckpointError(f"{where}: the checkpoint holds a carried state but this model "
+                              "cannot load one (load_carry_state); was the model changed?")
+    loader = getattr(state, "train_loader", None)
+    if loader is not None and hasattr(loader, "load_state_dict") and header["loader"] is None:
+        raise CheckpointError(f"{where}: no data loader cursor saved; cannot resume exactly")
+    return rng_tensors, header["rng"], pay, header["loader"]
+
+
+def _check_groups(folder: Path, name: str, saved: list, current: list) -> None:
+    def members(groups: list) -> list[list[str]]:
+        return [sorted(str(p) for p in g.get("params", [])) for g in groups]
+
+    if members(saved) != members(current):
+        raise CheckpointError(
+            f"{folder}: optimizer {name!r} trained different parameters or parameter groups "
+            "than the recipe builds now (routing / no_decay rules changed); resume with the "
+            "original optimizer tables, or set checkpoint.weights_only = true"
+        )
+
+
+def _write_marker(path: Path, future) -> None:
+    exc = future.exception()
+    text = "ok" if exc is None else f"{type(exc).__name__}: {_short(exc)}"
+    layout.write_atomic(path, text)
+
+
+def _write_recipe(recipe, path: Path) -> None:
+    if recipe is None:
+        return
+    from recipes.trainer import write_recipe
+
+    write_recipe(recipe, path)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _short(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + " ..."

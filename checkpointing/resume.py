@@ -1,0 +1,192 @@
+"""Where a run resumes from, and whether the recipe may have changed since the checkpoint.
+
+``resume = "auto"`` continues the run's own newest complete checkpoint, so rerunning the same
+command after a crash or a preemption continues. An explicit path outside the run's folder (a
+checkpoint, a checkpoints folder or a run folder) seeds a new run; once that run has checkpoints
+of its own, rerunning continues those. An explicit path inside the run's own folder is a
+rollback: newer checkpoints are moved aside to ``abandoned/`` so ``auto`` cannot pick them up,
+and ``rollback.json`` remembers it, so rerunning the same command continues after the rollback
+instead of rolling back again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointing import layout
+from recipes.diff import diff
+from recipes.errors import CheckpointError, RecipeError
+
+ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
+
+
+@dataclass
+class Source:
+    folder: Path
+    explicit: bool  # chosen by the recipe (a rollback or a new run's seed), not by "auto"
+    note: str = ""
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint folder given a checkpoint, checkpoints or run folder."""
+    path = Path(path)
+    if (path / layout.MANIFEST).is_file() or (path / "state.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = layout.newest_complete(root) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"checkpoint.resume = {str(path)!r}: no complete checkpoint there; give a step_XXXXXXX "
+        "folder, a run's checkpoints folder or a run folder, or set resume = \"off\""
+    )
+
+
+def resolve(resume: str, root: Path, *, download=None) -> Source | None:
+    """The checkpoint to resume from (None = start fresh). ``download(spec) -> Path`` fetches
+    ``hf://`` sources."""
+    if resume == "off":
+        return None
+    own = layout.newest_complete(root) if root.is_dir() else None
+    if resume == "auto":
+        return Source(own, explicit=False) if own is not None else None
+    if resume.startswith("hf://"):
+        if own is not None:
+            return Source(own, False, f"continuing this run's own checkpoint {own.name} "
+                          f"(not re-downloading {resume})")
+        if download is None:
+            raise CheckpointError("hf:// resume needs huggingface_hub")
+        return Source(find_checkpoint(download(resume)), explicit=True)
+    target = find_checkpoint(Path(resume).expanduser())
+    inside = _inside(target, root)
+    if not inside and own is not None:
+        return Source(own, False, f"continuing this run's own checkpoint {own.name}; "
+                      f"{resume} only seeded it (point resume inside {root} to roll back)")
+    if inside and own is not None and own.resolve() != target.resolve() \
+            and _rolled_back_to(root) == target.resolve().name:
+        # The same command again after a rollback: the newer checkpoints are its continuation.
+        return Source(own, False, f"already rolled back to {target.name}; continuing from "
+                      f"{own.name}")
+    return Source(target, explicit=True)
+
+
+def _rolled_back_to(root: Path) -> str | None:
+    path = root / ROLLBACK
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("to")
+    except (ValueError, AttributeError):
+        return None
+
+
+def abandon_newer(root: Path, folder: Path) -> list[str]:
+    """A rollback: move checkpoints newer than ``folder`` to ``root/abandoned`` (rank 0)."""
+    step = layout.step_of(folder.resolve().name)
+    if step is None or not _inside(folder, root):
+        return []
+    moved = []
+    for s, p in layout.list_checkpoints(root):
+        if s > step:
+            dest = root / "abandoned" / p.name
+            dest.parent.mkdir(exist_ok=True)
+            if dest.exists():
+                shutil.rmtree(dest)
+            p.rename(dest)
+            moved.append(p.name)
+    layout.write_json(root / ROLLBACK, {"to": folder.resolve().name, "abandoned": moved})
+    if moved:
+        layout.write_atomic(root / "latest", folder.resolve().name + "\n")
+        layout.write_index(root)
+    return moved
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- recipe compatibility
+# Keys whose change leaves the saved tensors or cursors meaningless for an exact resume.
+_STATE_KEYS = ("model.", "tokenizer.")
+_DATA_KEYS = ("data.", "training.seed", "training.seq_len", "training.global_batch")
+_INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise fresh weights
+_OPT_TYPE = re.compile(r"^(optimizer|optimizers\.[^.]+)\.type$")
+
+
+@dataclass
+class Compatibility:
+    refused: list[str]
+    allowed: list[str]
+
+
+def check_recipe(saved, current, *, weights_only: bool) -> Compatibility:
+    """Classify the differences between the checkpoint's recipe and the current one."""
+    d = diff(saved, current)
+    refused, allowed = [], []
+    for key in d.keys():  # noqa: SIM118 (RecipeDiff.keys(), not a dict)
+        line = _describe(d, key)
+        why = _refusal(key, d, weights_only)
+        (refused if why else allowed).append(f"{line}  ({why})" if why else line)
+    return Compatibility(refused, allowed)
+
+
+def _refusal(key: str, d, weights_only: bool) -> str:
+    if key.startswith(_INIT_ONLY):
+        return ""
+    if key.startswith(_STATE_KEYS):
+        return "changes the weights' shapes or meaning"
+    if weights_only:
+        return ""
+    if key.startswith(_DATA_KEYS):
+        return "the saved data cursor would point elsewhere"
+    if key.startswith(("optimizer.", "optimizers.")):
+        if _OPT_TYPE.match(key):
+            return "changes the optimizer type"
+        if ".params." in key or ".no_decay." in key or key.endswith((".params", ".no_decay")):
+            return "changes which parameters the optimizer trains"
+        if ".schedule." not in key and (key in d.only_a or key in d.only_b):
+            return "adds or removes an optimizer (or changes its type)"
+    if key.startswith("guards.") and (key in d.only_a or key in d.only_b):
+        return "adds or removes a guard (its saved history must match)"
+    return ""
+
+
+def _describe(d, key: str) -> str:
+    if key in d.changed:
+        a, b = d.changed[key]
+        return f"{key}: {a!r} -> {b!r}"
+    if key in d.only_a:
+        return f"{key}: removed (was {d.only_a[key]!r})"
+    return f"{key}: added ({d.only_b[key]!r})"
+
+
+def compare_with_checkpoint(folder: Path, current, *, weights_only: bool, log) -> None:
+    """Refuse incompatible recipe changes (CheckpointError); report allowed ones via ``log``."""
+    from recipes.recipe import load_recipe
+
+    try:
+        saved = load_recipe(folder)
+    except RecipeError as exc:
+        log(f"kiln: warning: cannot read the checkpoint's recipe to compare ({exc}); resuming "
+            "without the recipe check")
+        return
+    result = check_recipe(saved, current, weights_only=weights_only)
+    if result.refused:
+        raise CheckpointError(
+            f"{folder}: the recipe changed in ways this checkpoint cannot follow:\n  "
+            + "\n  ".join(result.refused)
+            + "\nRestore those keys (see `kiln diff " + str(folder) + " RECIPE`), resume with "
+            "checkpoint.weights_only = true to start a new schedule from these weights (shapes "
+            "must still match), or set checkpoint.resume = \"off\" to start fresh."
+        )
+    if result.allowed:
+        log("kiln: recipe changed since the checkpoint (allowed):\n  "
+            + "\n  ".join(result.allowed))

@@ -1,0 +1,107 @@
+"""`kiln export`: consolidated safetensors, config.json, recipe.toml; the Llama layout."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpointing.export import export, llama_incompatibility, load_model, rope_permute
+from checkpointing.manager import CheckpointManager
+from components.positions.rope import RoPE, RoPEConfig
+from recipes.cli import main
+from recipes.distributed import World
+from recipes.errors import CheckpointError
+from recipes.recipe import load_recipe
+from tests.checkpointing.toy import ToyState
+from tests.conftest import CONFIGS
+
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
+        "--model.ffn.hidden_dim=48", "--training.seq_len=16"]
+
+
+def checkpoint(tmp_path, *overrides):
+    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *overrides])
+    torch.manual_seed(0)
+    model = recipe.model.build(vocab_size=258, seq_len=16)
+    state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(model.parameters())},
+                     recipe=recipe)
+    state.train_loader = None
+    state.progress.step = 5
+    CheckpointManager(tmp_path / "ck", World(0, 1, 0, torch.device("cpu")),
+                      log=lambda s: None).save(state)
+    return tmp_path / "ck" / "step_0000005", model
+
+
+def test_kiln_layout_round_trips_the_weights(tmp_path):
+    folder, model = checkpoint(tmp_path, "--model.attention.qk_norm=true")
+    summary = export(folder, tmp_path / "out")
+    assert summary["layout"] == "kiln" and summary["why_not_hf"] == "QK-norm"
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors",
+                                                    "recipe.toml"]
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    sd = model.state_dict()
+    assert "output.weight" not in tensors  # tied to tok_embeddings: stored once
+    assert all(torch.equal(tensors[k], sd[k]) for k in tensors)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["format"] == "kiln" and config["model"]["attention"]["qk_norm"] is True
+    with pytest.raises(CheckpointError, match="QK-norm"):
+        export(folder, tmp_path / "hf", fmt="hf")
+
+
+def test_llama_layout_names_and_config(tmp_path):
+    folder, model = checkpoint(tmp_path, "--model.attention.n_kv_heads=2",
+                               "--model.tie_embeddings=false")
+    assert llama_incompatibility(model) == ""
+    assert main(["export", str(folder.parent), str(tmp_path / "hf")]) == 0
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert len(tensors) == 2 + 2 * 9 + 1
+    assert torch.equal(tensors["lm_head.weight"], model.output.weight)
+    assert torch.equal(tensors["model.layers.1.mlp.gate_proj.weight"],
+                       model.layers["1"].feed_forward.w1.weight)
+    wk = model.layers["0"].attention.wk.weight  # (2 heads * 8, 32)
+    assert torch.equal(tensors["model.layers.0.self_attn.k_proj.weight"], rope_permute(wk, 2))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    assert config["intermediate_size"] == 48 and config["tie_word_embeddings"] is False
+    assert config["head_dim"] == 8 and config["rope_theta"] == 10000.0
+
+
+def _hf_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Hugging Face's rotate-half RoPE on (B, T, H, D), written out from its definition."""
+    t, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(t, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], dim=-1)[None, :, None, :]  # (1, T, 1, D)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x.double() * ang.cos() + rot.double() * ang.sin()).float()
+
+
+def test_rope_permutation_maps_kiln_rotation_to_hugging_faces():
+    torch.manual_seed(0)
+    h, d, dim = 3, 8, 12
+    w = torch.randn(h * d, dim)
+    x = torch.randn(2, 5, dim)
+    rope = RoPE(RoPEConfig(type="rope"), head_dim=d, max_seq_len=5)
+    q_kiln, _ = rope((x @ w.T).view(2, 5, h, d), (x @ w.T).view(2, 5, h, d))
+    q_hf = _hf_rope((x @ rope_permute(w, h).T).view(2, 5, h, d), 10000.0)
+    # same rotation, features reordered within each head: compare dot products
+    scores_kiln = torch.einsum("bthd,bshd->bhts", q_kiln, q_kiln)
+    scores_hf = torch.einsum("bthd,bshd->bhts", q_hf, q_hf)
+    torch.testing.assert_close(scores_kiln, scores_hf, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_loads_the_export_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder, _ = checkpoint(tmp_path, "--model.attention.n_kv_heads=2")
+    export(folder, tmp_path / "hf")
+    _, _, model = load_model(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           dtype=torch.float32).eval()
+    ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.eval()(ids), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,76 @@
+"""The trainer's checkpoint hook: weights-only starts, refused recipe changes, rollbacks, Hub
+upload of checkpoints and the final export, and `kiln diff` between two checkpoints."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from checkpointing import hub
+from recipes.cli import main
+from recipes.errors import CheckpointError
+from recipes.recipe import load_recipe
+from recipes.trainer import Trainer
+from tests.checkpointing.test_exact_resume import TINY
+from tests.checkpointing.test_hub import FolderApi
+from tests.conftest import CONFIGS
+
+
+def train(folder, *extra):
+    recipe = load_recipe(CONFIGS / "debug.toml",
+                         [*TINY, "--training.steps=5", "--eval.interval=0",
+                          f"--run.folder={folder}", *extra])
+    out = io.StringIO()
+    trainer = Trainer(recipe, out=out)
+    trainer.fit()
+    return trainer, out.getvalue()
+
+
+def test_weights_only_start_skip_and_refused_changes(tmp_path):
+    a, _ = train(tmp_path / "a")
+    src = tmp_path / "a" / "checkpoints" / "final"
+    b, text = train(tmp_path / "b", f"--checkpoint.resume={src}",
+                    "--checkpoint.weights_only=true", "--checkpoint.skip_data_steps=2",
+                    "--training.global_batch=4")  # allowed for a weights-only start
+    assert "started from the weights of" in text and "skipped 2 steps of data" in text
+    assert b.progress.step == 5
+    # rerunning b continues b's own checkpoint instead of re-seeding from a
+    _, text = train(tmp_path / "b", f"--checkpoint.resume={src}",
+                    "--checkpoint.weights_only=true", "--training.global_batch=4")
+    assert "continuing this run's own checkpoint step_0000005" in text
+    with pytest.raises(CheckpointError, match="model.dim"):
+        train(tmp_path / "a", "--model.dim=64")
+    with pytest.raises(CheckpointError, match="aborted|global_batch"):
+        train(tmp_path / "a", "--training.global_batch=4")
+
+
+def test_rollback_then_continue(tmp_path):
+    train(tmp_path / "r", "--checkpoint.interval=2", "--checkpoint.keep_last=0")
+    ck = tmp_path / "r" / "checkpoints"
+    t, text = train(tmp_path / "r", "--checkpoint.interval=2", "--checkpoint.keep_last=0",
+                    f"--checkpoint.resume={ck / 'step_0000002'}")
+    assert "rolling back" in text and t.progress.step == 5
+    assert sorted(p.name for p in (ck / "abandoned").iterdir()) == ["step_0000004",
+                                                                   "step_0000005"]
+    assert json.loads((ck / "index.json").read_text())["final"] == "step_0000005"
+
+
+def test_hub_upload_of_checkpoints_and_export(tmp_path, monkeypatch):
+    api = FolderApi(tmp_path / "remote")
+    monkeypatch.setattr(hub, "make_api", lambda token_env="HF_TOKEN": api)
+    train(tmp_path / "h", "--checkpoint.hub_repo=me/run", "--checkpoint.hub_upload=both",
+          "--checkpoint.interval=2", "--checkpoint.hub_keep=1")
+    files = api.list_repo_files("me/run")
+    assert hub.remote_checkpoints(files) == ["step_0000005"]
+    assert {"export/config.json", "export/model.safetensors", "export/recipe.toml"} <= set(files)
+
+
+def test_kiln_diff_between_two_checkpoints(tmp_path, capsys):
+    from tests.checkpointing.test_export import checkpoint
+
+    a, _ = checkpoint(tmp_path / "x")
+    b, _ = checkpoint(tmp_path / "y", "--optimizer.lr=1e-3")
+    assert main(["diff", str(a), str(b)]) == 1
+    assert "lr: 0.002 -> 0.001" in capsys.readouterr().out

@@ -1,0 +1,231 @@
+"""The checkpoint manager on a toy train state: exact continuation, async saves, damaged
+folders, a save killed mid-write, weights-only and EMA resume, terminal guard state."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from checkpointing import layout
+from checkpointing.manager import CheckpointManager, rank_file
+from recipes.distributed import World
+from recipes.errors import CheckpointError
+from tests.checkpointing.toy import toy_state
+
+
+def manager(root, **kw):
+    return CheckpointManager(root, World(0, 1, 0, torch.device("cpu")), log=lambda s: None, **kw)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_continues_bit_identically(tmp_path, async_save):
+    a = toy_state(carry=True, two_optimizers=True)
+    m = manager(tmp_path, async_save=async_save)
+    for _ in range(3):
+        a.train_step()
+    m.save(a)
+    expected = [a.train_step() for _ in range(4)]  # trains while an async save finishes
+    m.wait()
+    b = toy_state(seed=9, carry=True, two_optimizers=True)  # different weights, RNG, cursor
+    loaded = manager(tmp_path).load(b, tmp_path / "step_0000003")
+    assert loaded.step == 3 and b.progress.step == 3 and b.train_loader.cursor == 3
+    assert b.guards["spike"].ema is not None
+    assert [b.train_step() for _ in range(4)] == expected
+
+
+def test_layout_latest_index_and_rotation(tmp_path):
+    s = toy_state()
+    m = manager(tmp_path, keep_last=2)
+    for _ in range(4):
+        s.train_step()
+        m.save(s)
+    assert (tmp_path / "latest").read_text().strip() == "step_0000004"
+    assert [p.name for _, p in layout.list_checkpoints(tmp_path)] == ["step_0000003",
+                                                                      "step_0000004"]
+    m.mark_final(4)
+    s.train_step()
+    m.save(s)
+    s.train_step()
+    m.save(s)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["final", "index.json", "latest", "step_0000004", "step_0000005",
+                     "step_0000006"]
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["final"] == "step_0000004" and index["latest"] == "step_0000006"
+    files = set(os.listdir(tmp_path / "step_0000006"))
+    assert {"state.json", "manifest.json", ".metadata", "rank_00000.safetensors"} <= files
+
+
+@pytest.fixture
+def saved(tmp_path):
+    s = toy_state()
+    s.train_step()
+    manager(tmp_path).save(s)
+    return tmp_path / "step_0000001"
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: _flip_byte(f / "__0_0.distcp"), "sha256"),
+    (lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:100]),
+     "truncated"),
+    (lambda f: (f / "rank_00000.safetensors").unlink(), "missing"),
+    (lambda f: (f / "manifest.json").unlink(), "never finished"),
+    (lambda f: (f / "state.json").write_text("{}"), "truncated or overwritten"),
+])
+def test_damaged_checkpoints_are_refused_before_anything_changes(saved, damage, message):
+    damage(saved)
+    s = toy_state(seed=4)
+    before = [p.detach().clone() for p in s.model.parameters()]
+    with pytest.raises(CheckpointError, match=message):
+        manager(saved.parent).load(s, saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, s.model.parameters(), strict=True))
+
+
+def _reseal(folder):
+    layout.write_manifest(folder, json.loads((folder / "manifest.json").read_text())["step"])
+
+
+def test_a_resealed_tampered_payload_is_still_refused(saved):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = rank_file(saved, 0)
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["kiln"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    meta["payload"]["step"] = 7
+    save_file(tensors, str(path), metadata={"kiln": json.dumps(meta)})
+    _reseal(saved)
+    with pytest.raises(CheckpointError, match="does not match the train progress step 1"):
+        manager(saved.parent).load(toy_state(), saved)
+
+
+def test_a_changed_model_is_a_clear_error(saved):
+    s = toy_state()
+    s.model.out = torch.nn.Linear(16, 5)
+    s.optimizers = {"main": torch.optim.AdamW(s.model.parameters())}
+    with pytest.raises(CheckpointError, match="do not fit this model"):
+        manager(saved.parent).load(s, saved)
+
+
+def test_another_world_size_needs_weights_only(saved):
+    s = toy_state()
+    s.world = World(0, 2, 0, torch.device("cpu"))
+    m = CheckpointManager(saved.parent, World(0, 1, 0, torch.device("cpu")))
+    m.world = s.world  # pretend: a 2-process run reading a 1-process checkpoint
+    with pytest.raises(CheckpointError, match="saved by 1 processes"):
+        m._verify_everywhere = lambda folder: None
+        m.load(s, saved)
+
+
+def test_aborted_guard_refuses_full_resume_but_allows_weights_only(tmp_path):
+    s = toy_state()
+    s.train_step()
+    s.guards["spike"].aborted = True
+    manager(tmp_path).save(s)
+    with pytest.raises(CheckpointError, match="aborted training"):
+        manager(tmp_path).load(toy_state(), tmp_path / "step_0000001")
+    fresh = toy_state(seed=3)
+    loaded = manager(tmp_path).load(fresh, tmp_path / "step_0000001", weights_only=True)
+    assert loaded.weights_only and fresh.progress.step == 0
+    assert fresh.guards["spike"].aborted is False and fresh.guards["spike"].ema is None
+    assert all(torch.equal(a, b) for a, b in
+               zip(s.model.parameters(), fresh.model.parameters(), strict=True))
+    assert not fresh.optimizers["main"].state  # fresh moments
+
+
+class EmaAdamW(torch.optim.AdamW):
+    """AdamW keeping an EMA of the weights in its state (like kiln's EMA-capable optimizers)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                st["ema"] = p.detach().clone() if "ema" not in st else st["ema"].lerp(p, 0.5)
+
+    def swap_ema(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                ema = self.state[p]["ema"]
+                tmp = p.detach().clone()
+                p.data.copy_(ema)
+                ema.copy_(tmp)
+
+
+def test_weights_only_from_ema(tmp_path):
+    s = toy_state()
+    s.optimizers = {"main": EmaAdamW(s.model.parameters(), lr=1e-2)}
+    for _ in range(3):
+        s.train_step()
+    manager(tmp_path).save(s)
+    emas = [s.optimizers["main"].state[p]["ema"].clone() for p in s.model.parameters()]
+    fresh = toy_state(seed=2)
+    fresh.optimizers = {"main": EmaAdamW(fresh.model.parameters(), lr=1e-2)}
+    manager(tmp_path).load(fresh, tmp_path / "step_0000003", weights_only=True, from_ema=True)
+    assert all(torch.equal(e, p) for e, p in zip(emas, fresh.model.parameters(), strict=True))
+    assert not fresh.optimizers["main"].state
+    plain = toy_state(seed=2)
+    with pytest.raises(CheckpointError, match="EMA"):
+        manager(tmp_path).load(plain, tmp_path / "step_0000003", weights_only=True,
+                               from_ema=True)
+
+
+def _save_then_die(root: str, where: str) -> None:
+    """Child: one good checkpoint at step 1, then SIGKILL in the middle of saving step 2."""
+    import checkpointing.layout as lay
+    import checkpointing.storage as sto
+
+    s = toy_state()
+    s.train_step()
+    m = manager(root)
+    m.save(s)
+    s.train_step()
+
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "tensors":
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+
+        def partial(self, plan, planner):  # write half of a file, then die
+            (lay.Path(self.path) / "__0_0.distcp").write_bytes(b"\0" * 64)
+            die()
+            return original(self, plan, planner)
+
+        FileSystemWriter.write_data = partial
+    elif where == "manifest":
+        lay.sha256 = die  # while sealing
+    elif where == "rank_file":
+        sto.save_rank_file = die
+    m.save(s)
+
+
+@pytest.mark.parametrize("where", ["rank_file", "tensors", "manifest"])
+def test_a_save_killed_mid_write_leaves_the_last_checkpoint_loadable(tmp_path, where):
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_save_then_die, args=(str(tmp_path), where))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert (tmp_path / ".tmp-step_0000002").is_dir()  # the interrupted save
+    assert layout.newest_complete(tmp_path).name == "step_0000001"
+    s = toy_state(seed=5)
+    assert manager(tmp_path).load(s, tmp_path / "step_0000001").step == 1
+    s.train_step()
+    manager(tmp_path).save(s)  # the next save cleans the leftovers
+    assert not (tmp_path / ".tmp-step_0000002").exists()
+    assert layout.newest_complete(tmp_path).name == "step_0000002"

@@ -1,0 +1,112 @@
+"""Choosing the checkpoint to resume from, rollbacks, and recipe changes on resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointing import layout, resume
+from recipes.errors import CheckpointError
+from recipes.recipe import load_recipe
+from tests.checkpointing.test_layout import make
+from tests.conftest import CONFIGS
+
+
+def test_auto_off_and_explicit(tmp_path):
+    own = tmp_path / "run" / "checkpoints"
+    assert resume.resolve("auto", own) is None
+    make(own, 1)
+    make(own, 2)
+    assert resume.resolve("off", own) is None
+    src = resume.resolve("auto", own)
+    assert src.folder.name == "step_0000002" and not src.explicit
+    src = resume.resolve(str(own / "step_0000001"), own)
+    assert src.folder.name == "step_0000001" and src.explicit  # a rollback
+    # a run folder or a checkpoints folder means its newest checkpoint
+    assert resume.resolve(str(tmp_path / "run"), own).folder.name == "step_0000002"
+
+
+def test_a_foreign_seed_is_used_once_then_the_run_continues_itself(tmp_path):
+    other = tmp_path / "other" / "checkpoints"
+    make(other, 5)
+    own = tmp_path / "run" / "checkpoints"
+    src = resume.resolve(str(tmp_path / "other"), own)
+    assert src.explicit and src.folder == other / "step_0000005"
+    make(own, 2)  # the new run saved its own checkpoint, then was restarted
+    src = resume.resolve(str(tmp_path / "other"), own)
+    assert not src.explicit and src.folder == own / "step_0000002" and "seeded" in src.note
+
+
+def test_nothing_to_resume_from_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resume.resolve(str(tmp_path / "missing"), tmp_path / "own")
+
+
+def test_rollback_moves_newer_checkpoints_aside(tmp_path):
+    for s in (1, 2, 3):
+        make(tmp_path, s)
+    moved = resume.abandon_newer(tmp_path, tmp_path / "step_0000001")
+    assert moved == ["step_0000002", "step_0000003"]
+    assert layout.newest_complete(tmp_path).name == "step_0000001"
+    assert (tmp_path / "abandoned" / "step_0000003").is_dir()
+    assert (tmp_path / "latest").read_text().strip() == "step_0000001"
+    # the run goes on from step 1 and saves step 2; the same command again continues it
+    make(tmp_path, 2)
+    src = resume.resolve(str(tmp_path / "step_0000001"), tmp_path)
+    assert src.folder.name == "step_0000002" and not src.explicit and "already rolled" in src.note
+
+
+def recipe(*overrides):
+    return load_recipe(CONFIGS / "debug.toml", list(overrides))
+
+
+def test_allowed_changes_are_reported():
+    result = resume.check_recipe(
+        recipe(), recipe("--training.steps=999", "--optimizer.lr=1e-4", "--run.log_interval=3",
+                         "--model.init_std=0.01"), weights_only=False)
+    assert result.refused == []
+    assert any("training.steps" in line for line in result.allowed)
+    assert any("optimizer.lr" in line for line in result.allowed)
+
+
+@pytest.mark.parametrize("override, why", [
+    ("--model.dim=64", "shapes"),
+    ("--model.attention.n_heads=4", "shapes"),
+    ("--training.global_batch=16", "data cursor"),
+    ("--training.seed=3", "data cursor"),
+    ("--optimizer.no_decay.ndim=[1]", "which parameters"),
+])
+def test_incompatible_changes_are_refused(override, why):
+    result = resume.check_recipe(recipe(), recipe(override), weights_only=False)
+    assert len(result.refused) >= 1 and why in " ".join(result.refused)
+
+
+def test_optimizer_type_change_is_refused():
+    result = resume.check_recipe(recipe(), recipe("--optimizer.type=adamw",
+                                                  "--optimizer.schedule.type=constant"),
+                                 weights_only=False)
+    assert result.refused == []  # a schedule change is fine
+    assert resume._refusal("optimizer.type", None, False) == "changes the optimizer type"
+    assert resume._refusal("optimizers.hidden.type", None, False)
+    assert resume._refusal("optimizer.schedule.type", type("D", (), {"only_a": {},
+                                                                     "only_b": {}})(), False) == ""
+
+
+def test_weights_only_allows_data_and_optimizer_changes_but_not_shapes():
+    result = resume.check_recipe(recipe(), recipe("--training.global_batch=16"),
+                                 weights_only=True)
+    assert result.refused == []
+    result = resume.check_recipe(recipe(), recipe("--model.n_layers=2"), weights_only=True)
+    assert result.refused
+
+
+def test_compare_raises_with_instructions(tmp_path):
+    from recipes.trainer import write_recipe
+
+    write_recipe(recipe(), tmp_path / "recipe.toml")
+    with pytest.raises(CheckpointError, match="weights_only = true"):
+        resume.compare_with_checkpoint(tmp_path, recipe("--model.dim=64"), weights_only=False,
+                                       log=print)
+    lines = []
+    resume.compare_with_checkpoint(tmp_path, recipe("--training.steps=7"), weights_only=False,
+                                   log=lines.append)
+    assert "training.steps: 300 -> 7" in lines[0]
