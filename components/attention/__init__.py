@@ -1,0 +1,1 @@
+"""Attention mixers (kind ``attention``)."""

@@ -1,0 +1,1 @@
+"""Feed-forward layers (kind ``ffn``)."""

@@ -1,0 +1,1 @@
+"""Model families (kind ``model``) and the blocks they share."""

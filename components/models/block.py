@@ -1,0 +1,64 @@
+"""The pre-norm decoder block shared by model families, and the weight-init protocol it uses.
+
+Init protocol for sub-components (so any registered attention / ffn / norm can be dropped in):
+a module may define ``init_weights(std, out_std)`` (``out_std`` for projections that write
+into the residual stream); otherwise every submodule's ``reset_parameters()`` and
+``reset_buffers()`` are called.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def init_component(module: nn.Module, std: float, out_std: float) -> None:
+    """Re-initialise ``module`` by the protocol above, in a fixed (registration) order."""
+    init = getattr(module, "init_weights", None)
+    if init is not None:
+        init(std=std, out_std=out_std)
+        return
+    for sub in module.modules():
+        for name in ("reset_parameters", "reset_buffers"):
+            reset = getattr(sub, name, None)
+            if reset is not None:
+                reset()
+
+
+class Block(nn.Module):
+    """Pre-norm residual block with optional LayerScale (CaiT, Touvron et al. 2021).
+
+    x = x + s1 * attention(attention_norm(x)); x = x + s2 * feed_forward(ffn_norm(x)).
+    Names follow torchtitan so checkpoint conversion maps one-to-one.
+    """
+
+    def __init__(
+        self, *, attention: nn.Module, feed_forward: nn.Module, attention_norm: nn.Module,
+        ffn_norm: nn.Module, dim: int, layerscale_init: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.attention = attention
+        self.feed_forward = feed_forward
+        self.attention_norm = attention_norm
+        self.ffn_norm = ffn_norm
+        self.layerscale_init = layerscale_init
+        if layerscale_init:
+            self.attention_scale = nn.Parameter(torch.full((dim,), layerscale_init))
+            self.ffn_scale = nn.Parameter(torch.full((dim,), layerscale_init))
+        else:
+            self.attention_scale = self.ffn_scale = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        init_component(self.attention_norm, std, out_std)
+        init_component(self.attention, std, out_std)
+        init_component(self.ffn_norm, std, out_std)
+        init_component(self.feed_forward, std, out_std)
+        if self.attention_scale is not None:
+            nn.init.constant_(self.attention_scale, self.layerscale_init)
+            nn.init.constant_(self.ffn_scale, self.layerscale_init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+        a = self.attention(self.attention_norm(x))
+        x = x + a if self.attention_scale is None else x + self.attention_scale * a
+        f = self.feed_forward(self.ffn_norm(x))
+        return x + f if self.ffn_scale is None else x + self.ffn_scale * f

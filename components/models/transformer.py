@@ -1,0 +1,149 @@
+"""The dense decoder-only transformer (Llama 3 family), with torchtitan's module names.
+
+Model protocol the trainer and the parallelism code rely on: ``forward(ids) -> logits``,
+``blocks()``, ``init_weights()``, ``flops_per_token(seq_len)`` and ``num_params()``.
+
+Initialisation (torchtitan llama3, so loss curves are comparable):
+- untied ``tok_embeddings`` ~ N(0, 1); untied ``output`` ~ N(0, dim**-0.5) truncated at 3 sigma;
+- tied (one matrix for both) ~ N(0, init_std), GPT-2 style, so the logits start small;
+- block input projections ~ N(0, init_std); output projections (``wo``, ``w2``) ~ N(0, init_std /
+  sqrt(2 * (layer_idx + 1))) with ``depth_init``, else N(0, init_std / sqrt(2 * n_layers)).
+  torchtitan also gives ``w3`` the scaled std; kiln scales only the residual-stream writers.
+- norms to 1, LayerScale to ``layerscale_init``, RoPE tables recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from components.base import ComponentConfig, Sub, component
+from components.ffn.moe import MoEModelMixin
+from components.models.block import Block, init_component
+from components.registry import register
+
+
+class TransformerConfig(ComponentConfig):
+    dim: int = Field(256, ge=1, description="model (residual stream) width")
+    n_layers: int = Field(6, ge=1, description="number of decoder blocks")
+    vocab_size: int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size")
+    max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
+    tie_embeddings: bool = Field(False, description="share one matrix for input and output")
+    logit_softcap: float = Field(0.0, ge=0, description="logits = cap*tanh(logits/cap); 0 = off")
+    init_std: float = Field(0.02, gt=0, description="std of the block weight init")
+    depth_init: bool = Field(
+        True, description="scale output-projection init by layer depth (else by n_layers)"
+    )
+    layerscale_init: float = Field(0.0, ge=0, description="LayerScale initial value; 0 = off")
+    attention: Sub("attention") = component("attention", "causal", "token mixer of each block")
+    ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
+    norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
+
+
+@register("model", "transformer")
+class Transformer(MoEModelMixin, nn.Module):  # MoE ffns: bias balancing, aux loss, metrics
+    """Dense decoder-only transformer (Llama 3 style: RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    Config = TransformerConfig
+
+    def __init__(self, cfg: TransformerConfig, *, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.vocab_size = cfg.vocab_size or vocab_size
+        self.max_seq_len = cfg.max_seq_len or seq_len
+        if self.vocab_size <= 0 or self.max_seq_len <= 0:
+            raise ValueError(
+                f"transformer needs vocab_size and max_seq_len > 0 (got {self.vocab_size}, "
+                f"{self.max_seq_len}); set model.vocab_size / model.max_seq_len or pass them in"
+            )
+        self.dim, self.n_layers = cfg.dim, cfg.n_layers
+        self.tied = cfg.tie_embeddings
+        self.logit_softcap = cfg.logit_softcap
+        self.init_std, self.depth_init = cfg.init_std, cfg.depth_init
+        dim, n = cfg.dim, cfg.n_layers
+        # Constructors draw from the RNG (nn.Linear's default init); fork it so that
+        # init_weights() below starts from the caller's RNG state, exactly as it does after
+        # to_empty() on a meta-built model. (CPU generator; build on meta for other devices.)
+        with torch.random.fork_rng(devices=[]):
+            self.tok_embeddings = nn.Embedding(self.vocab_size, dim)
+            self.layers = nn.ModuleDict({
+                str(i): Block(
+                    attention=cfg.attention.build(
+                        dim=dim, layer_idx=i, n_layers=n, max_seq_len=self.max_seq_len
+                    ),
+                    feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n),
+                    attention_norm=cfg.norm.build(dim=dim),
+                    ffn_norm=cfg.norm.build(dim=dim),
+                    dim=dim,
+                    layerscale_init=cfg.layerscale_init,
+                )
+                for i in range(n)
+            })
+            self.norm = cfg.norm.build(dim=dim)
+            self.output = nn.Linear(dim, self.vocab_size, bias=False)
+        if self.tied:
+            self.output.weight = self.tok_embeddings.weight
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        """`nn.Module.to_empty`, then re-tie: from meta it makes a new Parameter per module."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.tied and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated decoder blocks (units of checkpointing, compile and FSDP sharding)."""
+        return list(self.layers.values())
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter and buffer from the current RNG, in a fixed order."""
+        std = self.init_std
+        emb = self.tok_embeddings.weight
+        nn.init.normal_(emb, mean=0.0, std=std if self.tied else 1.0)
+        for i, block in enumerate(self.blocks()):
+            depth = 2 * (i + 1) if self.depth_init else 2 * self.n_layers
+            init_component(block, std, std / math.sqrt(depth))
+        init_component(self.norm, std, std)
+        if not self.tied:
+            out_std = self.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        h = self.tok_embeddings(input_ids)  # (B, T, dim)
+        for block in self.layers.values():
+            h = block(h)
+        logits = self.output(self.norm(h))  # (B, T, V)
+        if self.logit_softcap:
+            cap = self.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied matrix counts once); optionally minus the input table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * N_matmul + 12 * sum_layers(H * Dh) * T.
+
+        N_matmul is every parameter but the embedding lookup table (a tied matrix still counts,
+        as the output matmul); 6 = forward 2 + backward 4 per multiply-add. The attention term
+        counts QK^T and AV over the full T x T square (no causal halving), like torchtitan and
+        PaLM (Chowdhery et al. 2022, appendix B), so MFU numbers are comparable with theirs.
+        An attention module may define ``attention_flops_per_token(seq_len)`` for its score and
+        mixing matmuls (those without parameters); otherwise 12 * n_heads * head_dim * T is used.
+        """
+        n = self.num_params(exclude_embeddings=not self.tied)
+        return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in self.blocks()))
+
+
+def _attention_flops(attention: nn.Module, seq_len: int) -> float:
+    own = getattr(attention, "attention_flops_per_token", None)
+    if own is not None:
+        return float(own(seq_len))
+    return float(12 * attention.n_heads * attention.head_dim * seq_len)

@@ -1,0 +1,1 @@
+"""Normalisation layers (kind ``norm``)."""

@@ -1,0 +1,1 @@
+"""Position encodings applied inside attention (kind ``position``)."""
