@@ -10,13 +10,19 @@ import importlib
 
 BUILTINS: tuple[str, ...] = (
     "components.optimizers.adamw",
+    "components.optimizers.adamw8bit",
+    "components.optimizers.adam_atan2",
+    "components.optimizers.muon",
+    "components.optimizers.sgd",
     "components.schedules.warmup_cosine",
     "components.schedules.wsd",
     "components.schedules.constant",
     "components.steps.standard",
+    "components.steps.segmented_bptt",
     "components.norms.rmsnorm",
     "components.positions.rope",
     "components.attention.causal",
+    "components.attention.differential",
     "components.ffn.swiglu",
     "components.ffn.moe",
     "components.guards.spike_guard",
@@ -24,6 +30,7 @@ BUILTINS: tuple[str, ...] = (
     "components.models.looped",
     "components.data.byte_tokenizer",
     "components.data.packed_documents",
+    "components.data.balanced_shards",
 )
 
 

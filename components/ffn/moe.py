@@ -1,0 +1,299 @@
+"""Mixture-of-experts feed-forward with aux-loss-free load balancing (DeepSeek-V3).
+
+Routing: scores = softmax or sigmoid of a linear router (computed in fp32); the top-k experts
+are chosen on ``scores + expert_bias``, but the gate weights come from the unbiased scores
+(optionally renormalised over the k chosen, times ``route_scale``). The bias is a buffer moved
+outside the gradient: after every *successful* optimizer step, by ``coeff * sign(mean - load)``
+(re-centred), with the loads summed over data-parallel ranks; a skipped step discards the
+loads. An optional sequence-wise auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the
+model (``pop_aux_loss``). Expert loads, their entropy and dropped assignments are reported by
+``moe_metrics``.
+
+Experts are SwiGLUs with stacked weights (``w1``/``w3`` (E, dim, hidden), ``w2`` (E, hidden,
+dim)); dispatch lives in ``moe_dispatch``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from components.base import ComponentConfig
+from components.ffn.moe_dispatch import run_experts, sort_by_expert
+from components.ffn.swiglu import SwiGLU, SwiGLUConfig
+from components.registry import register
+
+
+class MoEConfig(ComponentConfig):
+    n_experts: int = Field(8, ge=1, description="routed experts E")
+    top_k: int = Field(2, ge=1, description="experts per token")
+    hidden_dim: int = Field(
+        0, ge=0, description="hidden width of each expert (0 = Llama rule 8*dim/3 divided by "
+        "top_k, rounded up to multiple_of: active FFN FLOPs of a dense layer)"
+    )
+    multiple_of: int = Field(16, ge=1, description="round the derived hidden width up to this")
+    score: Literal["softmax", "sigmoid"] = Field("softmax", description="router score function")
+    renormalize: bool = Field(True, description="gates of the k chosen experts sum to 1")
+    route_scale: float = Field(1.0, gt=0, description="multiplies the gate weights")
+    n_shared_experts: int = Field(0, ge=0, description="always-on shared experts (one SwiGLU)")
+    shared_hidden_dim: int = Field(
+        0, ge=0, description="hidden width of the shared expert (0 = n_shared * hidden_dim)"
+    )
+    bias_update_coeff: float = Field(
+        1e-3, ge=0, description="aux-loss-free balancing: bias step per optimizer step (0 = off)"
+    )
+    aux_loss_coeff: float = Field(
+        0.0, ge=0, description="sequence-wise balance loss weight alpha (0 = off)"
+    )
+    capacity_factor: float = Field(
+        0.0, ge=0, description="drop assignments beyond ceil(cf*N*k/E) per expert (0 = none)"
+    )
+    dispatch: Literal["auto", "grouped", "loop"] = Field(
+        "auto", description="expert kernel: torch._grouped_mm, a per-expert loop, or auto"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds n_experts ({self.n_experts})")
+        return self
+
+
+def expert_hidden_dim(cfg: MoEConfig, dim: int) -> int:
+    if cfg.hidden_dim:
+        return cfg.hidden_dim
+    h = int(2 * (4 * dim) / 3) // cfg.top_k
+    return cfg.multiple_of * ((h + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing re-runs forward inside backward; those calls must not count
+    # tokens twice (torchtitan halves the counts instead, which assumes full recompute).
+    return torch._C._current_graph_task_id() != -1
+
+
+@register("ffn", "moe")
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ optional shared expert), aux-loss-free bias balancing."""
+
+    Config = MoEConfig
+
+    def __init__(self, cfg: MoEConfig, *, dim: int, layer_idx: int, n_layers: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dim, self.layer_idx = dim, layer_idx
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.hidden_dim = expert_hidden_dim(cfg, dim)
+        e, f = cfg.n_experts, self.hidden_dim
+        self.router = nn.Linear(dim, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, dim, f))  # gate, (E, D, F)
+        self.w3 = nn.Parameter(torch.empty(e, dim, f))  # up, (E, D, F)
+        self.w2 = nn.Parameter(torch.empty(e, f, dim))  # down, (E, F, D)
+        self.shared = None
+        if cfg.n_shared_experts:
+            hidden = cfg.shared_hidden_dim or cfg.n_shared_experts * f
+            self.shared = SwiGLU(SwiGLUConfig(type="swiglu", hidden_dim=hidden), dim=dim,
+                                 layer_idx=layer_idx, n_layers=n_layers)
+        # Balancing state: the bias is part of the model (checkpointed); the loads are per step.
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("last_load", torch.zeros(e, dtype=torch.float32), persistent=False)
+        self.register_buffer("last_dropped", torch.zeros((), dtype=torch.float32),
+                             persistent=False)
+        self.aux_loss: torch.Tensor | None = None  # summed over calls until popped
+        if not self.w1.is_meta:
+            self.init_weights(0.02, 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Router, w1, w3 ~ N(0, std); w2 (writes the residual stream) ~ N(0, out_std)."""
+        nn.init.trunc_normal_(self.router.weight, std=std)
+        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+            nn.init.trunc_normal_(w, std=s)
+        if self.shared is not None:
+            self.shared.init_weights(std, out_std)
+        self.expert_bias.zero_()
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the per-step counters (derived state, not checkpointed), e.g. after to_empty."""
+        for buf in (self.tokens_per_expert, self.dropped, self.last_load, self.last_dropped):
+            buf.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> (chosen experts (N, k) long, gate weights (N, k) fp32, scores (N, E))."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+        scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        # The bias only picks the experts; the gates are the unbiased scores.
+        _, idx = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1)  # (N, k)
+        gates = scores.gather(-1, idx)  # (N, k)
+        if self.cfg.renormalize and self.top_k > 1:
+            gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-20)
+        return idx, gates * self.cfg.route_scale, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, D)
+        n, k = flat.shape[0], self.top_k
+        idx, gates, scores = self.route(flat)
+        order, counts = sort_by_expert(idx.reshape(-1), self.n_experts)  # (N*k,), (E,)
+        if self.cfg.capacity_factor:
+            gates = gates * self._capacity_mask(order, counts, n).view(n, k)
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
+        xs = flat[order // k]  # (N*k, D) rows sorted by expert
+        ys = run_experts(self.cfg.dispatch, xs, self.w1, self.w3, self.w2, counts)  # (N*k, D)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = ys[inverse].view(n, k, -1)  # (N, k, D) back in assignment order
+        out = torch.einsum("nkd,nk->nd", y, gates.to(y.dtype))  # (N, D)
+        if self.shared is not None:
+            out = out + self.shared(flat).to(out.dtype)
+        if self.cfg.aux_loss_coeff and self.training:
+            aux = self._sequence_aux_loss(idx, scores, shape)
+            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
+        return out.view(shape).to(x.dtype)
+
+    def _capacity_mask(self, order: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+        """1 for kept assignments, 0 for those beyond an expert's capacity (in sorted order)."""
+        cap = math.ceil(self.cfg.capacity_factor * n * self.top_k / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts  # (E,)
+        ranks = torch.arange(order.numel(), device=order.device)
+        sorted_experts = torch.repeat_interleave(
+            torch.arange(self.n_experts, device=order.device), counts)  # (N*k,)
+        keep_sorted = (ranks - starts[sorted_experts]) < cap
+        keep = torch.empty_like(keep_sorted)
+        keep[order] = keep_sorted
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.dropped += (~keep).sum().float()
+        return keep.float()
+
+    def _sequence_aux_loss(self, idx: torch.Tensor, scores: torch.Tensor, shape) -> torch.Tensor:
+        """alpha * sum_i f_i * P_i per sequence, averaged (DeepSeek-V3 sequence-wise loss)."""
+        b, t, e, k = shape[0], shape[1], self.n_experts, self.top_k
+        probs = scores / scores.sum(-1, keepdim=True)  # (N, E) normalised affinities
+        p = probs.view(b, t, e).mean(1)  # (B, E)
+        hits = torch.zeros(b, e, device=idx.device).scatter_add_(
+            1, idx.view(b, t * k), torch.ones(b, t * k, device=idx.device))  # (B, E)
+        f = hits * (e / (k * t))
+        return self.cfg.aux_loss_coeff * (f * p).sum(-1).mean()
+
+    @torch.no_grad()
+    def apply_load(self, load: torch.Tensor) -> None:
+        """Move the bias toward balance given this step's global loads (E,); reset counts."""
+        self.last_load.copy_(load)
+        self.last_dropped.copy_(self.dropped)
+        coeff = self.cfg.bias_update_coeff
+        if coeff and load.sum() > 0:
+            delta = coeff * torch.sign(load.mean() - load)
+            self.expert_bias += delta - delta.mean()  # re-centred
+        self.discard_load()
+
+    @torch.no_grad()
+    def discard_load(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.dropped.zero_()
+
+    def on_optimizer_step(self, skipped: bool) -> None:
+        balance_step([self], skipped)
+
+    def active_params(self) -> int:
+        """Parameters one token uses: router, k of E experts, the shared expert."""
+        per_expert = self.w1[0].numel() + self.w3[0].numel() + self.w2[0].numel()
+        shared = sum(p.numel() for p in self.shared.parameters()) if self.shared else 0
+        return self.router.weight.numel() + self.top_k * per_expert + shared
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, experts={self.n_experts}, top_k={self.top_k}, "
+                f"hidden={self.hidden_dim}, score={self.cfg.score}")
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def balance_step(layers: list[MoE], skipped: bool) -> None:
+    """After an optimizer-step decision: sum every layer's loads over the data-parallel ranks
+    in one all-reduce and move the biases; on a skipped step drop the loads instead. Every rank
+    takes the same decision, so the collective is called by all or none."""
+    if not layers:
+        return
+    if skipped:
+        for layer in layers:
+            layer.discard_load()
+        return
+    loads = torch.stack([layer.tokens_per_expert for layer in layers])  # (L, E)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(loads)
+    for layer, load in zip(layers, loads, strict=True):
+        layer.apply_load(load)
+
+
+def pop_aux_loss(layers: list[MoE]) -> torch.Tensor | None:
+    """The summed auxiliary loss of the last forward(s), cleared so no graph is kept."""
+    total = None
+    for layer in layers:
+        if layer.aux_loss is not None:
+            total = layer.aux_loss if total is None else total + layer.aux_loss
+            layer.aux_loss = None
+    return total
+
+
+def moe_metrics(layers: list[MoE], prefix: str = "moe") -> dict[str, float]:
+    """Per layer: max/min load as a multiple of the mean, normalised entropy, dropped share;
+    from the last successful step's global loads (one host transfer for all layers)."""
+    if not layers:
+        return {}
+    loads = torch.stack([layer.last_load for layer in layers]).double()  # (L, E)
+    dropped = torch.stack([layer.last_dropped for layer in layers]).double()  # (L,)
+    total = loads.sum(-1).clamp_min(1)  # (L,)
+    rel = loads / (total[:, None] / loads.shape[-1])  # (L, E), 1 = perfectly balanced
+    p = loads / total[:, None]
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1) / math.log(max(loads.shape[-1], 2))
+    table = torch.stack([rel.max(-1).values, rel.min(-1).values, ent, dropped / total]).cpu()
+    out = {}
+    for i, layer in enumerate(layers):
+        name = f"{prefix}/layer{layer.layer_idx}"
+        out[f"{name}/max_load"] = float(table[0, i])
+        out[f"{name}/min_load"] = float(table[1, i])
+        out[f"{name}/entropy"] = float(table[2, i])
+        if layer.cfg.capacity_factor:
+            out[f"{name}/dropped"] = float(table[3, i])
+    out[f"{prefix}/max_load"] = float(table[0].max())
+    out[f"{prefix}/min_load"] = float(table[1].min())
+    return out
+
+
+class MoEModelMixin:
+    """Model-level MoE protocol for any model whose blocks may hold ``MoE`` layers:
+    ``on_optimizer_step``, ``pop_aux_loss`` and ``metrics``. The layer list is cached (the
+    parallelism code wraps blocks, it does not add or remove MoE layers)."""
+
+    def _moe_layers(self) -> list[MoE]:
+        cached = self.__dict__.get("_moe_cache")
+        if cached is None:
+            cached = moe_layers(self)
+            self.__dict__["_moe_cache"] = cached
+        return cached
+
+    def on_optimizer_step(self, skipped: bool) -> None:
+        balance_step(self._moe_layers(), skipped)
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        return pop_aux_loss(self._moe_layers())
+
+    def metrics(self) -> dict[str, float]:
+        return moe_metrics(self._moe_layers())

@@ -1,0 +1,126 @@
+"""`kiln eval RUN [--loops 1,2,4,8] [--tokens N] [--json] [--data.key=value ...]`: the held-out
+loss of a run's newest checkpoint (or a given one). For a looped model, ``--loops`` evaluates
+the same weights at each loop count H_eff <= H (early exit: the coda reads the state after
+H_eff loops) and says whether deeper is better (loss non-increasing in H_eff)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from recipes.errors import RecipeError
+
+TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("run", help="run folder, its checkpoints folder, or a step_XXXXXXX folder")
+    parser.add_argument("--loops", default="", help="comma-separated H_eff values, e.g. 1,2,4,8 "
+                        "(looped models; default: the model's own H)")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="token budget per H_eff (0 = the recipe's eval.tokens)")
+    parser.add_argument("--micro-batch", type=int, default=0,
+                        help="sequences per forward (0 = the recipe's training.micro_batch)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_loops(text: str, model: torch.nn.Module) -> list[int | None]:
+    if not text:
+        return [None]
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise RecipeError(
+            f"--loops {text!r}: give comma-separated integers, e.g. 1,2,4,8") from None
+    h = getattr(model, "loops", None)
+    if h is None:
+        raise RecipeError(f"--loops needs a looped model; this run's model is "
+                          f"{type(model).__name__}, which has one depth (drop --loops)")
+    bad = [v for v in values if not 1 <= v <= h]
+    if bad:
+        raise RecipeError(f"--loops {bad}: this model was trained with H = {h}; use values in "
+                          f"1..{h}")
+    return values
+
+
+@torch.no_grad()
+def eval_loss(model, loader, budget: int, loops: int | None, device, autocast) -> tuple[float, int]:
+    """Mean next-token loss over the first ``budget`` tokens of the eval split; (loss, tokens)."""
+    total, count = 0.0, 0
+    for batch in loader:
+        if count >= budget:
+            break
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        with autocast:
+            logits = model(ids) if loops is None else model(ids, loops=loops)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        total += float(loss)
+        count += labels.numel()
+    return (total / count if count else float("nan")), count
+
+
+def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 0,
+                 device: str = "auto", overrides: list[str] | None = None) -> dict:
+    import contextlib
+
+    from checkpointing.export import load_model
+    from checkpointing.resume import find_checkpoint
+    from recipes.distributed import pick_device
+    from recipes.recipe import load_recipe
+
+    ckpt = find_checkpoint(Path(run))
+    recipe, tokenizer, model = load_model(ckpt)
+    data_recipe = load_recipe(ckpt, overrides) if overrides else recipe
+    dev = pick_device(device)
+    model = model.to(dev).eval()
+    values = parse_loops(loops, model)
+    tr = data_recipe.training
+    mb = micro_batch or tr.micro_batch
+    dataset = data_recipe.data.build(tokenizer=tokenizer, seq_len=tr.seq_len, seed=tr.seed)
+    dataset.prepare()
+    loader = dataset.loader("eval", micro_batch=mb, global_batch=mb, rank=0, world_size=1)
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16)
+                if tr.mixed_precision == "bf16" else contextlib.nullcontext())
+    budget = tokens or data_recipe.eval.tokens
+    rows = []
+    for h in values:
+        loss, n = eval_loss(model, loader, budget, h, dev, autocast)
+        rows.append({"loops": h if h is not None else getattr(model, "loops", None),
+                     "loss": loss, "tokens": n})
+    return {"checkpoint": str(ckpt), "rows": rows, **verdict([r["loss"] for r in rows])}
+
+
+def verdict(losses: list[float], tol: float = TOLERANCE) -> dict:
+    """Deeper is better when no deeper H_eff is worse than the best shallower one by more than
+    ``tol`` and the deepest beats the shallowest by more than ``tol`` (smaller differences are
+    noise)."""
+    if len(losses) < 2:
+        return {"deeper_is_better": None, "gain": None}
+    gain = losses[0] - losses[-1]
+    monotone = all(losses[i] <= min(losses[:i]) + tol for i in range(1, len(losses)))
+    return {"deeper_is_better": monotone and gain > tol, "gain": gain}
+
+
+def render(result: dict) -> str:
+    lines = [f"checkpoint: {result['checkpoint']}", "H_eff       loss      ppl   tokens"]
+    for r in result["rows"]:
+        h = "-" if r["loops"] is None else str(r["loops"])
+        lines.append(f"{h:>5}  {r['loss']:9.5f}  {math.exp(min(r['loss'], 50)):7.2f}  "
+                     f"{r['tokens']:>7,}")
+    if result["deeper_is_better"] is not None:
+        answer = "yes" if result["deeper_is_better"] else "no"
+        lines.append(f"deeper is better: {answer} (loss of the shallowest minus the deepest: "
+                     f"{result['gain']:+.5f}; none worse than a shallower one by {TOLERANCE:g})")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    result = evaluate_run(args.run, args.loops, args.tokens, args.micro_batch, args.device,
+                          args.overrides)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
