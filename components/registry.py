@@ -171,7 +171,8 @@ def for_config(cfg: Any) -> Entry:
     for entry in _entries.values():
         if entry.name == getattr(cfg, "type", None) and isinstance(cfg, entry.config):
             return entry
-    raise RegistryError(f"no component named {getattr(cfg, 'type', None)!r} uses {type(cfg).__name__}")
+    name = getattr(cfg, "type", None)
+    raise RegistryError(f"no component named {name!r} uses {type(cfg).__name__}")
 
 
 def entries(kind: str | None = None) -> list[Entry]:

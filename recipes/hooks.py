@@ -54,7 +54,8 @@ class LogHook(Hook):
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
         if trainer.peak_flops:
-            values["mfu"] = trainer.flops_per_token * tps / trainer.world.world_size / trainer.peak_flops
+            per_rank = tps / trainer.world.world_size
+            values["mfu"] = trainer.flops_per_token * per_rank / trainer.peak_flops
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
         values.update(trainer.model_metrics())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import tomli_w
 
 from recipes.errors import RecipeError
 from recipes.loader import load_layers
-from recipes.resolve import build_config
+from recipes.resolve import build_config, take_notes
 from recipes.schema import Recipe
 
 
@@ -19,7 +20,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if path.is_dir():
         path = _recipe_in_folder(path)
     layers = load_layers(path, list(overrides))
+    take_notes()
     recipe = build_config(Recipe, layers.data, "", layers)
+    for note in take_notes():
+        print(f"kiln: note: {note}", file=sys.stderr)
     if not recipe.run.name:
         recipe.run.name = path.stem if path.name != "recipe.toml" else path.parent.name
     if not recipe.run.folder:

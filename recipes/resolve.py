@@ -21,9 +21,11 @@ from recipes.loader import Layered
 _NOTES: list[str] = []
 
 
-def notes() -> list[str]:
-    """Keys dropped because a higher layer switched their component's ``type``."""
-    return list(_NOTES)
+def take_notes() -> list[str]:
+    """Keys dropped because a higher layer switched their component's ``type`` (then cleared)."""
+    out = list(_NOTES)
+    _NOTES.clear()
+    return out
 
 
 def _kind_of(annotation: Any, metadata: list[Any]) -> tuple[str | None, str]:
@@ -83,11 +85,11 @@ def _component(kind: str, data: Any, path: str, layers: Layered,
     data = {**data, "type": name}
     type_layer = layers.layer(f"{path}.type")
     for key in list(data):
-        if key != "type" and key not in _keys(entry.config):
-            if layers.layer(f"{path}.{key}") < type_layer:
-                # A higher layer switched the implementation; this key belonged to the old one.
-                _NOTES.append(f"{path}.{key} dropped: not a field of {kind} {name!r}")
-                del data[key]
+        foreign = key != "type" and key not in _keys(entry.config)
+        if foreign and layers.layer(f"{path}.{key}") < type_layer:
+            # A higher layer switched the implementation; this key belonged to the old one.
+            _NOTES.append(f"{path}.{key} dropped: not a field of {kind} {name!r}")
+            del data[key]
     return build_config(entry.config, data, path, layers)
 
 

@@ -13,7 +13,8 @@ from components.registry import register
 
 class AdamWConfig(OptimizerConfig):
     betas: list[float] = Field(
-        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2, description="[beta1, beta2]"
+        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2,
+        description="[beta1, beta2]",
     )
     eps: float = Field(1e-8, gt=0, description="denominator epsilon")
     implementation: Literal["auto", "foreach", "fused", "for_loop"] = Field(

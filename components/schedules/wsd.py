@@ -16,7 +16,9 @@ class WSDConfig(ComponentConfig):
     warmup_fraction: float = Field(
         0.0, ge=0, le=1, description="warmup as a fraction of all steps (used if warmup_steps = 0)"
     )
-    decay_fraction: float = Field(0.2, ge=0, le=1, description="final fraction of steps spent decaying")
+    decay_fraction: float = Field(
+        0.2, ge=0, le=1, description="final fraction of steps spent decaying"
+    )
     decay_shape: Literal["linear", "cosine", "sqrt"] = Field("linear", description="decay curve")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR as a fraction of the peak")
 

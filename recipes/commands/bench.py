@@ -4,6 +4,7 @@ checkpoints, evaluation or logging and report speed, MFU and memory in one table
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 
@@ -50,10 +51,11 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
             "--run.log_interval=1000000",
         ])
         timer = _Timer()
-        trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=open("/dev/null", "w"))
-        if trainer.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        trainer.fit()
+        with open(os.devnull, "w") as sink:
+            trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=sink)
+            if trainer.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            trainer.fit()
     ends = timer.ends
     first = ends[0] - start + _age_at(start)
     window = ends[warmup:] if warmup < len(ends) else ends

@@ -17,7 +17,8 @@ from tests.conftest import CONFIGS, REPO
 TINY = [
     "--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
     "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=4",
-    "--training.micro_batch=2", "--training.steps=4", "--data.max_bytes=300000", "--data.eval_fraction=0.2",
+    "--training.micro_batch=2", "--training.steps=4", "--data.max_bytes=300000",
+    "--data.eval_fraction=0.2",
     "--run.log_interval=1", "--run.progress_bar=false", "--eval.interval=2",
     "--eval.tokens=256", "--checkpoint.enable=false", "--optimizer.lr=3e-3",
 ]
@@ -30,7 +31,8 @@ def losses(run_dir) -> list[float]:
 
 def train(tmp_path, name, extra=()):
     recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, f"--run.folder={tmp_path / name}", *extra])
-    Trainer(recipe, out=open(os.devnull, "w")).fit()
+    with open(os.devnull, "w") as sink:
+        Trainer(recipe, out=sink).fit()
     return tmp_path / name
 
 
