@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from checkpointing.config import CheckpointConfig
 from components.base import Config, OptionalSub, Sub, component, default_config
 from parallelisms.config import ParallelismConfig
+from recipes.context_warmup import ContextWarmupConfig
 
 
 class RunConfig(Config):
@@ -40,6 +41,14 @@ class TrainingConfig(Config):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
     threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
+    context_warmup: ContextWarmupConfig = Field(
+        default_factory=ContextWarmupConfig,
+        description="grow the sequence length from `start` to seq_len over `steps` steps",
+    )
+    init_check: bool = Field(
+        False, description="check with a cheap checksum all-gather that all ranks built the "
+        "same initial weights (multi-process runs)",
+    )
     step: Sub("step") = component("step", "standard", "how one optimizer step is computed")
 
 

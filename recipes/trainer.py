@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from components.steps.common import GuardDecision
 from recipes import batch_plan, distributed
+from recipes.context_warmup import context_length, truncate
 from recipes.errors import TrainingAborted
 from recipes.flops import peak_flops
 from recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
@@ -58,6 +59,7 @@ class Trainer:
             write_recipe(recipe, self.run_dir / "recipe.toml")
         self.plan = batch_plan.plan(tr, self.world.world_size)
         self.progress = Progress()
+        self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
         self.stop_requested = False
 
@@ -130,6 +132,10 @@ class Trainer:
                 self.model, self.device, self.recipe.training.seed, mode=pcfg.init_mode,
                 replica_max_params=pcfg.replica_init_max_params,
             ))
+        if self.recipe.training.init_check and self.world.distributed:
+            from recipes.init_check import check_identical_init
+
+            details.append(check_identical_init(self.model))
         if pcfg.compile_loss:
             self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
         for line in details:
@@ -144,7 +150,8 @@ class Trainer:
     # -------------------------------------------------------- helpers the step components use
     @property
     def tokens_per_step(self) -> int:
-        return self.plan.tokens_per_step
+        """Tokens trained on in this step, all ranks (shorter during a context warmup)."""
+        return self.plan.global_batch * self.seq_len
 
     def zero_grad(self) -> None:
         self.optimizers.zero_grad()
@@ -235,8 +242,12 @@ class Trainer:
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
+            warmup = self.recipe.training.context_warmup
             while self.progress.step < self.total_steps and not self.stop_requested:
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
+                self.seq_len = context_length(self.progress.step, self.plan.seq_len, warmup)
+                if self.seq_len < self.plan.seq_len:
+                    micro = [truncate(b, self.seq_len) for b in micro]
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from components.base import ComponentConfig, Config, Sub, component
+from components.optimizers.memory import optimizer_state_bytes  # noqa: F401  (kiln bench)
 
 
 class ParamRule(Config):
@@ -14,8 +15,9 @@ class ParamRule(Config):
 
     A parameter matches when every non-empty criterion matches: ``ndim`` contains its number of
     dimensions, a pattern of ``include`` matches its name (fnmatch), no pattern of ``exclude``
-    does, and ``modules`` contains the class name of the module that owns it. ``rest`` matches
-    whatever no other optimizer's rule selected.
+    does, ``modules`` contains the class name of the module that owns it and ``exclude_modules``
+    does not. A class matches its subclasses too (``Linear`` matches torchao's ``Float8Linear``
+    and FSDP2's ``FSDPLinear``). ``rest`` matches whatever no other optimizer's rule selected.
     """
 
     ndim: list[int] = Field(default_factory=list, description="accepted ndims (empty = any)")
@@ -25,6 +27,9 @@ class ParamRule(Config):
     exclude: list[str] = Field(default_factory=list, description="fnmatch patterns to leave out")
     modules: list[str] = Field(
         default_factory=list, description="owning module class names, e.g. Embedding (empty = any)"
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list, description="owning module class names to leave out, e.g. Embedding"
     )
     rest: bool = Field(False, description="take every parameter no other optimizer selected")
 

@@ -24,22 +24,30 @@ class Route:
         return sum(p.numel() for _, p in self.decay + self.no_decay)
 
 
-def _owners(model: nn.Module) -> dict[str, str]:
+def _owners(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> class names of its owning module and the module's base classes (so a
+    rule naming ``Linear`` still matches after fp8 conversion or FSDP2 wrapping)."""
     owners = {}
     for mod_name, module in model.named_modules():
+        classes = tuple(c.__name__ for c in type(module).__mro__)
         for p_name, _ in module.named_parameters(recurse=False):
-            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = type(module).__name__
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = classes
     return owners
 
 
-def matches(rule: ParamRule, name: str, param: nn.Parameter, owner: str) -> bool:
+def matches(
+    rule: ParamRule, name: str, param: nn.Parameter, owner: str | tuple[str, ...]
+) -> bool:
     if rule.ndim and param.ndim not in rule.ndim:
         return False
     if rule.include and not any(fnmatchcase(name, pat) for pat in rule.include):
         return False
     if any(fnmatchcase(name, pat) for pat in rule.exclude):
         return False
-    return not (rule.modules and owner not in rule.modules)
+    classes = (owner,) if isinstance(owner, str) else owner
+    if rule.modules and not any(c in rule.modules for c in classes):
+        return False
+    return not any(c in rule.exclude_modules for c in classes)
 
 
 def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Route]:
@@ -49,7 +57,9 @@ def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Rou
     chosen: dict[str, list[str]] = {n: [] for n, _ in params}
     rest = [name for name, cfg in tables.items() if cfg.params.rest]
     if len(rest) > 1:
-        raise RecipeError(f"optimizers {rest} all set params.rest = true; only one may take the rest")
+        raise RecipeError(
+            f"optimizers {rest} all set params.rest = true; only one may take the rest"
+        )
     for opt_name, cfg in tables.items():
         if cfg.params.rest:
             continue
@@ -76,13 +86,19 @@ def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Rou
         rule = tables[opt_name].no_decay
         exempt = rule is not None and matches(rule, n, p, owners.get(n, ""))
         (routes[opt_name].no_decay if exempt else routes[opt_name].decay).append((n, p))
+    for opt_name, r in routes.items():  # optimizers that accept only some parameters say so
+        check = getattr(tables[opt_name], "check_params", None)
+        if check is not None:
+            check(opt_name, r.decay + r.no_decay)
     return routes
 
 
 def param_groups(route_: Route, cfg: OptimizerConfig) -> list[dict]:
     """torch param groups for one optimizer: decayed and non-decayed, each with its peak LR."""
     groups = []
-    for suffix, members, wd in (("", route_.decay, cfg.weight_decay), ("no_decay", route_.no_decay, 0.0)):
+    for suffix, members, wd in (
+        ("", route_.decay, cfg.weight_decay), ("no_decay", route_.no_decay, 0.0)
+    ):
         if members:
             groups.append({
                 "params": [p for _, p in members],
@@ -104,4 +120,6 @@ def routing_table(routes: dict[str, Route], tables: dict[str, OptimizerConfig]) 
             f"{cfg.lr:g}", f"{len(r.decay)}/{len(r.no_decay)}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )

@@ -65,8 +65,20 @@ def test_two_processes_match_one_process(tmp_path):
     one = train(tmp_path, "one")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            f"--master-port={_free_port()}", "-m", "recipes.cli", "train",
-           str(CONFIGS / "debug.toml"), *TINY, f"--run.folder={tmp_path / 'two'}"]
+           str(CONFIGS / "debug.toml"), *TINY, f"--run.folder={tmp_path / 'two'}",
+           "--training.init_check=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(one), rel=1e-4)
+    assert "init check" in out.stdout + out.stderr
+
+
+def test_context_warmup_trains_shorter_sequences_first(tmp_path):
+    run = train(tmp_path, "warm", ["--training.context_warmup.steps=2",
+                                   "--training.context_warmup.start=8",
+                                   "--training.context_warmup.multiple=8"])
+    seen = [json.loads(x)["tokens_seen"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if "tokens_seen" in json.loads(x)]
+    # 4 sequences per step at lengths 8, 24 (8 + 1/2 * 24, rounded up to 8), then 32, 32.
+    assert seen == [32, 128, 256, 384]

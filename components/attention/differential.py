@@ -1,0 +1,154 @@
+"""Differential attention (Ye et al. 2024, "Differential Transformer", microsoft/unilm layout).
+
+Each head of width ``hd`` splits its q and k into two halves of width ``d = hd / 2``; each half
+gives a causal softmax map, and the head attends with their difference to a value of full
+width ``hd``::
+
+    A_c = softmax(q_c k_c^T / sqrt(d) + causal)      c = 1, 2   (per head, GQA on k and v)
+    out = (A_1 - lambda * A_2) v                     computed as A_1 v - lambda * A_2 v
+    out = RMSNorm_hd(out) * (1 - lambda_init)        one norm shared by the heads
+    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 l)
+
+with ``l`` the 0-based layer index (the paper's ``l - 1`` for 1-based depth; unilm passes the
+0-based index). The two maps are two SDPA calls on half-width q/k with the full-width v, which
+matches the official explicit-softmax layout (so any fused SDPA backend is used). As in unilm,
+RoPE rotates each half as its own sub-head (a table of width ``d``); QK-norm, which the paper
+does not use, normalises each half too, since each half feeds its own softmax.
+
+``lambda_mode = "per_head"`` is the 10B reference script's simplification: a directly learnable
+lambda per head (initialised to lambda_init) instead of the exp re-parameterisation. The
+reference script concatenates ``[A_1 v_1, lambda A_2 v_2]`` over half-width values, which is
+not a difference of maps at all; kiln keeps the differential form. ``head_gate`` adds the
+reference's learnable per-head output gate (initialised to 1).
+
+Projections, QK-norm modules and the position sub-component are the causal attention's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from components.attention.causal import CausalAttention, CausalAttentionConfig
+from components.norms.rmsnorm import RMSNorm, RMSNormConfig
+from components.registry import register
+
+
+class DifferentialAttentionConfig(CausalAttentionConfig):
+    lambda_mode: Literal["reparam", "per_head"] = Field(
+        "reparam",
+        description="reparam: lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init (the paper); "
+        "per_head: one learnable lambda per head (the 10B reference's simplification)",
+    )
+    lambda_init_schedule: Literal["depth", "constant"] = Field(
+        "depth", description="depth: 0.8 - 0.6*exp(-0.3*layer_idx); constant: `lambda_init`"
+    )
+    lambda_init: float = Field(0.8, description="lambda_init when lambda_init_schedule = constant")
+    lambda_std: float = Field(0.1, ge=0, description="init std of the lambda vectors (reparam)")
+    head_gate: bool = Field(False, description="learnable per-head output gate (init 1)")
+    head_norm_eps: float = Field(1e-5, gt=0, description="eps of the per-head RMSNorm")
+
+
+def depth_lambda_init(layer_idx: int) -> float:
+    """The paper's lambda_init for the block at 0-based ``layer_idx``."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+@register("attention", "differential")
+class DifferentialAttention(CausalAttention):
+    """Differential attention: difference of two softmax maps per head (GQA, RoPE, QK-norm)."""
+
+    Config = DifferentialAttentionConfig
+
+    def __init__(
+        self, cfg: DifferentialAttentionConfig, *, dim: int, layer_idx: int, n_layers: int,
+        max_seq_len: int,
+    ) -> None:
+        super().__init__(cfg, dim=dim, layer_idx=layer_idx, n_layers=n_layers,
+                         max_seq_len=max_seq_len)
+        hd = self.head_dim
+        if hd % 4:
+            raise ValueError(
+                f"differential attention splits each head in two rotated halves, so head_dim "
+                f"(dim / n_heads = {hd}) must be a multiple of 4; change dim or n_heads"
+            )
+        half = hd // 2
+        # Sub-heads of width hd/2: their own QK-norm and RoPE table (replacing the causal ones).
+        if cfg.qk_norm:
+            norm_cfg = RMSNormConfig(type="rmsnorm")
+            self.q_norm = RMSNorm(norm_cfg, dim=half)
+            self.k_norm = RMSNorm(norm_cfg, dim=half)
+        self.position = cfg.position.build(head_dim=half, max_seq_len=max_seq_len)
+        self.lambda_mode = cfg.lambda_mode
+        self.lambda_std = cfg.lambda_std
+        self.lambda_init = (depth_lambda_init(layer_idx) if cfg.lambda_init_schedule == "depth"
+                            else cfg.lambda_init)
+        if cfg.lambda_mode == "reparam":
+            self.lambda_q1 = nn.Parameter(torch.empty(half))
+            self.lambda_k1 = nn.Parameter(torch.empty(half))
+            self.lambda_q2 = nn.Parameter(torch.empty(half))
+            self.lambda_k2 = nn.Parameter(torch.empty(half))
+        else:
+            self.lambda_head = nn.Parameter(torch.empty(self.n_heads))
+        self.head_gate = nn.Parameter(torch.empty(self.n_heads)) if cfg.head_gate else None
+        self.head_norm = RMSNorm(RMSNormConfig(type="rmsnorm", eps=cfg.head_norm_eps), dim=hd)
+        if not self.wo.weight.is_meta:
+            self._init_extra()
+
+    @torch.no_grad()
+    def _init_extra(self) -> None:
+        if self.lambda_mode == "reparam":
+            for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                nn.init.normal_(p, mean=0.0, std=self.lambda_std)
+        else:
+            nn.init.constant_(self.lambda_head, self.lambda_init)
+        if self.head_gate is not None:
+            nn.init.ones_(self.head_gate)
+        self.head_norm.reset_parameters()
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        super().init_weights(std, out_std)
+        self._init_extra()
+
+    def lambda_value(self) -> torch.Tensor:
+        """lambda per head, shape (H,) (the reparam value is shared by the heads), fp32."""
+        if self.lambda_mode == "per_head":
+            return self.lambda_head.float()
+        lam1 = torch.exp((self.lambda_q1.float() * self.lambda_k1.float()).sum())
+        lam2 = torch.exp((self.lambda_q2.float() * self.lambda_k2.float()).sum())
+        return (lam1 - lam2 + self.lambda_init).expand(self.n_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+        b, t, _ = x.shape
+        h, hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        half = hd // 2
+        if hasattr(self, "wqkv"):
+            q, k, v = self.wqkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
+        k = k.view(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
+        v = v.view(b, t, hk, hd).transpose(1, 2)  # (B, Hk, T, 2d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.position(q, k)
+        q = q.view(b, t, h, 2, half)  # (B, T, H, 2, d)
+        k = k.view(b, t, hk, 2, half)  # (B, T, Hk, 2, d)
+        gqa = hk != h
+        a1v, a2v = (
+            F.scaled_dot_product_attention(
+                q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2), v,
+                is_causal=True, enable_gqa=gqa,
+            )  # (B, H, T, 2d)
+            for c in (0, 1)
+        )
+        lam = self.lambda_value().to(a1v.dtype).view(1, h, 1, 1)
+        out = self.head_norm(a1v - lam * a2v) * (1 - self.lambda_init)  # (B, H, T, 2d)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype).view(1, h, 1, 1)
+        return self.wo(out.transpose(1, 2).reshape(b, t, h * hd))

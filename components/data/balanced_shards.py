@@ -1,0 +1,305 @@
+"""The ``balanced_shards`` dataset: several named domains of pre-tokenised ``.npy`` shards,
+interleaved so that every domain contributes the same number of tokens.
+
+Shard layout and sources (local folder or Hugging Face Hub): see ``shard_source``. Each domain
+is an endless stream of rows: its shards in a seeded random order (a new order each pass), the
+rows of each shard in a seeded random permutation. Whenever a stream moves on to its next shard
+it lists the domain again, and shards it has not seen join the current pass, so data uploaded
+while training is used without a restart (ranks list independently: a shard that appears while
+ranks are listing may reach them a shard apart — harmless, but not bit-reproducible).
+
+Global row ``j`` is row ``j // D`` of domain ``j % D`` (D domains): any D consecutive rows hold
+one of each, hence equal tokens per domain. As in ``packed_documents``, global step ``g`` uses
+rows ``[g*GB, (g+1)*GB)`` and rank ``r`` of ``W`` takes the contiguous slice
+``[g*GB + r*GB/W, g*GB + (r+1)*GB/W)`` in micro-batches; so every world size sees the same
+global batches. The first ``eval_rows`` rows of each domain's first shard (by name) are held out
+for the ``eval`` split and never trained on.
+
+The position is a plain dict (``state_dict``): the micro-batch cursor plus, per domain, the
+shards in stream order with their row counts, the pass queue and the shards seen.
+"""
+
+from __future__ import annotations
+
+import zlib
+from bisect import bisect_right
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from components.base import ComponentConfig
+from components.data.shard_source import FolderSource, HubSource, Shard
+from components.registry import register
+from recipes.errors import DataError, RecipeError
+
+
+class BalancedShardsConfig(ComponentConfig):
+    """Domains of .npy token shards, balanced to equal tokens per domain."""
+
+    path: str = Field("", description="local source: root holding one sub-folder per domain")
+    repo_id: str = Field(
+        "", description='Hub source (used when set): dataset repository, e.g. "org/name"'
+    )
+    prefix: str = Field("data", description="hub source: folder in the repo holding the domains")
+    revision: str = Field("", description='hub source: branch, tag or commit ("" = main)')
+    cache_dir: str = Field("", description='hub source: Hub cache folder ("" = HF default)')
+    local_files_only: bool = Field(
+        False, description="hub source: never go online; list and read the cached snapshot"
+    )
+    domains: list[str] = Field(
+        default_factory=lambda: ["code", "general", "math", "reasoning"], min_length=1,
+        description="domain sub-folders, each contributing the same number of tokens",
+    )
+    eval_rows: int = Field(
+        64, ge=0, description="rows per domain held out for eval (from its first shard by name)"
+    )
+    shuffle: bool = Field(True, description="seeded random shard order and row order")
+    refresh: bool = Field(True, description="list the domain again before each new shard")
+
+
+def _rng(seed: int, *keys: str | int) -> np.random.Generator:
+    ints = [k if isinstance(k, int) else zlib.crc32(k.encode()) for k in keys]
+    return np.random.default_rng([seed, *ints])
+
+
+class DomainStream:
+    """One domain's endless row stream (shards in stream order, extended one shard at a time)."""
+
+    def __init__(self, ds: BalancedShards, domain: str) -> None:
+        self.ds, self.domain = ds, domain
+        self.entries: list[list] = []  # [shard name, train rows] in stream order
+        self.base = 0  # stream rows before entries[0] (entries already consumed are dropped)
+        self.queue: list[str] = []  # the current pass's remaining shards
+        self.seen: list[str] = []
+        self.passes = 0
+        self._cum: list[int] = [0]
+        self._open: dict[str, tuple[Shard, np.ndarray]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "base": self.base,
+                "queue": list(self.queue), "seen": list(self.seen), "passes": self.passes}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.entries = [[str(n), int(r)] for n, r in s["entries"]]
+        self.base, self.passes = int(s["base"]), int(s["passes"])
+        self.queue, self.seen = [str(n) for n in s["queue"]], [str(n) for n in s["seen"]]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._cum = [0]
+        for _, rows in self.entries:
+            self._cum.append(self._cum[-1] + rows)
+
+    def _extend(self) -> None:
+        """Append the next shard: list the domain (new shards join this pass), pop one."""
+        if self.ds.cfg.refresh or not self.seen:
+            known = set(self.seen)
+            new = [n for n in self.ds.source.list(self.domain) if n not in known]
+            if new and self.ds.cfg.shuffle:
+                new = list(_rng(self.ds.seed, self.domain, "new", len(self.seen)).permutation(new))
+            self.seen += new
+            self.queue += new
+        if not self.queue:
+            if not self.seen:
+                raise DataError(f"{self.ds.source.where}/{self.domain}: no .npy shards; check "
+                                "the domain names and the folder / repository")
+            self.passes += 1
+            order = sorted(self.seen)
+            if self.ds.cfg.shuffle:
+                order = list(_rng(self.ds.seed, self.domain, self.passes).permutation(order))
+            self.queue = order
+        name = self.queue.pop(0)
+        rows = self.ds.shard(name).rows - self.ds.held_out(self.domain, name)
+        self.entries.append([name, max(rows, 0)])
+        self._cum.append(self._cum[-1] + max(rows, 0))
+
+    def rows(self, ks: np.ndarray, keep_from: int) -> np.ndarray:
+        """Stream rows ``ks`` (int64 (n, seq_len + 1)); drops shards ending before keep_from."""
+        while int(ks.max()) >= self.base + self._cum[-1]:
+            self._extend()
+        out = np.empty((len(ks), self.ds.seq_len + 1), dtype=np.int64)
+        local = ks - self.base
+        idx = np.array([bisect_right(self._cum, int(k)) - 1 for k in local])
+        for e in np.unique(idx):
+            name = self.entries[e][0]
+            mask = idx == e
+            out[mask] = self._read(name, local[mask] - self._cum[e])
+        while len(self.entries) > 1 and self.base + self._cum[1] <= keep_from:
+            self.base += self.entries.pop(0)[1]
+            self._reindex()
+        return out
+
+    def _read(self, name: str, offsets: np.ndarray) -> np.ndarray:
+        if name not in self._open:
+            shard = self.ds.shard(name)
+            skip = self.ds.held_out(self.domain, name)
+            n = shard.rows - skip
+            perm = (_rng(self.ds.seed, self.domain, name).permutation(n) if self.ds.cfg.shuffle
+                    else np.arange(n)) + skip
+            self._open = {k: v for k, v in list(self._open.items())[-1:]}  # keep two open
+            self._open[name] = (shard, perm)
+        shard, perm = self._open[name]
+        return shard.read(perm[offsets])
+
+
+@register("dataset", "balanced_shards")
+class BalancedShards:
+    """Pre-tokenised .npy shards of several domains, equal tokens per domain, streamed."""
+
+    Config = BalancedShardsConfig
+
+    def __init__(self, cfg: BalancedShardsConfig, *, tokenizer: Any = None, seq_len: int,
+                 seed: int = 0, **context: Any) -> None:
+        self.cfg, self.seq_len, self.seed = cfg, seq_len, seed
+        if len(set(cfg.domains)) != len(cfg.domains):
+            raise RecipeError(f"data.domains lists a domain twice: {cfg.domains}")
+        if cfg.repo_id and cfg.path:
+            raise RecipeError("balanced_shards: set data.path (a local folder) or data.repo_id "
+                              "(a Hub dataset), not both")
+        if cfg.repo_id:
+            self.source: Any = HubSource(cfg.repo_id, cfg.prefix, cfg.revision, cfg.cache_dir,
+                                         cfg.local_files_only)
+        elif cfg.path:
+            self.source = FolderSource(cfg.path)
+        else:
+            raise RecipeError("balanced_shards needs data.path (a folder holding one sub-folder "
+                              'of .npy shards per domain) or data.repo_id (e.g. "org/dataset")')
+        self.eval_shard: dict[str, str] = {}
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.source.where)
+
+    def shard(self, name: str) -> Shard:
+        return Shard(self.source.fetch(name), self.seq_len, f"{self.source.where}/{name}")
+
+    def held_out(self, domain: str, name: str) -> int:
+        return self.cfg.eval_rows if self.eval_shard.get(domain) == name else 0
+
+    def prepare(self, *, create: bool = False) -> Path:
+        """List every domain, pick its eval shard and check that it opens; no copy is made."""
+        for d in self.cfg.domains:
+            names = self.source.list(d)
+            if not names:
+                raise DataError(f"{self.source.where}/{d}: no .npy shards for domain {d!r}; "
+                                f"domains: {self.cfg.domains}")
+            first = self.shard(names[0])
+            if self.cfg.eval_rows:
+                if first.rows <= self.cfg.eval_rows:
+                    raise DataError(f"{first.name}: {first.rows} rows, not more than eval_rows "
+                                    f"= {self.cfg.eval_rows}; lower data.eval_rows")
+                self.eval_shard[d] = names[0]
+        return self.folder
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return {"domains": self.cfg.domains, "source": self.source.where,
+                "eval_shards": dict(self.eval_shard)}
+
+    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
+               world_size: int = 1) -> BalancedLoader:
+        if not self.eval_shard and self.cfg.eval_rows:
+            self.prepare()
+        return BalancedLoader(self, split, micro_batch=micro_batch, global_batch=global_batch,
+                              rank=rank, world_size=world_size)
+
+
+class BalancedLoader:
+    """Micro-batches ``{"input_ids", "labels"}`` (int64 (micro_batch, seq_len)) of one rank.
+
+    ``train`` runs forever and resumes from ``state_dict``; ``eval`` is one pass over the held-out
+    rows each time it is iterated.
+    """
+
+    steps_per_epoch = None  # endless stream: the recipe sets training.steps or tokens
+
+    def __init__(self, ds: BalancedShards, split: str, *, micro_batch: int, global_batch: int,
+                 rank: int, world_size: int) -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if global_batch % (world_size * micro_batch) or not 0 <= rank < world_size:
+            raise RecipeError(
+                f"training.global_batch = {global_batch} must be divisible by world size "
+                f"{world_size} x training.micro_batch {micro_batch}"
+            )
+        self.ds, self.split, self.seq_len = ds, split, ds.seq_len
+        self.micro_batch, self.global_batch = micro_batch, global_batch
+        self.rank, self.world_size = rank, world_size
+        self.micro_per_step = global_batch // world_size // micro_batch
+        self.domains = list(ds.cfg.domains)
+        self.streams = {d: DomainStream(ds, d) for d in self.domains}
+        self._pos = 0
+        if split == "eval" and not ds.cfg.eval_rows:
+            raise DataError("data.eval_rows = 0: balanced_shards has no eval split; set "
+                            "eval_rows > 0 or eval.interval = 0")
+
+    def _rows(self, first: int) -> np.ndarray:
+        d = len(self.domains)
+        j = first + np.arange(self.micro_batch)  # global row numbers
+        dom, k = j % d, j // d
+        out = np.empty((self.micro_batch, self.seq_len + 1), dtype=np.int64)
+        step_start = (first // self.global_batch) * self.global_batch // d
+        for i, name in enumerate(self.domains):
+            mask = dom == i
+            if mask.any():
+                if self.split == "eval":
+                    shard = self.ds.shard(self.ds.eval_shard[name])
+                    out[mask] = shard.read(k[mask])
+                else:
+                    out[mask] = self.streams[name].rows(k[mask], keep_from=step_start)
+        return out
+
+    def _first_row(self, pos: int) -> int:
+        step, micro = divmod(pos, self.micro_per_step)
+        return step * self.global_batch + self.rank * (self.global_batch // self.world_size) \
+            + micro * self.micro_batch
+
+    def _batch(self, pos: int) -> dict[str, torch.Tensor]:
+        rows = torch.from_numpy(self._rows(self._first_row(pos)))  # (mb, L + 1)
+        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+    def __len__(self) -> int:
+        if self.split == "train":
+            raise TypeError("the balanced_shards train stream is endless")
+        return self.ds.cfg.eval_rows * len(self.domains) // self.global_batch * self.micro_per_step
+
+    def __iter__(self):
+        if self.split == "eval":
+            return (self._batch(p) for p in range(len(self)))
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = self._batch(self._pos)
+        self._pos += 1
+        return batch
+
+    def skip_steps(self, n: int) -> None:
+        """Jump ``n`` global steps ahead (e.g. past the data that caused a loss spike)."""
+        if n < 0:
+            raise ValueError(f"skip_steps needs n >= 0, got {n}")
+        self._pos += n * self.micro_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        step, micro = divmod(self._pos, self.micro_per_step)
+        return {"step": step, "micro": micro, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "micro_batch": self.micro_batch,
+                "world_size": self.world_size, "domains": self.domains,
+                "streams": {d: s.state_dict() for d, s in self.streams.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seq_len", "global_batch", "domains"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"the data cursor was saved with {key} = {state[key]}, this "
+                                f"loader has {getattr(self, key)}; resume with the same data "
+                                "settings and batch plan")
+        micro = int(state["micro"])
+        if micro and (state["micro_batch"], state["world_size"]) != (self.micro_batch,
+                                                                     self.world_size):
+            raise DataError("the data cursor was saved in the middle of a step with another "
+                            "micro_batch or world size; resume from a step boundary")
+        for d, s in state["streams"].items():
+            self.streams[d].load_state_dict(s)
+        self._pos = int(state["step"]) * self.micro_per_step + micro

@@ -1,0 +1,225 @@
+"""balanced_shards: equal tokens per domain, the global-step sharding rule, held-out eval rows,
+shards picked up while training, exact resume, the Hub path offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from components.base import default_config
+from recipes.errors import DataError, RecipeError
+
+L = 8  # seq_len
+DOMAINS = ["code", "math", "web"]
+
+
+def tag(domain: int, shard: int, row: int) -> int:
+    return domain * 10000 + shard * 1000 + row
+
+
+def write_shard(root: Path, d: int, s: int, rows: int = 20, one_d: bool = False) -> Path:
+    """Rows whose first token tags (domain, shard, row); the rest count up from it."""
+    folder = root / DOMAINS[d]
+    folder.mkdir(parents=True, exist_ok=True)
+    arr = np.array([[tag(d, s, r) + i for i in range(L + 3)] for r in range(rows)], np.uint16)
+    if one_d:  # a stream whose windows of L + 1 (stride L) start with the same tags
+        arr = np.concatenate([np.r_[tag(d, s, r), np.arange(1, L)] for r in range(rows)]
+                             + [np.array([0])]).astype(np.int32)
+    path = folder / f"shard_{s:03d}.npy"
+    np.save(path, arr)
+    return path
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    for d in range(3):
+        for s in range(2):
+            write_shard(tmp_path / "data", d, s)
+    return tmp_path / "data"
+
+
+def dataset(root: Path, **values):
+    values = {"path": str(root), "domains": DOMAINS, "eval_rows": 4, **values}
+    if values.get("repo_id"):
+        values.pop("path")
+    cfg = default_config("dataset", "balanced_shards", **values)
+    ds = cfg.build(tokenizer=None, seq_len=L, seed=0)
+    ds.prepare()
+    return ds
+
+
+def tags(batch) -> list[int]:
+    return batch["input_ids"][:, 0].tolist()
+
+
+def test_batches_are_shifted_windows_with_equal_rows_per_domain(root):
+    loader = dataset(root).loader("train", micro_batch=6, global_batch=6)
+    for _ in range(5):
+        b = next(loader)
+        assert b["input_ids"].shape == b["labels"].shape == (6, L)
+        assert b["input_ids"].dtype == torch.int64
+        assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])
+        assert sorted(t // 10000 for t in tags(b)) == [0, 0, 1, 1, 2, 2]  # round robin
+
+
+def test_two_ranks_take_contiguous_slices_of_the_same_global_batch(root):
+    ds = dataset(root)
+    single = ds.loader("train", micro_batch=2, global_batch=12)
+    ranks = [ds.loader("train", micro_batch=3, global_batch=12, rank=r, world_size=2)
+             for r in range(2)]
+    for _ in range(4):  # steps
+        full = sum((tags(next(single)) for _ in range(6)), [])
+        split = sum((tags(next(ranks[r])) for r in range(2) for _ in range(2)), [])
+        assert full == split
+
+
+def test_eval_rows_are_held_out(root):
+    ds = dataset(root)
+    held = {tag(d, 0, r) for d in range(3) for r in range(4)}
+    train = ds.loader("train", micro_batch=6, global_batch=6)
+    seen = [t for _ in range(40) for t in tags(next(train))]  # 240 rows > a full pass (108)
+    assert not held & set(seen)
+    assert {t // 1000 % 10 for t in seen} == {0, 1}  # both shards of every domain
+    ev = ds.loader("eval", micro_batch=2, global_batch=6, rank=1, world_size=3)
+    assert len(ev) == 2  # 12 eval rows / global batch 6 = 2 steps, one micro-batch each
+    got = [t for b in ev for t in tags(b)]
+    assert set(got) <= held and len(got) == 4
+    assert [t for b in ev for t in tags(b)] == got  # one fresh pass per iteration
+
+
+def test_one_pass_covers_every_train_row_once(root):
+    ds = dataset(root, shuffle=False)
+    train = ds.loader("train", micro_batch=6, global_batch=6)
+    first_pass = [t for _ in range(6) for t in tags(next(train))]  # 36 rows per domain
+    assert len(set(first_pass)) == 36
+    assert [t for t in first_pass if t // 10000 == 0][:3] == [tag(0, 0, 4), tag(0, 0, 5),
+                                                               tag(0, 0, 6)]
+
+
+def test_new_shards_are_picked_up_between_shards(tmp_path):
+    root = tmp_path / "data"
+    for d in range(3):
+        write_shard(root, d, 0)
+    train = dataset(root, eval_rows=0).loader("train", micro_batch=3, global_batch=3)
+    for _ in range(3):
+        next(train)
+    for d in range(3):
+        write_shard(root, d, 5)  # uploaded while training
+    seen = [t for _ in range(40) for t in tags(next(train))]  # the first shards end at 20 rows
+    assert {t // 1000 % 10 for t in seen} == {0, 5}
+    assert train.streams["code"].seen == ["code/shard_000.npy", "code/shard_005.npy"]
+
+
+def test_resume_from_a_json_state_is_exact(root):
+    ds = dataset(root)
+    a = ds.loader("train", micro_batch=2, global_batch=6)
+    for _ in range(17):
+        next(a)
+    state = json.loads(json.dumps(a.state_dict()))  # plain data
+    expected = [tags(next(a)) for _ in range(30)]
+    b = dataset(root).loader("train", micro_batch=2, global_batch=6)
+    b.load_state_dict(state)
+    assert [tags(next(b)) for _ in range(30)] == expected
+    assert len(a.streams["code"].entries) <= 2  # consumed shards are dropped from the state
+
+
+def test_resume_at_a_step_boundary_with_another_world_size(root):
+    ds = dataset(root)
+    one = ds.loader("train", micro_batch=3, global_batch=6)
+    for _ in range(2 * 9):  # 9 steps
+        next(one)
+    state = one.state_dict()
+    expected = [t for _ in range(2) for t in tags(next(one))]
+    halves = []
+    for r in range(2):
+        other = ds.loader("train", micro_batch=3, global_batch=6, rank=r, world_size=2)
+        other.load_state_dict(state)
+        halves += tags(next(other))
+    assert halves == expected
+
+
+def test_one_dimensional_stream_shards(tmp_path):
+    root = tmp_path / "data"
+    for d in range(3):
+        write_shard(root, d, 0, rows=10, one_d=True)
+    ds = dataset(root, eval_rows=2, shuffle=False)
+    b = next(ds.loader("train", micro_batch=3, global_batch=3))
+    assert tags(b) == [tag(0, 0, 2), tag(1, 0, 2), tag(2, 0, 2)]
+    assert b["labels"][0, -1].item() == tag(0, 0, 3)  # the window's extra token: next row's tag
+
+
+def test_errors_say_what_to_fix(tmp_path):
+    root = tmp_path / "data"
+    write_shard(root, 0, 0)
+    with pytest.raises(DataError, match="no .npy shards for domain 'math'"):
+        dataset(root)
+    np.save(root / "code" / "shard_000.npy", np.zeros((4, L), np.uint16))  # rows too short
+    with pytest.raises(DataError, match=r"needs 9 \(inputs"):
+        dataset(root, domains=["code"], eval_rows=1)
+    np.save(root / "code" / "shard_000.npy", np.zeros((40, L + 1), np.float32))
+    with pytest.raises(DataError, match="integers"):
+        dataset(root, domains=["code"])
+    with pytest.raises(RecipeError, match="needs data.path"):
+        default_config("dataset", "balanced_shards").build(seq_len=L)
+
+
+def _hub_cache(cache: Path, root: Path, repo: str = "org/nova-data") -> Path:
+    """The Hugging Face cache layout of a dataset repo at one commit (what a download leaves)."""
+    base = cache / f"datasets--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = base / "snapshots" / commit / "data"
+    for src in root.rglob("*.npy"):
+        dst = snap / src.relative_to(root)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(src.read_bytes())
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_hub_source_offline_reads_the_cache_like_a_folder(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _hub_cache(tmp_path / "hf", root)
+    cfg = default_config("dataset", "balanced_shards", repo_id="org/nova-data",
+                         cache_dir=str(tmp_path / "hf"), local_files_only=True, domains=DOMAINS,
+                         eval_rows=4)
+    hub = cfg.build(tokenizer=None, seq_len=L, seed=0)
+    hub.prepare()
+    a = hub.loader("train", micro_batch=3, global_batch=6)
+    b = dataset(root).loader("train", micro_batch=3, global_batch=6)
+    for _ in range(25):
+        assert tags(next(a)) == tags(next(b))
+    assert hub.eval_shard["math"] == "math/shard_000.npy"
+
+
+def test_hub_source_online_lists_the_repo_tree(root, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snap = _hub_cache(tmp_path / "hf", root)
+    listed = []
+
+    class Entry:
+        def __init__(self, path):
+            self.path = path
+
+    def list_repo_tree(self, repo_id, path_in_repo, repo_type, revision, recursive):
+        assert (repo_id, repo_type, recursive) == ("org/nova-data", "dataset", False)
+        listed.append(path_in_repo)
+        folder = snap.parent / path_in_repo
+        return [Entry(f"{path_in_repo}/{p.name}") for p in folder.iterdir()]
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", list_repo_tree)
+    real = huggingface_hub.hf_hub_download
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: real(*a, **{**k, "local_files_only": True}))
+    cfg = default_config("dataset", "balanced_shards", repo_id="org/nova-data",
+                         cache_dir=str(tmp_path / "hf"), domains=DOMAINS, eval_rows=4)
+    hub = cfg.build(tokenizer=None, seq_len=L, seed=0)
+    hub.prepare()
+    assert listed == ["data/code", "data/math", "data/web"]
+    assert tags(next(hub.loader("train", micro_batch=6, global_batch=6))) == tags(
+        next(dataset(root).loader("train", micro_batch=6, global_batch=6)))

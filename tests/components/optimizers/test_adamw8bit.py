@@ -1,0 +1,71 @@
+"""adamw8bit (torchao): float LRs from the schedule, 8-bit state, close to fp32 AdamW, DCP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.base import default_config
+from components.optimizers.memory import optimizer_state_bytes
+from tests import nova_dist
+from tests.components.optimizers.helpers import dcp_round_trip
+
+
+class Emb(torch.nn.Module):
+    """One quantised tensor (64 x 128 = 8192 elements) and one small fp32-state tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 128)
+        self.scale = torch.nn.Parameter(torch.ones(128))
+
+    def forward(self, x):
+        return self.emb((x.abs() * 10).long() % 64).mean(1) * self.scale
+
+
+def _groups(model, lr):
+    return [{"params": list(model.parameters()), "lr": lr, "peak_lr": lr, "weight_decay": 0.1}]
+
+
+def _train(model, opt, steps, lr_schedule=None):
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        if lr_schedule:
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * lr_schedule(i)  # a float, as the trainer writes it
+        x = torch.randn(8, 16, generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_close_to_fp32_adamw_with_float_lrs_and_a_quarter_of_the_state():
+    a, b = Emb(), Emb()
+    opt8 = default_config("optimizer", "adamw8bit", lr=1e-2).build(_groups(a, 1e-2))
+    opt32 = default_config("optimizer", "adamw", lr=1e-2).build(_groups(b, 1e-2))
+    sched = lambda i: 0.5 + 0.1 * i  # noqa: E731
+    _train(a, opt8, 5, sched)
+    _train(b, opt32, 5, sched)
+    assert float(opt8.param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.9)
+    moved = (b.emb.weight - Emb().emb.weight).abs().max().item()
+    diff = (a.emb.weight - b.emb.weight).abs().max().item()
+    assert diff < 0.05 * moved  # the 8-bit moments track the fp32 ones closely
+    state = opt8.state[a.emb.weight]["exp_avg"]
+    assert type(state).__name__ == "OptimState8bit"
+    assert type(opt8.state[a.scale]["exp_avg"]) is torch.Tensor  # < 4096 elements: fp32
+    # moments: 2 x 8192 x (1 byte + 4/256 scale bytes) + 2 x 128 x 4 bytes + step counters
+    assert optimizer_state_bytes(opt8) < 0.3 * optimizer_state_bytes(opt32)
+
+
+def test_dcp_round_trip(tmp_path):
+    cfg = default_config("optimizer", "adamw8bit", lr=1e-2)
+    assert dcp_round_trip(lambda m: cfg.build(_groups(m, cfg.lr)), tmp_path, make_model=Emb,
+                          steps=2) == 0.0
+
+
+@pytest.mark.slow
+def test_fsdp2_state_round_trips_through_dcp():
+    res = nova_dist.results()["adamw8bit"]
+    assert res["dcp_round_trip"] == 0.0
+    assert res["state_is_dtensor_of"] == "OptimState8bit"  # a DTensor wrapping the 8-bit state
