@@ -17,6 +17,9 @@ def run(args) -> int:
     try:
         trainer = Trainer(recipe)
         trainer.fit()
+        # Leave together: a rank tearing down its gloo connections while a peer still uses
+        # them can abort the peer ("terminate called without an active exception").
+        distributed.barrier()
     finally:
         distributed.shutdown()
     return 0

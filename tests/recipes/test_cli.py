@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 
 from recipes.cli import COMMANDS, main
 from tests.conftest import CONFIGS, REPO

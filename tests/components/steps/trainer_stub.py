@@ -31,7 +31,9 @@ class StubTrainer(Trainer):
         self.optimizers = OptimizerSet(model, tables, total_steps)
         self.guards = guards or {}
         self.progress = Progress()
-        self.plan = SimpleNamespace(tokens_per_step=tokens_per_step)
+        # tokens_per_step = global_batch x current seq_len: a batch of one "sequence" this long.
+        self.plan = SimpleNamespace(global_batch=1)
+        self.seq_len = tokens_per_step
         self.autocast = contextlib.nullcontext()
 
     def run(self, step_fn, micro_batches: list[dict[str, torch.Tensor]]):
