@@ -7,6 +7,7 @@ logging, evaluation, checkpointing and profiling hang off hooks (``recipes/hooks
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -81,7 +82,6 @@ class Trainer:
         self.model = self._build_model()
         self.parallel_summary = self._parallelize()
         self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))
-        self.peak_flops = peak_flops(self.device.type) if self.world.is_main else 0.0
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
         self.step_fn = tr.step.build()
@@ -148,6 +148,16 @@ class Trainer:
         return CheckpointHook(self)
 
     # -------------------------------------------------------- helpers the step components use
+    @functools.cached_property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s of one rank's device for MFU, in the training compute dtype. Measured
+        lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
+        if not self.world.is_main:
+            return 0.0
+        bf16 = self.recipe.training.mixed_precision == "bf16" or (
+            self.recipe.parallelism.param_dtype == "bfloat16")
+        return peak_flops(self.device.type, torch.bfloat16 if bf16 else torch.float32)
+
     @property
     def tokens_per_step(self) -> int:
         """Tokens trained on in this step, all ranks (shorter during a context warmup)."""

@@ -127,7 +127,7 @@ def render(r: dict) -> str:
         ("model FLOPs/token", f"{r['flops_per_token']:.4g}"),
         ("achieved FLOP/s", f"{r['achieved_flops'] / 1e9:.1f} GFLOP/s"),
         ("peak FLOP/s", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s"
-         + (" (matmul probe)" if r["device"] == "cpu" else " (datasheet bf16)")),
+         + (" (matmul probe, training dtype)" if r["device"] == "cpu" else " (datasheet bf16)")),
         ("MFU", mfu),
         ("peak memory", f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB"
          + (" (process RSS)" if r["device"] == "cpu" else " (CUDA max allocated)")),

@@ -78,21 +78,21 @@ def test_logit_softcap_bounds_logits():
     assert logits.abs().max() > 0.4  # saturating, not zeroed
 
 
-def test_init_after_to_empty_from_meta_equals_normal_build():
-    for values in ({}, {"tie_embeddings": True, "layerscale_init": 0.1}):
-        ref = _model(seed=3, **values)
-        with torch.device("meta"):
-            meta = _cfg(**values).build(vocab_size=V, seq_len=T)
-        meta.to_empty(device="cpu")
-        torch.manual_seed(3)
-        meta.init_weights()
-        assert meta.state_dict().keys() == ref.state_dict().keys()
-        for (name, a), b in zip(ref.state_dict().items(), meta.state_dict().values(), strict=True):
-            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
-        rope = meta.layers["0"].attention.position
-        torch.testing.assert_close(rope.freqs_cis, ref.layers["0"].attention.position.freqs_cis)
-        ids = torch.randint(0, V, (1, T))
-        torch.testing.assert_close(meta(ids), ref(ids))
+@pytest.mark.parametrize("values", [{}, {"tie_embeddings": True, "layerscale_init": 0.1}])
+def test_init_after_to_empty_from_meta_equals_normal_build(values):
+    ref = _model(seed=3, **values)
+    with torch.device("meta"):
+        meta = _cfg(**values).build(vocab_size=V, seq_len=T)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta.init_weights()
+    assert meta.state_dict().keys() == ref.state_dict().keys()
+    for (name, a), b in zip(ref.state_dict().items(), meta.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    rope = meta.layers["0"].attention.position
+    torch.testing.assert_close(rope.freqs_cis, ref.layers["0"].attention.position.freqs_cis)
+    ids = torch.randint(0, V, (1, T))
+    torch.testing.assert_close(meta(ids), ref(ids))
 
 
 def test_init_scales():
