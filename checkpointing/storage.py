@@ -1,7 +1,7 @@
 """Pickle-free storage: tensors through DCP or safetensors, everything else as JSON.
 
-DCP itself pickles its ``.metadata`` index and would pickle (and unpickle with
-``weights_only=False``) any non-tensor value in a state dict. kiln therefore (1) hands DCP only
+DCP itself pickles its ``.metadata`` index and would pickle (and fully unpickle, without the
+weights-only restriction) any non-tensor value in a state dict. kiln therefore (1) hands DCP only
 tensors, splitting every other leaf into a JSON tree, (2) reads the index with an unpickler that
 accepts only DCP's own metadata classes, and (3) refuses byte items when loading. Tensor data
 inside DCP files is read by DCP with ``torch.load(weights_only=True)``.

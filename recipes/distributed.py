@@ -55,9 +55,18 @@ def init(device_choice: str = "auto", backend: str = "auto") -> World:
     return World(rank, world_size, local_rank, device)
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(*, together: bool = True) -> None:
+    """Leave the process group. ``together``: first wait (bounded) until every rank is here,
+    because a rank tearing down gloo connections that a peer still uses can abort the peer
+    ("terminate called without an active exception"). Pass False when leaving on an error."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if together and dist.get_world_size() > 1:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+        else:
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:

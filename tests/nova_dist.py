@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from recipes import distributed
 
 WORLD = 2
 
@@ -299,7 +302,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                "timing": case_timing()}
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
-        dist.destroy_process_group()
+        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 def _free_port() -> int:

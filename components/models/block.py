@@ -8,6 +8,9 @@ into the residual stream); otherwise every submodule's ``reset_parameters()`` an
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -62,3 +65,27 @@ class Block(nn.Module):
         x = x + a if self.attention_scale is None else x + self.attention_scale * a
         f = self.feed_forward(self.ffn_norm(x))
         return x + f if self.ffn_scale is None else x + self.ffn_scale * f
+
+
+def build_blocks(cfg: Any, n_layers: int, max_seq_len: int) -> nn.ModuleDict:
+    """Blocks ``"0" .. str(n_layers - 1)`` from a model config's ``dim``, ``attention``, ``ffn``,
+    ``norm`` and ``layerscale_init`` (the sub-components are built in that order per block)."""
+    dim = cfg.dim
+    return nn.ModuleDict({
+        str(i): Block(
+            attention=cfg.attention.build(
+                dim=dim, layer_idx=i, n_layers=n_layers, max_seq_len=max_seq_len),
+            feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
+            attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
+            dim=dim, layerscale_init=cfg.layerscale_init,
+        )
+        for i in range(n_layers)
+    })
+
+
+def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
+    """Init each block with residual-writer std ``std / sqrt(2 * (i + 1))`` (``depth_init``)
+    or ``std / sqrt(2 * len(blocks))``."""
+    for i, block in enumerate(blocks):
+        depth = 2 * (i + 1) if depth_init else 2 * len(blocks)
+        init_component(block, std, std / math.sqrt(depth))

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from components.base import ComponentConfig, Sub, component
 from components.ffn.moe import MoE, MoEModelMixin
-from components.models.block import Block, init_component
+from components.models.block import build_blocks, init_blocks, init_component
 from components.models.looped_carry import Carry, LoopWindow
 from components.registry import register
 
@@ -122,16 +122,7 @@ class Looped(MoEModelMixin, nn.Module):
         dim, n = cfg.dim, self.n_layers
         with torch.random.fork_rng(devices=[]):  # init_weights() draws from the caller's RNG
             self.tok_embeddings = nn.Embedding(self.vocab_size, dim)
-            self.layers = nn.ModuleDict({
-                str(i): Block(
-                    attention=cfg.attention.build(
-                        dim=dim, layer_idx=i, n_layers=n, max_seq_len=self.max_seq_len),
-                    feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n),
-                    attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
-                    dim=dim, layerscale_init=cfg.layerscale_init,
-                )
-                for i in range(n)
-            })
+            self.layers = build_blocks(cfg, n, self.max_seq_len)
             self.adapter = (nn.Linear(2 * dim, dim, bias=False)
                             if cfg.injection == "adapter" else None)
             self.state_norm = cfg.norm.build(dim=dim) if cfg.state_norm else None
@@ -165,9 +156,7 @@ class Looped(MoEModelMixin, nn.Module):
     def init_weights(self) -> None:
         cfg, std = self.cfg, self.cfg.init_std
         nn.init.normal_(self.tok_embeddings.weight, std=std if cfg.tie_embeddings else 1.0)
-        for i, block in enumerate(self.blocks()):
-            depth = 2 * (i + 1) if cfg.depth_init else 2 * self.n_layers
-            init_component(block, std, std / math.sqrt(depth))
+        init_blocks(self.blocks(), std, cfg.depth_init)
         for norm in (self.state_norm, self.norm):
             if norm is not None:
                 init_component(norm, std, std)

@@ -14,15 +14,13 @@ Initialisation (torchtitan llama3, so loss curves are comparable):
 
 from __future__ import annotations
 
-import math
-
 import torch
 from pydantic import Field
 from torch import nn
 
 from components.base import ComponentConfig, Sub, component
 from components.ffn.moe import MoEModelMixin
-from components.models.block import Block, init_component
+from components.models.block import build_blocks, init_blocks, init_component
 from components.registry import register
 
 
@@ -68,19 +66,7 @@ class Transformer(MoEModelMixin, nn.Module):  # MoE ffns: bias balancing, aux lo
         # to_empty() on a meta-built model. (CPU generator; build on meta for other devices.)
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(self.vocab_size, dim)
-            self.layers = nn.ModuleDict({
-                str(i): Block(
-                    attention=cfg.attention.build(
-                        dim=dim, layer_idx=i, n_layers=n, max_seq_len=self.max_seq_len
-                    ),
-                    feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n),
-                    attention_norm=cfg.norm.build(dim=dim),
-                    ffn_norm=cfg.norm.build(dim=dim),
-                    dim=dim,
-                    layerscale_init=cfg.layerscale_init,
-                )
-                for i in range(n)
-            })
+            self.layers = build_blocks(cfg, n, self.max_seq_len)
             self.norm = cfg.norm.build(dim=dim)
             self.output = nn.Linear(dim, self.vocab_size, bias=False)
         if self.tied:
@@ -105,9 +91,7 @@ class Transformer(MoEModelMixin, nn.Module):  # MoE ffns: bias balancing, aux lo
         std = self.init_std
         emb = self.tok_embeddings.weight
         nn.init.normal_(emb, mean=0.0, std=std if self.tied else 1.0)
-        for i, block in enumerate(self.blocks()):
-            depth = 2 * (i + 1) if self.depth_init else 2 * self.n_layers
-            init_component(block, std, std / math.sqrt(depth))
+        init_blocks(self.blocks(), std, self.depth_init)
         init_component(self.norm, std, std)
         if not self.tied:
             out_std = self.dim**-0.5

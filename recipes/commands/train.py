@@ -14,12 +14,10 @@ def run(args) -> int:
     from recipes import distributed
     from recipes.trainer import Trainer
 
+    ok = False
     try:
-        trainer = Trainer(recipe)
-        trainer.fit()
-        # Leave together: a rank tearing down its gloo connections while a peer still uses
-        # them can abort the peer ("terminate called without an active exception").
-        distributed.barrier()
+        Trainer(recipe).fit()
+        ok = True
     finally:
-        distributed.shutdown()
+        distributed.shutdown(together=ok)
     return 0

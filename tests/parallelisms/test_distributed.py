@@ -4,6 +4,7 @@ one process on the same global batch (one spawn checks everything; results go ba
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms import ParallelismConfig, grad_norm, materialize, parallelize
+from recipes import distributed
 from tests.parallelisms.tiny import batches, free_port, init_gloo, loss_fn, tiny_model
 
 STEPS, GLOBAL_BATCH, SEED, CLIP = 5, 4, 7, 0.5
@@ -104,7 +106,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     finally:
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump(results, f)
-        dist.destroy_process_group()
+        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 def reference(cfg: ParallelismConfig) -> dict[str, list[float]]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
 from components.base import default_config
+from recipes import distributed
 from recipes.errors import CheckpointError
 
 
@@ -215,7 +217,7 @@ def _agreement_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save({"skipped": skipped, "params": flat, "guard": guard.state_dict()},
                    f"{out_dir}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 @pytest.mark.slow
