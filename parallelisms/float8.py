@@ -11,15 +11,14 @@ torchao is imported lazily: its import logs warnings about optional CUDA extensi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
+from components.torchao_import import import_torchao
 from parallelisms.blocks import clean_name
 from parallelisms.config import ParallelismConfig
 from recipes.errors import KilnError
@@ -28,23 +27,8 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
 ALWAYS_EXCLUDED = ("output", "lm_head", "*norm*", "*embed*")  # LM head, norms, embeddings
 
 
-@contextlib.contextmanager
-def _quiet(*names: str):
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 def _torchao_float8():
-    with _quiet("torchao", "torch.utils._pytree"):
-        import torchao.float8 as f8
-    return f8
+    return import_torchao("torchao.float8")
 
 
 def float8_filter(cfg: ParallelismConfig) -> Callable[[nn.Module, str], bool]:

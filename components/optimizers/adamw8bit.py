@@ -22,6 +22,7 @@ from pydantic import Field
 
 from components.optimizers.common import OptimizerConfig
 from components.registry import register
+from components.torchao_import import import_torchao
 
 
 class AdamW8bitConfig(OptimizerConfig):
@@ -39,7 +40,7 @@ class AdamW8bitConfig(OptimizerConfig):
 @functools.cache
 def adamw8bit_class() -> type[torch.optim.Optimizer]:
     """torchao's AdamW8bit accepting float LRs; imported on first use (torchao loads slowly)."""
-    from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+    TorchaoAdamW8bit = import_torchao("torchao.optim").AdamW8bit  # noqa: N806
 
     class AdamW8bit(TorchaoAdamW8bit):
         """torchao's AdamW8bit accepting float LRs set by the schedule."""
