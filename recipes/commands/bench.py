@@ -63,6 +63,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
     tokens_per_s = trainer.plan.tokens_per_step / step_time
     achieved = trainer.flops_per_token * tokens_per_s
     peak = trainer.peak_flops * trainer.world.world_size
+    state = optimizer_state_bytes(trainer)
     result = {
         "recipe": recipe_path,
         "parallelism": trainer.parallel_summary,
@@ -75,7 +76,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "peak_flops": peak,
         "mfu": achieved / peak if peak else None,
         "peak_memory_bytes": trainer.memory_bytes(),
-        "optimizer_state_bytes": optimizer_state_bytes(trainer),
+        "optimizer_state_bytes": sum(state.values()),
+        "optimizer_state_bytes_by_optimizer": state,
         "time_to_first_step_s": first,
         "device": str(trainer.device),
         "threads": torch.get_num_threads(),
@@ -100,19 +102,11 @@ def _age_at(moment: float) -> float:
     return max(age_now - (time.perf_counter() - moment), 0.0)
 
 
-def optimizer_state_bytes(trainer) -> int:
-    from components.optimizers import common
+def optimizer_state_bytes(trainer) -> dict[str, int]:
+    """Optimizer-state bytes per optimizer of the run (quantised states at their real size)."""
+    from components.optimizers.common import optimizer_state_bytes as state_bytes
 
-    fn = getattr(common, "optimizer_state_bytes", None)
-    if fn is not None:
-        return sum(fn(opt) for opt in trainer.optimizers.optimizers.values())
-    total = 0
-    for opt in trainer.optimizers.optimizers.values():
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
-    return total
+    return {name: state_bytes(opt) for name, opt in trainer.optimizers.optimizers.items()}
 
 
 def render(r: dict) -> str:
@@ -131,7 +125,9 @@ def render(r: dict) -> str:
         ("MFU", mfu),
         ("peak memory", f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB"
          + (" (process RSS)" if r["device"] == "cpu" else " (CUDA max allocated)")),
-        ("optimizer state", f"{r['optimizer_state_bytes'] / 2**20:,.2f} MiB"),
+        ("optimizer state", f"{r['optimizer_state_bytes'] / 2**20:,.2f} MiB ("
+         + ", ".join(f"{k} {v / 2**20:,.3f}" for k, v in
+                     r["optimizer_state_bytes_by_optimizer"].items()) + ")"),
         ("time to first step", f"{r['time_to_first_step_s']:.2f} s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -113,10 +113,25 @@ def render(result: dict) -> str:
         lines.append(f"{h:>5}  {r['loss']:9.5f}  {math.exp(min(r['loss'], 50)):7.2f}  "
                      f"{r['tokens']:>7,}")
     if result["deeper_is_better"] is not None:
-        answer = "yes" if result["deeper_is_better"] else "no"
-        lines.append(f"deeper is better: {answer} (loss of the shallowest minus the deepest: "
-                     f"{result['gain']:+.5f}; none worse than a shallower one by {TOLERANCE:g})")
+        lines.append("deeper is better: " + _why(result["rows"], result["deeper_is_better"],
+                                                 result["gain"]))
     return "\n".join(lines)
+
+
+def _why(rows: list[dict], yes: bool, gain: float) -> str:
+    """The verdict with its reason, in the terms of ``verdict``."""
+    first, last = rows[0], rows[-1]
+    span = f"H_eff {first['loops']} -> {last['loops']} changes the loss by {-gain:+.5f}"
+    if yes:
+        return f"yes ({span}; no deeper H_eff is worse than a shallower one by > {TOLERANCE:g})"
+    if gain <= TOLERANCE:
+        return f"no ({span}: not an improvement of more than {TOLERANCE:g})"
+    for i in range(1, len(rows)):
+        best = min(range(i), key=lambda j: rows[j]["loss"])
+        if rows[i]["loss"] > rows[best]["loss"] + TOLERANCE:
+            return (f"no: not monotone ({span}, but H_eff {rows[i]['loops']} is worse than "
+                    f"H_eff {rows[best]['loops']} by {rows[i]['loss'] - rows[best]['loss']:.5f})")
+    return f"no ({span})"
 
 
 def run(args) -> int:

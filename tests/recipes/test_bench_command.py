@@ -1,0 +1,27 @@
+"""`kiln bench`: one JSON object with the documented keys, and the table."""
+
+from __future__ import annotations
+
+import json
+
+from recipes.cli import main
+from tests.conftest import CONFIGS
+from tests.recipes.test_trainer import TINY
+
+KEYS = ("tokens_per_second", "step_time_s", "mfu", "peak_memory_bytes", "time_to_first_step_s")
+
+
+def test_bench_json_and_table(capsys):
+    args = ["bench", str(CONFIGS / "debug.toml"), *TINY, "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in KEYS:
+        assert key in result
+    assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1.5
+    assert result["tokens_per_step"] == 4 * 32
+    assert result["optimizer_state_bytes"] == sum(result["optimizer_state_bytes_by_optimizer"]
+                                                  .values()) > 0
+    assert result["parallelism"] == "single process"
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "tokens/s" in table and "time to first step" in table and "MFU" in table
