@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from recipes.distributed import World
+from recipes.trainer import Progress  # the real one: checkpoints store its state
 
 
 class ToyModel(nn.Module):
@@ -28,18 +29,6 @@ class ToyModel(nn.Module):
 
     def load_carry_state(self, d: dict[str, torch.Tensor]) -> None:
         self.carry = d["z"].clone()
-
-
-@dataclass
-class ToyProgress:
-    step: int = 0
-    tokens: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.step, self.tokens = int(d["step"]), int(d["tokens"])
 
 
 class ToyLoader:
@@ -80,7 +69,7 @@ class ToyGuard:
 class ToyState:
     model: nn.Module
     optimizers: dict
-    progress: ToyProgress = field(default_factory=ToyProgress)
+    progress: Progress = field(default_factory=Progress)
     train_loader: ToyLoader = field(default_factory=ToyLoader)
     guards: dict = field(default_factory=lambda: {"spike": ToyGuard()})
     world: World = field(default_factory=lambda: World(0, 1, 0, torch.device("cpu")))
