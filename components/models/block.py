@@ -89,3 +89,25 @@ def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
     for i, block in enumerate(blocks):
         depth = 2 * (i + 1) if depth_init else 2 * len(blocks)
         init_component(block, std, std / math.sqrt(depth))
+
+
+def resolve_sizes(family: str, cfg: Any, vocab_size: int, seq_len: int) -> tuple[int, int]:
+    """(vocab size, max sequence length): the config's when set, else the values passed in."""
+    vocab, max_len = cfg.vocab_size or vocab_size, cfg.max_seq_len or seq_len
+    if vocab <= 0 or max_len <= 0:
+        raise ValueError(
+            f"{family} needs vocab_size and max_seq_len > 0 (got {vocab}, {max_len}); set "
+            "model.vocab_size / model.max_seq_len or pass them in"
+        )
+    return vocab, max_len
+
+
+class RetiedOnEmpty(nn.Module):
+    """Mixin for models with ``tok_embeddings``/``output`` and a ``tied`` flag:
+    ``nn.Module.to_empty`` from meta makes a new Parameter per module, which unties them."""
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True):
+        super().to_empty(device=device, recurse=recurse)
+        if self.tied and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return self

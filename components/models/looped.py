@@ -30,7 +30,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from components.base import ComponentConfig, Sub, component
 from components.ffn.moe import MoE, MoEModelMixin
-from components.models.block import build_blocks, init_blocks, init_component
+from components.models.block import (
+    RetiedOnEmpty,
+    build_blocks,
+    init_blocks,
+    init_component,
+    resolve_sizes,
+)
 from components.models.looped_carry import Carry, LoopWindow
 from components.registry import register
 
@@ -98,7 +104,7 @@ class LoopedConfig(ComponentConfig):
 
 
 @register("model", "looped")
-class Looped(MoEModelMixin, nn.Module):
+class Looped(MoEModelMixin, RetiedOnEmpty):
     """Recurrent-depth decoder: prelude, a looped block stack with input injection, coda."""
 
     Config = LoopedConfig
@@ -106,13 +112,8 @@ class Looped(MoEModelMixin, nn.Module):
     def __init__(self, cfg: LoopedConfig, *, vocab_size: int, seq_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vocab_size = cfg.vocab_size or vocab_size
-        self.max_seq_len = cfg.max_seq_len or seq_len
-        if self.vocab_size <= 0 or self.max_seq_len <= 0:
-            raise ValueError(
-                f"looped needs vocab_size and max_seq_len > 0 (got {self.vocab_size}, "
-                f"{self.max_seq_len}); set model.vocab_size / model.max_seq_len or pass them in"
-            )
+        self.vocab_size, self.max_seq_len = resolve_sizes("looped", cfg, vocab_size, seq_len)
+        self.tied = cfg.tie_embeddings
         self.dim, self.loops = cfg.dim, cfg.loops
         p, r = cfg.n_prelude, cfg.n_recurrent
         self.n_layers = p + r + cfg.n_coda
@@ -142,13 +143,6 @@ class Looped(MoEModelMixin, nn.Module):
             self.init_weights()
 
     # ------------------------------------------------------------------------ protocol
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Looped:
-        """`nn.Module.to_empty`, then re-tie: from meta it makes a new Parameter per module."""
-        super().to_empty(device=device, recurse=recurse)
-        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-        return self
-
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 

@@ -20,7 +20,13 @@ from torch import nn
 
 from components.base import ComponentConfig, Sub, component
 from components.ffn.moe import MoEModelMixin
-from components.models.block import build_blocks, init_blocks, init_component
+from components.models.block import (
+    RetiedOnEmpty,
+    build_blocks,
+    init_blocks,
+    init_component,
+    resolve_sizes,
+)
 from components.registry import register
 
 
@@ -42,20 +48,14 @@ class TransformerConfig(ComponentConfig):
 
 
 @register("model", "transformer")
-class Transformer(MoEModelMixin, nn.Module):  # MoE ffns: bias balancing, aux loss, metrics
+class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, aux loss, metrics
     """Dense decoder-only transformer (Llama 3 style: RMSNorm, RoPE, GQA, SwiGLU)."""
 
     Config = TransformerConfig
 
     def __init__(self, cfg: TransformerConfig, *, vocab_size: int, seq_len: int) -> None:
         super().__init__()
-        self.vocab_size = cfg.vocab_size or vocab_size
-        self.max_seq_len = cfg.max_seq_len or seq_len
-        if self.vocab_size <= 0 or self.max_seq_len <= 0:
-            raise ValueError(
-                f"transformer needs vocab_size and max_seq_len > 0 (got {self.vocab_size}, "
-                f"{self.max_seq_len}); set model.vocab_size / model.max_seq_len or pass them in"
-            )
+        self.vocab_size, self.max_seq_len = resolve_sizes("transformer", cfg, vocab_size, seq_len)
         self.dim, self.n_layers = cfg.dim, cfg.n_layers
         self.tied = cfg.tie_embeddings
         self.logit_softcap = cfg.logit_softcap
@@ -73,13 +73,6 @@ class Transformer(MoEModelMixin, nn.Module):  # MoE ffns: bias balancing, aux lo
             self.output.weight = self.tok_embeddings.weight
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
-
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
-        """`nn.Module.to_empty`, then re-tie: from meta it makes a new Parameter per module."""
-        super().to_empty(device=device, recurse=recurse)
-        if self.tied and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-        return self
 
     def blocks(self) -> list[nn.Module]:
         """The repeated decoder blocks (units of checkpointing, compile and FSDP sharding)."""
