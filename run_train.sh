@@ -8,8 +8,8 @@ if [ $# -lt 1 ]; then
 fi
 NGPU=${NGPU:-1}
 if [ "$NGPU" -le 1 ]; then
-    exec python -m recipes.cli train "$@"
+    exec python -m kiln.recipes.cli train "$@"
 fi
 exec torchrun --standalone --nnodes=1 --nproc-per-node="$NGPU" \
     --local-ranks-filter="${LOG_RANK:-0}" \
-    -m recipes.cli train "$@"
+    -m kiln.recipes.cli train "$@"

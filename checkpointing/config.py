@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from components.base import Config
+from kiln.components.base import Config
 
 
 class CheckpointConfig(Config):

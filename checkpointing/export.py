@@ -38,13 +38,13 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from checkpointing import layout, storage
-from recipes.errors import CheckpointError
+from kiln.checkpointing import layout, storage
+from kiln.recipes.errors import CheckpointError
 
 
 def load_model(checkpoint: Path):
     """(recipe, tokenizer, model with the checkpoint's weights on the CPU)."""
-    from recipes.recipe import load_recipe
+    from kiln.recipes.recipe import load_recipe
 
     layout.verify(checkpoint, hashes=True)
     recipe = load_recipe(checkpoint)
@@ -92,7 +92,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto") -> di
 
 
 def _kiln_layout(model: torch.nn.Module, recipe) -> tuple[dict, dict]:
-    from recipes.recipe import to_dict
+    from kiln.recipes.recipe import to_dict
 
     tensors, seen = {}, {}
     for name, t in model.state_dict().items():
@@ -109,11 +109,11 @@ def _kiln_layout(model: torch.nn.Module, recipe) -> tuple[dict, dict]:
 
 def llama_incompatibility(model: torch.nn.Module) -> str:
     """Why the model has no Llama layout ("" if it has one)."""
-    from components.attention.causal import CausalAttention
-    from components.ffn.swiglu import SwiGLU
-    from components.models.transformer import Transformer
-    from components.norms.rmsnorm import RMSNorm
-    from components.positions.rope import RoPE
+    from kiln.components.attention.causal import CausalAttention
+    from kiln.components.ffn.swiglu import SwiGLU
+    from kiln.components.models.transformer import Transformer
+    from kiln.components.norms.rmsnorm import RMSNorm
+    from kiln.components.positions.rope import RoPE
 
     if type(model) is not Transformer:
         return f"model is {type(model).__name__}, not the dense transformer"

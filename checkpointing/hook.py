@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpointing import layout, resume
-from checkpointing.manager import CheckpointManager
-from checkpointing.preemption import Preemption
-from recipes import distributed
-from recipes.hooks import Hook
+from kiln.checkpointing import layout, resume
+from kiln.checkpointing.manager import CheckpointManager
+from kiln.checkpointing.preemption import Preemption
+from kiln.recipes import distributed
+from kiln.recipes.hooks import Hook
 
 
 def checkpoint_root(recipe) -> Path:
@@ -27,7 +27,7 @@ class CheckpointHook(Hook):
         self.root = checkpoint_root(trainer.recipe)
         self.hub = None
         if cfg.hub_repo and trainer.world.is_main:
-            from checkpointing.hub import HubSync
+            from kiln.checkpointing.hub import HubSync
 
             self.hub = HubSync(cfg.hub_repo, keep=cfg.hub_keep, private=cfg.hub_private,
                                api=hub_api, token_env=cfg.hub_token_env, log=trainer.print)
@@ -78,7 +78,7 @@ class CheckpointHook(Hook):
     def _resolve(self, trainer) -> resume.Source | None:
         download = None
         if self.cfg.resume.startswith("hf://"):
-            from checkpointing import hub
+            from kiln.checkpointing import hub
 
             def download(spec: str) -> Path:
                 # Rank 0 fetches first; the others then find the files in the shared cache.
@@ -127,7 +127,7 @@ class CheckpointHook(Hook):
                 self.preemption.uninstall()
 
     def _upload_export(self, trainer, step: int) -> None:
-        from checkpointing.export import export
+        from kiln.checkpointing.export import export
 
         out = Path(trainer.run_dir) / "export"
         export(self.root / layout.step_name(step), out)

@@ -13,8 +13,8 @@ import os
 import threading
 from pathlib import Path
 
-from checkpointing import layout
-from recipes.errors import CheckpointError
+from kiln.checkpointing import layout
+from kiln.recipes.errors import CheckpointError
 
 PREFIX = "checkpoints/"
 

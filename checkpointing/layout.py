@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import CheckpointError
+from kiln.recipes.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "kiln-checkpoint"

@@ -2,7 +2,7 @@
 
 The manager works on a *train state*: any object with ``model``, ``optimizers`` (an
 ``OptimizerSet`` or a dict name -> optimizer), ``progress`` (``state_dict``/``load_state_dict``),
-``guards`` (dict), ``world`` (``recipes.distributed.World``), ``recipe`` and optionally
+``guards`` (dict), ``world`` (``kiln.recipes.distributed.World``), ``recipe`` and optionally
 ``train_loader`` (``state_dict``/``load_state_dict``). The trainer is one; tests use small ones.
 
 Model and optimizers go through ``get_state_dict``/``set_state_dict`` so plain and FSDP2-sharded
@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpointing import layout, payload, rng, storage
-from recipes import distributed
-from recipes.errors import CheckpointError
+from kiln.checkpointing import layout, payload, rng, storage
+from kiln.recipes import distributed
+from kiln.recipes.errors import CheckpointError
 
 STATE = "state.json"
 RECIPE = "recipe.toml"
@@ -360,7 +360,7 @@ def _write_marker(path: Path, future) -> None:
 def _write_recipe(recipe, path: Path) -> None:
     if recipe is None:
         return
-    from recipes.trainer import write_recipe
+    from kiln.recipes.trainer import write_recipe
 
     write_recipe(recipe, path)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from recipes.errors import CheckpointError
+from kiln.recipes.errors import CheckpointError
 
 VERSION = 1
 FIELDS = frozenset({"version", "step", "carry", "guard_fields"})

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from recipes import distributed
+from kiln.recipes import distributed
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

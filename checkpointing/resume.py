@@ -17,9 +17,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointing import layout
-from recipes.diff import diff
-from recipes.errors import CheckpointError, RecipeError
+from kiln.checkpointing import layout
+from kiln.recipes.diff import diff
+from kiln.recipes.errors import CheckpointError, RecipeError
 
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
 
@@ -170,7 +170,7 @@ def _describe(d, key: str) -> str:
 
 def compare_with_checkpoint(folder: Path, current, *, weights_only: bool, log) -> None:
     """Refuse incompatible recipe changes (CheckpointError); report allowed ones via ``log``."""
-    from recipes.recipe import load_recipe
+    from kiln.recipes.recipe import load_recipe
 
     try:
         saved = load_recipe(folder)

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
-from components import registry
+from kiln.components import registry
 
 
 class Config(BaseModel):

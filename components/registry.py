@@ -99,7 +99,7 @@ def _load_builtins() -> None:
     if not _builtins_loaded:
         _builtins_loaded = True
         # The built-in component modules are listed in the `components` package itself.
-        importlib.import_module("components").import_builtins()
+        importlib.import_module("kiln.components").import_builtins()
 
 
 def load_plugins(force: bool = False) -> list[str]:

@@ -5,11 +5,11 @@ model; ``build_mesh`` makes the (dp_replicate, dp_shard) mesh; ``clip_grad_norm`
 ``grad_sync_context`` and ``all_reduce_grads`` are the per-step gradient calls.
 """
 
-from parallelisms.config import ParallelismConfig
-from parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_norm, grad_sync_context
-from parallelisms.mesh import build_mesh, mesh_shape
-from parallelisms.meta_init import materialize
-from parallelisms.parallelize import ParallelPlan, parallelize
+from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_norm, grad_sync_context
+from kiln.parallelisms.mesh import build_mesh, mesh_shape
+from kiln.parallelisms.meta_init import materialize
+from kiln.parallelisms.parallelize import ParallelPlan, parallelize
 
 __all__ = [
     "ParallelPlan",

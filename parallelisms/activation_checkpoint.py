@@ -20,8 +20,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from parallelisms.blocks import model_blocks, replace_block
-from parallelisms.config import ParallelismConfig
+from kiln.parallelisms.blocks import model_blocks, replace_block
+from kiln.parallelisms.config import ParallelismConfig
 
 # Ops whose outputs op-level selective AC saves (the rest is recomputed). Names that a torch
 # build lacks are skipped.

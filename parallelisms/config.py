@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from components.base import Config
+from kiln.components.base import Config
 
 
 class ParallelismConfig(Config):
-    """How the model is spread over devices and sped up; applied by `parallelisms.parallelize`
+    """How the model is spread over devices and sped up; applied by `kiln.parallelisms.parallelize`
     in a fixed order: float8 -> activation checkpointing -> per-block compile -> FSDP2."""
 
     # --------------------------------------------------------------------- data parallelism

@@ -4,7 +4,7 @@ Gradient division: FSDP2 reduce-scatters (and, with HSDP, all-reduces) gradients
 over the data-parallel ranks. Each rank's loss is the mean over its own tokens (divided by the
 number of micro-batches under accumulation), so with equal tokens per rank the synchronised
 gradient is the gradient of the global mean loss, exactly what one process computes on the whole
-global batch. The non-FSDP path (``parallelisms.grads.all_reduce_grads``) keeps the same rule.
+global batch. The non-FSDP path (``kiln.parallelisms.grads.all_reduce_grads``) keeps the same rule.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from parallelisms.blocks import model_blocks
-from parallelisms.config import ParallelismConfig
+from kiln.parallelisms.blocks import model_blocks
+from kiln.parallelisms.config import ParallelismConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

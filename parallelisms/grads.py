@@ -6,7 +6,7 @@ off for every micro-batch but the last. Without FSDP (``fsdp = "off"``, world > 
 replicated and ``all_reduce_grads`` averages the accumulated gradients once per step.
 
 Division: both paths average over data-parallel ranks; with each rank's loss a mean over its
-own tokens, the result is the gradient of the global mean loss (see ``parallelisms.fsdp``).
+own tokens, the result is the gradient of the global mean loss (see ``kiln.parallelisms.fsdp``).
 """
 
 from __future__ import annotations

@@ -20,17 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelisms.activation_checkpoint import apply_activation_checkpoint
-from parallelisms.compile import apply_compile
-from parallelisms.config import ParallelismConfig
-from parallelisms.float8 import apply_float8, float8_post_optimizer_step
-from parallelisms.fsdp import apply_fsdp, fsdp_summary
-from parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
-from parallelisms.mesh import build_mesh, fsdp_mesh
+from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
+from kiln.parallelisms.compile import apply_compile
+from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.float8 import apply_float8, float8_post_optimizer_step
+from kiln.parallelisms.fsdp import apply_fsdp, fsdp_summary
+from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
+from kiln.parallelisms.mesh import build_mesh, fsdp_mesh
 
 
 class WorldLike(Protocol):
-    """What parallelize needs of ``recipes.distributed.World``."""
+    """What parallelize needs of ``kiln.recipes.distributed.World``."""
 
     world_size: int
     device: torch.device

@@ -11,22 +11,22 @@ import importlib
 import os
 import sys
 
-from components.registry import RegistryError
-from recipes.errors import KilnError
-from recipes.loader import parse_override
+from kiln.components.registry import RegistryError
+from kiln.recipes.errors import KilnError
+from kiln.recipes.loader import parse_override
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("recipes.commands.train", "train a recipe: kiln train RECIPE [--key=value ...]"),
-    "validate": ("recipes.commands.validate", "build every component on the meta device"),
-    "show": ("recipes.commands.show", "print the resolved recipe as TOML"),
-    "list": ("recipes.commands.list", "list registered components, their fields and defaults"),
-    "diff": ("recipes.commands.diff", "compare two recipes, run folders or checkpoints"),
-    "bench": ("recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
-    "eval": ("recipes.commands.eval",
+    "train": ("kiln.recipes.commands.train", "train a recipe: kiln train RECIPE [--key=value ...]"),
+    "validate": ("kiln.recipes.commands.validate", "build every component on the meta device"),
+    "show": ("kiln.recipes.commands.show", "print the resolved recipe as TOML"),
+    "list": ("kiln.recipes.commands.list", "list registered components, their fields and defaults"),
+    "diff": ("kiln.recipes.commands.diff", "compare two recipes, run folders or checkpoints"),
+    "bench": ("kiln.recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
+    "eval": ("kiln.recipes.commands.eval",
              "held-out loss of a run's checkpoint; --loops 1,2,4,8 for looped models"),
-    "data": ("recipes.commands.data", "prepare a packed-document dataset folder"),
-    "export": ("recipes.commands.export",
+    "data": ("kiln.recipes.commands.data", "prepare a packed-document dataset folder"),
+    "export": ("kiln.recipes.commands.export",
                "checkpoint -> safetensors + config.json (+ Hugging Face Llama layout)"),
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from components.base import Config
+from kiln.components.base import Config
 
 
 class ContextWarmupConfig(Config):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipes.recipe import to_dict
-from recipes.schema import Recipe
+from kiln.recipes.recipe import to_dict
+from kiln.recipes.schema import Recipe
 
 # Keys that name a run rather than describe it: equal runs in two folders are still "equal".
 IGNORED = ("run.name", "run.folder")

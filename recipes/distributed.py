@@ -29,7 +29,7 @@ class World:
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from recipes.errors import RecipeError
+            from kiln.recipes.errors import RecipeError
 
             raise RecipeError("training.device = \"cuda\" but CUDA is not available; use \"auto\"")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import RecipeError
+from kiln.recipes.errors import RecipeError
 
 CLI = "command line"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.optimizers.routing import param_groups, route, routing_table
+from kiln.components.optimizers.routing import param_groups, route, routing_table
 
 
 class OptimizerSet:

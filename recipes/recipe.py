@@ -8,10 +8,10 @@ from typing import Any
 
 import tomli_w
 
-from recipes.errors import RecipeError
-from recipes.loader import load_layers
-from recipes.resolve import build_config, take_notes
-from recipes.schema import Recipe
+from kiln.recipes.errors import RecipeError
+from kiln.recipes.loader import load_layers
+from kiln.recipes.resolve import build_config, take_notes
+from kiln.recipes.schema import Recipe
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from components import registry
-from components.base import ComponentConfig, Config, Kind, default_type
-from recipes.errors import RecipeError
-from recipes.loader import Layered
+from kiln.components import registry
+from kiln.components.base import ComponentConfig, Config, Kind, default_type
+from kiln.recipes.errors import RecipeError
+from kiln.recipes.loader import Layered
 
 _NOTES: list[str] = []
 

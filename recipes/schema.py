@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from checkpointing.config import CheckpointConfig
-from components.base import Config, OptionalSub, Sub, component, default_config
-from parallelisms.config import ParallelismConfig
-from recipes.context_warmup import ContextWarmupConfig
+from kiln.checkpointing.config import CheckpointConfig
+from kiln.components.base import Config, OptionalSub, Sub, component, default_config
+from kiln.parallelisms.config import ParallelismConfig
+from kiln.recipes.context_warmup import ContextWarmupConfig
 
 
 class RunConfig(Config):

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from components.steps.common import GuardDecision
-from recipes import batch_plan, distributed
-from recipes.context_warmup import context_length, truncate
-from recipes.errors import TrainingAborted
-from recipes.flops import peak_flops
-from recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
-from recipes.metrics import MetricsWriter
-from recipes.optimizer_set import OptimizerSet
-from recipes.recipe import to_toml
-from recipes.schema import Recipe
+from kiln.components.steps.common import GuardDecision
+from kiln.recipes import batch_plan, distributed
+from kiln.recipes.context_warmup import context_length, truncate
+from kiln.recipes.errors import TrainingAborted
+from kiln.recipes.flops import peak_flops
+from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
+from kiln.recipes.metrics import MetricsWriter
+from kiln.recipes.optimizer_set import OptimizerSet
+from kiln.recipes.recipe import to_toml
+from kiln.recipes.schema import Recipe
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Trainer:
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         if getattr(model, "vocab_size", vocab) < vocab:
-            from recipes.errors import RecipeError
+            from kiln.recipes.errors import RecipeError
 
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
@@ -118,8 +118,8 @@ class Trainer:
     def _parallelize(self) -> str:
         # Parallelism call site: float8 -> activation checkpointing -> compile -> FSDP2 (or
         # gradient all-reduce without FSDP), then meta-device init (parallelisms package).
-        from parallelisms import materialize, parallelize
-        from parallelisms.compile import compile_loss
+        from kiln.parallelisms import materialize, parallelize
+        from kiln.parallelisms.compile import compile_loss
 
         pcfg = self.recipe.parallelism
         if not pcfg.meta_init and self.world.distributed:
@@ -133,7 +133,7 @@ class Trainer:
                 replica_max_params=pcfg.replica_init_max_params,
             ))
         if self.recipe.training.init_check and self.world.distributed:
-            from recipes.init_check import check_identical_init
+            from kiln.recipes.init_check import check_identical_init
 
             details.append(check_identical_init(self.model))
         if pcfg.compile_loss:
@@ -143,7 +143,7 @@ class Trainer:
         return self.parallel.summary
 
     def _checkpoint_hook(self) -> Hook:
-        from checkpointing.hook import CheckpointHook
+        from kiln.checkpointing.hook import CheckpointHook
 
         return CheckpointHook(self)
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.base import default_config  # noqa: E402
+from kiln.components.base import default_config  # noqa: E402
 
 SHAPES = [  # (tokens, dim, experts, top_k, expert hidden)
     (2048, 256, 8, 2, 256),

@@ -26,8 +26,8 @@ SETUPS = [
 
 
 def command(recipe: str, steps: int, warmup: int, ngpu: int, extra: list[str]) -> list[str]:
-    bench = ["-m", "recipes.cli", "bench", recipe, "--steps", str(steps), "--warmup", str(warmup),
-             "--json", *extra]
+    bench = ["-m", "kiln.recipes.cli", "bench", recipe, "--steps", str(steps),
+             "--warmup", str(warmup), "--json", *extra]
     if ngpu > 1:
         return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={ngpu}", *bench]
     return [sys.executable, *bench]

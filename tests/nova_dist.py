@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from recipes import distributed
+from kiln.recipes import distributed
 
 WORLD = 2
 
@@ -103,7 +103,7 @@ def _dcp_round_trip(make_model, make_opt, folder: str, train=_train) -> float:
 
 def _muon(model, implementation: str = "owner"):
     """kiln's muon, or torch.optim.Muon with the same settings (for the evidence only)."""
-    from components.base import default_config
+    from kiln.components.base import default_config
 
     kw = dict(lr=0.05, weight_decay=0.1, momentum=0.9)
     if implementation == "torch":
@@ -138,7 +138,7 @@ def case_muon_layouts() -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from components.base import default_config
+    from kiln.components.base import default_config
 
     mesh = init_device_mesh("cpu", (WORLD,))
     gen = torch.Generator().manual_seed(0)
@@ -178,8 +178,8 @@ def _train_embed(model, opts, steps: int, seed: int = 1) -> None:
 
 
 def case_adamw8bit(tmp: str) -> dict:
-    from components.base import default_config
-    from components.optimizers.memory import optimizer_state_bytes
+    from kiln.components.base import default_config
+    from kiln.components.optimizers.memory import optimizer_state_bytes
 
     cfg = default_config("optimizer", "adamw8bit", lr=1e-2, weight_decay=0.1)
 
@@ -196,10 +196,10 @@ def case_adamw8bit(tmp: str) -> dict:
 
 
 def case_tied_transformer(rank: int) -> dict:
-    from components.base import default_config
-    from parallelisms import parallelize
-    from parallelisms.config import ParallelismConfig
-    from recipes.distributed import World
+    from kiln.components.base import default_config
+    from kiln.parallelisms import parallelize
+    from kiln.parallelisms.config import ParallelismConfig
+    from kiln.recipes.distributed import World
 
     def build():
         cfg = default_config(
@@ -240,8 +240,8 @@ def case_tied_transformer(rank: int) -> dict:
 
 
 def case_init_check(rank: int) -> dict:
-    from recipes.errors import KilnError
-    from recipes.init_check import check_identical_init
+    from kiln.recipes.errors import KilnError
+    from kiln.recipes.init_check import check_identical_init
 
     model = _mats(False)
     ok = check_identical_init(model)

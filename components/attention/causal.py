@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from components.base import ComponentConfig, Sub, component
-from components.norms.rmsnorm import RMSNorm, RMSNormConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
+from kiln.components.registry import register
 
 
 class CausalAttentionConfig(ComponentConfig):

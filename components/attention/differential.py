@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from components.attention.causal import CausalAttention, CausalAttentionConfig
-from components.norms.rmsnorm import RMSNorm, RMSNormConfig
-from components.registry import register
+from kiln.components.attention.causal import CausalAttention, CausalAttentionConfig
+from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
+from kiln.components.registry import register
 
 
 class DifferentialAttentionConfig(CausalAttentionConfig):

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.data.shard_source import FolderSource, HubSource, Shard
-from components.registry import register
-from recipes.errors import DataError, RecipeError
+from kiln.components.base import ComponentConfig
+from kiln.components.data.shard_source import FolderSource, HubSource, Shard
+from kiln.components.registry import register
+from kiln.recipes.errors import DataError, RecipeError
 
 
 class BalancedShardsConfig(ComponentConfig):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
 
 NUM_BYTES = 256
 

@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.data.corpus import open_corpus
-from components.data.packed_layout import PackedLayout, Tokenizer, open_layout, write_layout
-from components.data.packed_loader import Loader
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.data.corpus import open_corpus
+from kiln.components.data.packed_layout import PackedLayout, Tokenizer, open_layout, write_layout
+from kiln.components.data.packed_loader import Loader
+from kiln.components.registry import register
 
 
 class PackedDocumentsConfig(ComponentConfig):

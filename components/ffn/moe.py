@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from components.base import ComponentConfig
-from components.ffn.moe_dispatch import run_experts, sort_by_expert
-from components.ffn.swiglu import SwiGLU, SwiGLUConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.ffn.moe_dispatch import run_experts, sort_by_expert
+from kiln.components.ffn.swiglu import SwiGLU, SwiGLUConfig
+from kiln.components.registry import register
 
 
 class MoEConfig(ComponentConfig):

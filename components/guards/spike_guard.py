@@ -26,10 +26,10 @@ from typing import Any
 import torch.distributed as dist
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
-from components.steps.common import GuardDecision
-from recipes.errors import CheckpointError
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
+from kiln.components.steps.common import GuardDecision
+from kiln.recipes.errors import CheckpointError
 
 STATE_VERSION = 1
 _COUNTERS = ("skips_total", "spikes_total", "nonfinite_total", "consecutive_skipped_steps")

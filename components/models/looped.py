@@ -28,17 +28,17 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from components.base import ComponentConfig, Sub, component
-from components.ffn.moe import MoE, MoEModelMixin
-from components.models.block import (
+from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.ffn.moe import MoE, MoEModelMixin
+from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
     init_blocks,
     init_component,
     resolve_sizes,
 )
-from components.models.looped_carry import Carry, LoopWindow
-from components.registry import register
+from kiln.components.models.looped_carry import Carry, LoopWindow
+from kiln.components.registry import register
 
 
 class LoopedConfig(ComponentConfig):

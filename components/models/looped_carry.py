@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipes.errors import CheckpointError
+from kiln.recipes.errors import CheckpointError
 
 
 @dataclass

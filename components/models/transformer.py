@@ -18,16 +18,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from components.base import ComponentConfig, Sub, component
-from components.ffn.moe import MoEModelMixin
-from components.models.block import (
+from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.ffn.moe import MoEModelMixin
+from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
     init_blocks,
     init_component,
     resolve_sizes,
 )
-from components.registry import register
+from kiln.components.registry import register
 
 
 class TransformerConfig(ComponentConfig):

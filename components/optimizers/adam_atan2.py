@@ -18,8 +18,8 @@ import torch
 from pydantic import Field
 from torch.distributed.tensor import DTensor
 
-from components.optimizers.common import OptimizerConfig
-from components.registry import register
+from kiln.components.optimizers.common import OptimizerConfig
+from kiln.components.registry import register
 
 
 class AdamATan2Config(OptimizerConfig):

@@ -7,8 +7,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from components.optimizers.common import OptimizerConfig
-from components.registry import register
+from kiln.components.optimizers.common import OptimizerConfig
+from kiln.components.registry import register
 
 
 class AdamWConfig(OptimizerConfig):

@@ -20,9 +20,9 @@ import functools
 import torch
 from pydantic import Field
 
-from components.optimizers.common import OptimizerConfig
-from components.registry import register
-from components.torchao_import import import_torchao
+from kiln.components.optimizers.common import OptimizerConfig
+from kiln.components.registry import register
+from kiln.components.torchao_import import import_torchao
 
 
 class AdamW8bitConfig(OptimizerConfig):

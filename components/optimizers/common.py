@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from components.base import ComponentConfig, Config, Sub, component
-from components.optimizers.memory import optimizer_state_bytes  # noqa: F401  (kiln bench)
+from kiln.components.base import ComponentConfig, Config, Sub, component
+from kiln.components.optimizers.memory import optimizer_state_bytes  # noqa: F401  (kiln bench)
 
 
 class ParamRule(Config):

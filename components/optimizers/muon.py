@@ -20,16 +20,16 @@ import torch
 from pydantic import Field
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from components.optimizers.common import OptimizerConfig, ParamRule
-from components.optimizers.orthogonalize import (
+from kiln.components.optimizers.common import OptimizerConfig, ParamRule
+from kiln.components.optimizers.orthogonalize import (
     NS_COEFFICIENTS,
     is_row_sharded,
     lr_scale,
     newton_schulz,
     orthogonalize_sharded,
 )
-from components.registry import register
-from recipes.errors import RecipeError
+from kiln.components.registry import register
+from kiln.recipes.errors import RecipeError
 
 
 class MuonConfig(OptimizerConfig):

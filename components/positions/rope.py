@@ -16,8 +16,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from components.base import ComponentConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
 
 
 class RoPEConfig(ComponentConfig):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
 
 
 class ConstantConfig(ComponentConfig):

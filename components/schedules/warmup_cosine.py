@@ -6,8 +6,8 @@ import math
 
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
 
 
 class WarmupCosineConfig(ComponentConfig):

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
 
 
 class WSDConfig(ComponentConfig):

@@ -118,9 +118,9 @@ def bench_loops(recipe_path: str, overrides: list[str], loops: str,
                 batch: int = 0) -> list[dict[str, Any]]:
     """``kiln bench RECIPE --loops 4,8,16``: the recipe's model and micro-batch at each H, with
     the recipe's segment length K (``training.step.segment_loops``; all H for other steps)."""
-    from recipes.distributed import pick_device
-    from recipes.errors import RecipeError
-    from recipes.recipe import load_recipe
+    from kiln.recipes.distributed import pick_device
+    from kiln.recipes.errors import RecipeError
+    from kiln.recipes.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     if "loops" not in type(recipe.model).model_fields:

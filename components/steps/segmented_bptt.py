@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from components.base import ComponentConfig
-from components.registry import register
-from components.steps.common import StepResult
-from recipes.errors import RecipeError
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
+from kiln.components.steps.common import StepResult
+from kiln.recipes.errors import RecipeError
 
 
 class SegmentedBPTTConfig(ComponentConfig):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from components.base import ComponentConfig
-from components.registry import register
-from components.steps.common import StepResult
+from kiln.components.base import ComponentConfig
+from kiln.components.registry import register
+from kiln.components.steps.common import StepResult
 
 
 class StandardStepConfig(ComponentConfig):

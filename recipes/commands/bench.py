@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from recipes.hooks import Hook
-from recipes.recipe import load_recipe
+from kiln.recipes.hooks import Hook
+from kiln.recipes.recipe import load_recipe
 
 _BENCH_OVERRIDES = [
     "--run.tensorboard=false", "--run.progress_bar=false", "--eval.interval=0",
@@ -42,7 +42,7 @@ class _Timer(Hook):
 
 def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
     start = time.perf_counter()
-    from recipes.trainer import Trainer
+    from kiln.recipes.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         total = warmup + steps
@@ -104,7 +104,7 @@ def _age_at(moment: float) -> float:
 
 def optimizer_state_bytes(trainer) -> dict[str, int]:
     """Optimizer-state bytes per optimizer of the run (quantised states at their real size)."""
-    from components.optimizers.common import optimizer_state_bytes as state_bytes
+    from kiln.components.optimizers.common import optimizer_state_bytes as state_bytes
 
     return {name: state_bytes(opt) for name, opt in trainer.optimizers.optimizers.items()}
 
@@ -136,8 +136,8 @@ def render(r: dict) -> str:
 
 def run(args) -> int:
     if args.loops:
-        from components.steps.bptt_memory import bench_loops
-        from components.steps.bptt_memory import render as render_loops
+        from kiln.components.steps.bptt_memory import bench_loops
+        from kiln.components.steps.bptt_memory import render as render_loops
 
         rows = bench_loops(args.recipe, args.overrides, args.loops)
         print(json.dumps(rows) if args.json else render_loops(rows))

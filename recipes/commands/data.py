@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recipes.errors import RecipeError
+from kiln.recipes.errors import RecipeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,10 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _components(args: argparse.Namespace) -> tuple[Any, Any, int, int]:
     """(data config, tokenizer, seq_len, seed) from the recipe (if any) and the flags."""
-    from components.base import default_config
+    from kiln.components.base import default_config
 
     if args.recipe:
-        from recipes.recipe import load_recipe
+        from kiln.recipes.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
         data, tok_cfg = recipe.data, recipe.tokenizer
@@ -89,7 +89,7 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "info":
-        from components.data.packed_layout import open_layout
+        from kiln.components.data.packed_layout import open_layout
 
         layout = open_layout(args.folder)
         print("valid packed-document layout v1:", _summary(layout.folder, layout.meta,

@@ -17,8 +17,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from checkpointing.export import export
-    from checkpointing.resume import find_checkpoint
+    from kiln.checkpointing.export import export
+    from kiln.checkpointing.resume import find_checkpoint
 
     folder = find_checkpoint(Path(args.checkpoint))
     summary = export(folder, Path(args.out_dir), args.format)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic_core import PydanticUndefined
 
-from components import registry
+from kiln.components import registry
 
 
 def add_arguments(parser) -> None:
@@ -21,7 +21,7 @@ def _default(info) -> str:
 
 
 def _type(info) -> str:
-    text = str(info.annotation).replace("typing.", "").replace("components.base.", "")
+    text = str(info.annotation).replace("typing.", "").replace("kiln.components.base.", "")
     return getattr(info.annotation, "__name__", text) if "[" not in text else text
 
 

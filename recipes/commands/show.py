@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.recipe import load_recipe, to_toml
+from kiln.recipes.recipe import load_recipe, to_toml
 
 
 def add_arguments(parser) -> None:
@@ -15,7 +15,7 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     print(to_toml(recipe), end="")
     if args.params:
-        from recipes.commands.validate import describe
+        from kiln.recipes.commands.validate import describe
 
         print("# " + describe(recipe).replace("\n", "\n# "))
     return 0

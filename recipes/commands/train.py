@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.recipe import load_recipe
+from kiln.recipes.recipe import load_recipe
 
 
 def add_arguments(parser) -> None:
@@ -11,8 +11,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
-    from recipes import distributed
-    from recipes.trainer import Trainer
+    from kiln.recipes import distributed
+    from kiln.recipes.trainer import Trainer
 
     ok = False
     try:

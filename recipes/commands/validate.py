@@ -7,9 +7,9 @@ import tempfile
 
 import torch
 
-from recipes.errors import KilnError
-from recipes.optimizer_set import OptimizerSet
-from recipes.recipe import load_recipe
+from kiln.recipes.errors import KilnError
+from kiln.recipes.optimizer_set import OptimizerSet
+from kiln.recipes.recipe import load_recipe
 
 
 def add_arguments(parser) -> None:

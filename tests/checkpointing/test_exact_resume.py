@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.hooks import Hook
-from recipes.recipe import load_recipe
-from recipes.trainer import Trainer
+from kiln.recipes.hooks import Hook
+from kiln.recipes.recipe import load_recipe
+from kiln.recipes.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 
 TINY = [
@@ -80,7 +80,7 @@ def losses(run_dir) -> dict[int, float]:
 
 def _torchrun(folder, steps, port, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={port}", "-m", "recipes.cli", "train", str(CONFIGS / "debug.toml"),
+           f"--master-port={port}", "-m", "kiln.recipes.cli", "train", str(CONFIGS / "debug.toml"),
            *TINY, f"--training.steps={steps}", f"--run.folder={folder}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpointing.export import export, llama_incompatibility, load_model, rope_permute
-from checkpointing.manager import CheckpointManager
-from components.positions.rope import RoPE, RoPEConfig
-from recipes.cli import main
-from recipes.distributed import World
-from recipes.errors import CheckpointError
-from recipes.recipe import load_recipe
+from kiln.checkpointing.export import export, llama_incompatibility, load_model, rope_permute
+from kiln.checkpointing.manager import CheckpointManager
+from kiln.components.positions.rope import RoPE, RoPEConfig
+from kiln.recipes.cli import main
+from kiln.recipes.distributed import World
+from kiln.recipes.errors import CheckpointError
+from kiln.recipes.recipe import load_recipe
 from tests.checkpointing.toy import ToyState
 from tests.conftest import CONFIGS
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from checkpointing import hub
-from recipes.cli import main
-from recipes.errors import CheckpointError
-from recipes.recipe import load_recipe
-from recipes.trainer import Trainer
+from kiln.checkpointing import hub
+from kiln.recipes.cli import main
+from kiln.recipes.errors import CheckpointError
+from kiln.recipes.recipe import load_recipe
+from kiln.recipes.trainer import Trainer
 from tests.checkpointing.test_exact_resume import TINY
 from tests.checkpointing.test_hub import FolderApi
 from tests.conftest import CONFIGS

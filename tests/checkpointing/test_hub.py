@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointing import hub, layout
-from checkpointing.manager import CheckpointManager
-from recipes.distributed import World
-from recipes.errors import CheckpointError
+from kiln.checkpointing import hub, layout
+from kiln.checkpointing.manager import CheckpointManager
+from kiln.recipes.distributed import World
+from kiln.recipes.errors import CheckpointError
 from tests.checkpointing.toy import toy_state
 
 COMMIT = "0" * 40

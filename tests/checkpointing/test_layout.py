@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from checkpointing import layout
-from recipes.errors import CheckpointError
+from kiln.checkpointing import layout
+from kiln.recipes.errors import CheckpointError
 
 
 def make(root, step, files=None):

@@ -11,10 +11,10 @@ import signal
 import pytest
 import torch
 
-from checkpointing import layout
-from checkpointing.manager import CheckpointManager, rank_file
-from recipes.distributed import World
-from recipes.errors import CheckpointError
+from kiln.checkpointing import layout
+from kiln.checkpointing.manager import CheckpointManager, rank_file
+from kiln.recipes.distributed import World
+from kiln.recipes.errors import CheckpointError
 from tests.checkpointing.toy import toy_state
 
 
@@ -184,8 +184,8 @@ def test_weights_only_from_ema(tmp_path):
 
 def _save_then_die(root: str, where: str) -> None:
     """Child: one good checkpoint at step 1, then SIGKILL in the middle of saving step 2."""
-    import checkpointing.layout as lay
-    import checkpointing.storage as sto
+    import kiln.checkpointing.layout as lay
+    import kiln.checkpointing.storage as sto
 
     s = toy_state()
     s.train_step()

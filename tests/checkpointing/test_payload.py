@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from checkpointing import payload
-from recipes.errors import CheckpointError
+from kiln.checkpointing import payload
+from kiln.recipes.errors import CheckpointError
 
 
 def good() -> dict:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from checkpointing.preemption import Preemption
+from kiln.checkpointing.preemption import Preemption
 from tests.conftest import REPO
 
 
@@ -33,7 +33,7 @@ def test_first_signal_sets_the_flag_and_uninstall_restores(sig):
 def test_second_signal_exits_at_once():
     code = textwrap.dedent("""
         import os, signal, time
-        from checkpointing.preemption import Preemption
+        from kiln.checkpointing.preemption import Preemption
         p = Preemption(log=lambda s: None)
         p.install()
         os.kill(os.getpid(), signal.SIGTERM)

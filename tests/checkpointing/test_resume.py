@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointing import layout, resume
-from recipes.errors import CheckpointError
-from recipes.recipe import load_recipe
+from kiln.checkpointing import layout, resume
+from kiln.recipes.errors import CheckpointError
+from kiln.recipes.recipe import load_recipe
 from tests.checkpointing.test_layout import make
 from tests.conftest import CONFIGS
 
@@ -100,7 +100,7 @@ def test_weights_only_allows_data_and_optimizer_changes_but_not_shapes():
 
 
 def test_compare_raises_with_instructions(tmp_path):
-    from recipes.trainer import write_recipe
+    from kiln.recipes.trainer import write_recipe
 
     write_recipe(recipe(), tmp_path / "recipe.toml")
     with pytest.raises(CheckpointError, match="weights_only = true"):

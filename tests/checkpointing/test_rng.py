@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointing import rng
-from recipes.errors import CheckpointError
+from kiln.checkpointing import rng
+from kiln.recipes.errors import CheckpointError
 
 
 def draws() -> tuple:
@@ -31,7 +31,7 @@ def test_round_trip_restores_every_generator():
 
 
 def test_state_survives_a_safetensors_file(tmp_path):
-    from checkpointing.storage import load_rank_file, save_rank_file
+    from kiln.checkpointing.storage import load_rank_file, save_rank_file
 
     tensors, info = rng.capture()
     expected = draws()

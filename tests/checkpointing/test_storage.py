@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpointing import storage
-from recipes.errors import CheckpointError
+from kiln.checkpointing import storage
+from kiln.recipes.errors import CheckpointError
 
 
 def test_split_and_merge_round_trip():

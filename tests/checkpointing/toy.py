@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from recipes.distributed import World
-from recipes.trainer import Progress  # the real one: checkpoints store its state
+from kiln.recipes.distributed import World
+from kiln.recipes.trainer import Progress  # the real one: checkpoints store its state
 
 
 class ToyModel(nn.Module):

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from components import registry
+from kiln.components import registry
 
 DIM, T, B, V = 64, 16, 2, 300
-BUILTIN = [e for e in registry.entries() if e.origin.startswith("components.")]
+BUILTIN = [e for e in registry.entries() if e.origin.startswith("kiln.components.")]
+assert BUILTIN, "no built-in components found in the registry"
 
 
 def _default(entry, **values):

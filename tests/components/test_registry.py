@@ -10,8 +10,8 @@ import warnings
 import pytest
 from pydantic import Field
 
-from components import registry
-from components.base import ComponentConfig
+from kiln.components import registry
+from kiln.components.base import ComponentConfig
 from tests.conftest import REPO
 
 
@@ -82,8 +82,8 @@ def _make_dist(root, name: str, module: str, body: str, value: str | None = None
 
 PLUGIN = """
     from pydantic import Field
-    from components.base import ComponentConfig
-    from components.registry import register
+    from kiln.components.base import ComponentConfig
+    from kiln.components.registry import register
 
     class FlatConfig(ComponentConfig):
         level: float = Field(0.5, description="constant LR multiplier")
@@ -112,11 +112,11 @@ def test_entry_point_plugin_is_listed_and_usable_in_a_recipe(tmp_path, write):
     code = textwrap.dedent(f"""
         import sys, warnings
         sys.path.insert(0, {str(tmp_path)!r})
-        from recipes.cli import main
+        from kiln.recipes.cli import main
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             main(["list", "schedule", "--brief"])
-            from recipes.recipe import load_recipe
+            from kiln.recipes.recipe import load_recipe
             r = load_recipe({str(recipe)!r})
             print("LEVEL", r.optimizer.schedule.build(total_steps=10)(3))
         print("WARN", [str(w.message) for w in caught])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from components.torchao_import import import_torchao, quiet_loggers
+from kiln.components.torchao_import import import_torchao, quiet_loggers
 
 
 def test_quiet_loggers_restores_levels():

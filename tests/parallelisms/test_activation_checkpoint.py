@@ -8,8 +8,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallelisms.activation_checkpoint import apply_activation_checkpoint
-from parallelisms.config import ParallelismConfig
+from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
+from kiln.parallelisms.config import ParallelismConfig
 from tests.parallelisms.tiny import batches, loss_fn, tiny_model
 
 MODES = {

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallelisms import ParallelismConfig, grad_norm, materialize, parallelize
-from recipes import distributed
+from kiln.parallelisms import ParallelismConfig, grad_norm, materialize, parallelize
+from kiln.recipes import distributed
 from tests.parallelisms.tiny import batches, free_port, init_gloo, loss_fn, tiny_model
 
 STEPS, GLOBAL_BATCH, SEED, CLIP = 5, 4, 7, 0.5
@@ -44,7 +44,7 @@ def train(model, plan, rank: int, world_size: int, accum: int) -> dict[str, list
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    from parallelisms.blocks import clean_name
+    from kiln.parallelisms.blocks import clean_name
 
     out = {}
     for name, p in model.named_parameters():

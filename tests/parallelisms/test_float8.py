@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-import parallelisms.float8 as f8
-from parallelisms.config import ParallelismConfig
-from recipes.errors import KilnError
+import kiln.parallelisms.float8 as f8
+from kiln.parallelisms.config import ParallelismConfig
+from kiln.recipes.errors import KilnError
 from tests.parallelisms.tiny import batches, loss_fn, tiny_model
 
 CPU = torch.device("cpu")

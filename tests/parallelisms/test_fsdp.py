@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from parallelisms.config import ParallelismConfig
-from parallelisms.fsdp import reshard_policy
+from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.fsdp import reshard_policy
 
 
 def test_reshard_policies():

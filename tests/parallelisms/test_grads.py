@@ -5,7 +5,7 @@ import copy
 import torch
 from torch import nn
 
-from parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_norm, grad_sync_context
+from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_norm, grad_sync_context
 
 
 def _with_grads(seed: int = 0) -> nn.Module:

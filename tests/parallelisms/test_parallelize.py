@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from parallelisms import ParallelismConfig, materialize, parallelize
+from kiln.parallelisms import ParallelismConfig, materialize, parallelize
 from tests.parallelisms.tiny import batches, loss_fn, tiny_model
 
 ONE = SimpleNamespace(world_size=1, device=torch.device("cpu"))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from components import registry
+from kiln.components import registry
 
 VOCAB = 96
 SEQ = 16

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.batch_plan import plan, total_steps
-from recipes.errors import RecipeError
-from recipes.schema import TrainingConfig
+from kiln.recipes.batch_plan import plan, total_steps
+from kiln.recipes.errors import RecipeError
+from kiln.recipes.schema import TrainingConfig
 
 
 def test_grad_accum_is_derived():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from recipes.cli import main
+from kiln.recipes.cli import main
 from tests.conftest import CONFIGS
 from tests.recipes.test_trainer import TINY
 

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from recipes.cli import COMMANDS, main
+from kiln.recipes.cli import COMMANDS, main
 from tests.conftest import CONFIGS, REPO
 
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
@@ -59,7 +59,7 @@ def test_validate_reports_invalid_recipes(write, capsys):
 
 
 def test_console_script_entry_point():
-    out = subprocess.run([sys.executable, "-m", "recipes.cli", "show",
+    out = subprocess.run([sys.executable, "-m", "kiln.recipes.cli", "show",
                           str(CONFIGS / "debug.toml"), "--training.seed=5"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0 and "seed = 5" in out.stdout

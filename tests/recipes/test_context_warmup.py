@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from recipes.context_warmup import ContextWarmupConfig, context_length, truncate
+from kiln.recipes.context_warmup import ContextWarmupConfig, context_length, truncate
 
 
 def test_lengths_at_known_steps():

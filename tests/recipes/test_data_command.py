@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from recipes.cli import main
+from kiln.recipes.cli import main
 
 
 @pytest.fixture

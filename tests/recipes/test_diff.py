@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from recipes.cli import main
-from recipes.diff import diff, flatten
-from recipes.recipe import load_recipe
+from kiln.recipes.cli import main
+from kiln.recipes.diff import diff, flatten
+from kiln.recipes.recipe import load_recipe
 from tests.conftest import CONFIGS
 
 
@@ -51,7 +51,7 @@ def test_cli_exit_codes_and_json(capsys, write):
 
 
 def test_diff_reads_run_folders(tmp_path, capsys):
-    from recipes.recipe import to_toml
+    from kiln.recipes.recipe import to_toml
 
     run = tmp_path / "run"
     run.mkdir()

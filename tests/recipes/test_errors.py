@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.cli import main
-from recipes.errors import RecipeError
-from recipes.recipe import load_recipe
+from kiln.recipes.cli import main
+from kiln.recipes.errors import RecipeError
+from kiln.recipes.recipe import load_recipe
 
 
 def _error(path, overrides=()) -> str:
@@ -60,9 +60,9 @@ def test_table_without_type_gets_the_default_component(write):
 def test_missing_required_key():
     from pydantic import Field
 
-    from components.base import Config
-    from recipes.loader import Layered
-    from recipes.resolve import build_config
+    from kiln.components.base import Config
+    from kiln.recipes.loader import Layered
+    from kiln.recipes.resolve import build_config
 
     class Needs(Config):
         path: str = Field(description="where the data is")

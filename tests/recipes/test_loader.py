@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.errors import RecipeError
-from recipes.loader import load_layers, parse_override
-from recipes.recipe import load_recipe, to_toml
+from kiln.recipes.errors import RecipeError
+from kiln.recipes.loader import load_layers, parse_override
+from kiln.recipes.recipe import load_recipe, to_toml
 
 
 def test_override_values_are_toml_literals():

@@ -11,10 +11,10 @@ import signal
 import pytest
 import torch
 
-from recipes.cli import main
-from recipes.hooks import Hook
-from recipes.recipe import load_recipe
-from recipes.trainer import Trainer
+from kiln.recipes.cli import main
+from kiln.recipes.hooks import Hook
+from kiln.recipes.recipe import load_recipe
+from kiln.recipes.trainer import Trainer
 from tests.conftest import CONFIGS
 
 TINY = [

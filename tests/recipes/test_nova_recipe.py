@@ -11,11 +11,11 @@ import signal
 import pytest
 import torch
 
-from recipes.commands.validate import build_meta_model
-from recipes.hooks import Hook
-from recipes.optimizer_set import OptimizerSet
-from recipes.recipe import load_recipe
-from recipes.trainer import Trainer
+from kiln.recipes.commands.validate import build_meta_model
+from kiln.recipes.hooks import Hook
+from kiln.recipes.optimizer_set import OptimizerSet
+from kiln.recipes.recipe import load_recipe
+from kiln.recipes.trainer import Trainer
 from tests.conftest import CONFIGS
 
 

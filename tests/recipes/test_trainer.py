@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from recipes.recipe import load_recipe
-from recipes.trainer import Trainer
+from kiln.recipes.recipe import load_recipe
+from kiln.recipes.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 
 TINY = [
@@ -64,7 +64,7 @@ def _free_port() -> int:
 def test_two_processes_match_one_process(tmp_path):
     one = train(tmp_path, "one")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_free_port()}", "-m", "recipes.cli", "train",
+           f"--master-port={_free_port()}", "-m", "kiln.recipes.cli", "train",
            str(CONFIGS / "debug.toml"), *TINY, f"--run.folder={tmp_path / 'two'}",
            "--training.init_check=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 DIM, T = 32, 10
 
@@ -95,7 +95,7 @@ def test_bad_head_counts_say_what_to_change():
 
 
 def test_cpu_bf16_small_heads_attend_in_fp32():
-    from components.attention.causal import causal_sdpa
+    from kiln.components.attention.causal import causal_sdpa
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, T, 8, dtype=torch.bfloat16) for _ in range(3))

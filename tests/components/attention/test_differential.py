@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.attention.differential import depth_lambda_init
-from components.base import default_config
+from kiln.components.attention.differential import depth_lambda_init
+from kiln.components.base import default_config
 
 DIM, T = 64, 10
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.data.byte_tokenizer import ByteTokenizer
-from components.data.packed_documents import PackedDocuments, PackedDocumentsConfig
+from kiln.components.data.byte_tokenizer import ByteTokenizer
+from kiln.components.data.packed_documents import PackedDocuments, PackedDocumentsConfig
 
 
 def write_corpus(folder: Path, num_docs: int = 40, seed: int = 0) -> Path:

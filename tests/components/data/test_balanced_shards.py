@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.base import default_config
-from recipes.errors import DataError, RecipeError
+from kiln.components.base import default_config
+from kiln.recipes.errors import DataError, RecipeError
 
 L = 8  # seq_len
 DOMAINS = ["code", "math", "web"]

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from components.base import default_config
-from components.data.byte_tokenizer import ByteTokenizer
+from kiln.components.base import default_config
+from kiln.components.data.byte_tokenizer import ByteTokenizer
 
 
 def test_round_trip_ascii_and_unicode():

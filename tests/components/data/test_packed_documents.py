@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.data.byte_tokenizer import ByteTokenizer
-from components.data.packed_documents import PackedDocumentsConfig
-from recipes.errors import DataError, RecipeError
+from kiln.components.data.byte_tokenizer import ByteTokenizer
+from kiln.components.data.packed_documents import PackedDocumentsConfig
+from kiln.recipes.errors import DataError, RecipeError
 
 from .conftest import epoch_stream
 
@@ -210,7 +210,7 @@ def test_default_stdlib_source_small(tmp_path):
 def test_concurrent_prepare_builds_once(tmp_path, corpus, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from components.data.packed_documents import PackedDocuments
+    from kiln.components.data.packed_documents import PackedDocuments
 
     builds = []
     real_build = PackedDocuments.build

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.data.packed_loader import Loader, _check_batch_plan, _locate, _Windows
-from recipes.errors import DataError, RecipeError
+from kiln.components.data.packed_loader import Loader, _check_batch_plan, _locate, _Windows
+from kiln.recipes.errors import DataError, RecipeError
 
 from .conftest import epoch_stream
 

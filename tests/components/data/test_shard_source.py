@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from components.data.shard_source import FolderSource, HubSource, Shard
-from recipes.errors import DataError
+from kiln.components.data.shard_source import FolderSource, HubSource, Shard
+from kiln.recipes.errors import DataError
 
 L = 4
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from components.base import default_config
-from components.ffn.moe import MoE, MoEModelMixin, balance_step, moe_metrics, pop_aux_loss
+from kiln.components.base import default_config
+from kiln.components.ffn.moe import MoE, MoEModelMixin, balance_step, moe_metrics, pop_aux_loss
 
 
 def make(dim=16, **values) -> MoE:

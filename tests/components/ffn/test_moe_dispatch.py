@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.ffn.moe_dispatch import (
+from kiln.components.ffn.moe_dispatch import (
     experts_grouped,
     experts_loop,
     grouped_mm_works,

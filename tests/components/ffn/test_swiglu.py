@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.base import default_config
-from components.ffn.swiglu import SwiGLUConfig, hidden_dim
+from kiln.components.base import default_config
+from kiln.components.ffn.swiglu import SwiGLUConfig, hidden_dim
 
 
 @pytest.mark.parametrize(

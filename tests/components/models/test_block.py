@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.models.block import Block, init_component
+from kiln.components.models.block import Block, init_component
 
 
 def _block(layerscale_init: float = 0.0) -> Block:

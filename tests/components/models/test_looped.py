@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.base import default_config
-from components.models.looped import Looped
-from recipes.errors import CheckpointError
+from kiln.components.base import default_config
+from kiln.components.models.looped import Looped
+from kiln.recipes.errors import CheckpointError
 
 V, T = 40, 12
 

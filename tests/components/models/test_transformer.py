@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 V, T = 64, 12
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 
 def test_matches_manual_formula():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from components.base import default_config
-from components.optimizers.adam_atan2 import AdamATan2
+from kiln.components.base import default_config
+from kiln.components.optimizers.adam_atan2 import AdamATan2
 from tests.components.optimizers.helpers import dcp_round_trip, make_net, train_steps
 
 

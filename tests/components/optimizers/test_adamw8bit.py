@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.base import default_config
-from components.optimizers.memory import optimizer_state_bytes
+from kiln.components.base import default_config
+from kiln.components.optimizers.memory import optimizer_state_bytes
 from tests import nova_dist
 from tests.components.optimizers.helpers import dcp_round_trip
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from components.optimizers.memory import optimizer_state_bytes, tensor_bytes
+from kiln.components.optimizers.memory import optimizer_state_bytes, tensor_bytes
 
 
 def test_adamw_state_is_two_fp32_moments_plus_steps():

@@ -9,11 +9,16 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from components.base import default_config
-from components.optimizers.muon import Muon
-from components.optimizers.orthogonalize import NS_COEFFICIENTS, chunk_rows, lr_scale, newton_schulz
-from components.optimizers.routing import param_groups, route
-from recipes.errors import RecipeError
+from kiln.components.base import default_config
+from kiln.components.optimizers.muon import Muon
+from kiln.components.optimizers.orthogonalize import (
+    NS_COEFFICIENTS,
+    chunk_rows,
+    lr_scale,
+    newton_schulz,
+)
+from kiln.components.optimizers.routing import param_groups, route
+from kiln.recipes.errors import RecipeError
 from tests import nova_dist
 from tests.components.optimizers.helpers import dcp_round_trip, make_net, train_steps
 

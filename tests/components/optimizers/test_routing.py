@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from components.base import default_config
-from components.optimizers.common import ParamRule
-from components.optimizers.routing import param_groups, route, routing_table
-from recipes.errors import RecipeError
+from kiln.components.base import default_config
+from kiln.components.optimizers.common import ParamRule
+from kiln.components.optimizers.routing import param_groups, route, routing_table
+from kiln.recipes.errors import RecipeError
 
 
 class Tiny(nn.Module):

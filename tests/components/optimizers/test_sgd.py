@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.base import default_config
-from recipes.errors import RecipeError
+from kiln.components.base import default_config
+from kiln.recipes.errors import RecipeError
 from tests.components.optimizers.helpers import dcp_round_trip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 
 def _rope(head_dim: int = 8, max_seq_len: int = 16, theta: float = 10000.0):
@@ -67,7 +67,7 @@ def test_too_long_sequence_says_what_to_change():
 
 
 def test_compile_path_real_ops_equal_complex_path():
-    from components.positions.rope import _rotate, _rotate_real
+    from kiln.components.positions.rope import _rotate, _rotate_real
 
     torch.manual_seed(0)
     table = _rope().freqs_cis[:5]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 
 def test_constant_with_and_without_warmup():

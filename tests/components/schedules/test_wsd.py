@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from components.base import default_config
+from kiln.components.base import default_config
 
 
 def _sched(total: int = 100, **values):

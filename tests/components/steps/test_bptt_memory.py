@@ -7,10 +7,15 @@ import json
 import pytest
 import torch
 
-from components.base import default_config
-from components.steps.bptt_memory import SavedTensorMeter, bench_loops, loop_memory, segment_pass
-from recipes.cli import main
-from recipes.errors import RecipeError
+from kiln.components.base import default_config
+from kiln.components.steps.bptt_memory import (
+    SavedTensorMeter,
+    bench_loops,
+    loop_memory,
+    segment_pass,
+)
+from kiln.recipes.cli import main
+from kiln.recipes.errors import RecipeError
 from tests.conftest import CONFIGS
 
 V, T = 40, 12

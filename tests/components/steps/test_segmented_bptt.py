@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.base import default_config
-from components.optimizers.common import ParamRule
-from components.steps.common import GuardDecision
-from recipes.errors import RecipeError
+from kiln.components.base import default_config
+from kiln.components.optimizers.common import ParamRule
+from kiln.components.steps.common import GuardDecision
+from kiln.recipes.errors import RecipeError
 from tests.components.steps.trainer_stub import StubTrainer
 
 V, T = 40, 12

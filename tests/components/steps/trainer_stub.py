@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import torch
 
-from components.base import default_config
-from parallelisms import ParallelPlan
-from recipes.distributed import World
-from recipes.optimizer_set import OptimizerSet
-from recipes.trainer import Progress, Trainer
+from kiln.components.base import default_config
+from kiln.parallelisms import ParallelPlan
+from kiln.recipes.distributed import World
+from kiln.recipes.optimizer_set import OptimizerSet
+from kiln.recipes.trainer import Progress, Trainer
 
 
 class StubTrainer(Trainer):

@@ -1,0 +1,74 @@
+"""kiln installs under one top-level name, ``kiln``; the repository folders map onto it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO
+
+TOP = ("recipes", "components", "parallelisms", "checkpointing", "train_configs")
+
+
+def _declared() -> tuple[list[str], dict[str, str]]:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    tool = data["tool"]["setuptools"]
+    return tool["packages"], tool["package-dir"]
+
+
+def test_every_source_folder_is_a_declared_kiln_package():
+    packages, package_dir = _declared()
+    assert package_dir == {f"kiln.{top}": top for top in TOP}
+    found = sorted(
+        "kiln." + ".".join(init.parent.relative_to(REPO).parts)
+        for top in TOP for init in (REPO / top).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    )
+    assert sorted(packages) == found  # a new sub-package must be added to pyproject.toml
+    assert all(p.split(".")[0] == "kiln" for p in packages)
+
+
+@pytest.mark.slow
+def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp_path):
+    """A non-editable install next to an unrelated ``components`` package (first on sys.path)
+    imports kiln's own modules and trains a step."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=True)  # torch etc. from the host
+    py = env_dir / "bin" / "python"
+    build = subprocess.run(
+        [str(py), "-m", "pip", "install", "--quiet", "--no-deps", str(REPO)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    names = sorted(p.name for p in Path(site).iterdir() if not p.name.startswith(("_", "pip")))
+    assert [n for n in names if n in TOP] == []  # no generic top-level modules installed
+    assert "kiln" in names
+
+    # Someone else's `components` package, first on the path (the working directory).
+    work = tmp_path / "work"
+    (work / "components").mkdir(parents=True)
+    (work / "components" / "__init__.py").write_text("raise ImportError('not kiln')\n")
+    probe = subprocess.run(
+        [str(py), "-c", "import kiln.components.registry as r, kiln.recipes.cli as c; "
+         "print(r.__file__); print(c.__file__)"],
+        capture_output=True, text=True, cwd=work, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert all(line.startswith(site) for line in probe.stdout.split())
+
+    run = subprocess.run(
+        [str(env_dir / "bin" / "kiln"), "train", str(CONFIGS / "debug.toml"),
+         "--training.steps=1", "--model.dim=32", "--model.n_layers=1",
+         "--model.attention.n_heads=2", "--model.ffn.hidden_dim=64", "--training.seq_len=32",
+         "--data.max_bytes=300000", "--data.eval_fraction=0.2", "--eval.tokens=256", "--checkpoint.enable=false",
+         "--run.progress_bar=false", f"--run.folder={work / 'run'}"],
+        capture_output=True, text=True, cwd=work, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(work)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (work / "run" / "metrics.jsonl").is_file()
