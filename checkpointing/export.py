@@ -36,39 +36,17 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from kiln.checkpointing import layout, storage
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
-def load_model(checkpoint: Path):
-    """(recipe, tokenizer, model with the checkpoint's weights on the CPU)."""
-    from kiln.recipes.recipe import load_recipe
-
-    layout.verify(checkpoint, hashes=True)
-    recipe = load_recipe(checkpoint)
-    tokenizer = recipe.tokenizer.build()
-    with torch.device("meta"):
-        model = recipe.model.build(vocab_size=tokenizer.vocab_size,
-                                   seq_len=recipe.training.seq_len)
-    model = model.to_empty(device="cpu")
-    sd = get_model_state_dict(model)
-    tensors, _ = storage.split_tree({"model": sd})
-    storage.load_tensors(tensors, checkpoint, no_dist=True,
-                         hint=" -- cannot load the model's weights from the recipe it holds")
-    model.load_state_dict(tensors["model"], strict=False)
-    for module in model.modules():  # non-persistent buffers (RoPE tables) are derived
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
-    return recipe, tokenizer, model
-
-
-def export(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto") -> dict[str, Any]:
-    """Write the export; returns a summary (layout, file names, tensor count)."""
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    recipe, tokenizer, model = load_model(checkpoint)
+def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_table: dict,
+           recipe_file: Path, fmt: str = "auto") -> dict[str, Any]:
+    """Write ``model`` (whole, on the CPU) to ``out_dir``; returns a summary (layout, file
+    names, tensor count). ``model_table`` is the recipe's resolved ``[model]`` table (the kiln
+    layout's config.json); ``recipe_file`` is copied beside the weights. Loading a checkpoint
+    into a model is the caller's job (``kiln.recipes.saved_model``)."""
+    out_dir = Path(out_dir)
     reason = llama_incompatibility(model)
     if fmt == "hf" and reason:
         raise CheckpointError(f"--format hf: this model has no Llama layout: {reason}; use "
@@ -77,13 +55,13 @@ def export(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto") -> di
     if use_hf:
         tensors, config = to_llama(model, tokenizer)
     else:
-        tensors, config = _kiln_layout(model, recipe)
+        tensors, config = _kiln_layout(model, model_table)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    shutil.copyfile(checkpoint / "recipe.toml", tmp / "recipe.toml")
+    shutil.copyfile(recipe_file, tmp / "recipe.toml")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -91,9 +69,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto") -> di
             "why_not_hf": reason, "files": sorted(p.name for p in out_dir.iterdir())}
 
 
-def _kiln_layout(model: torch.nn.Module, recipe) -> tuple[dict, dict]:
-    from kiln.recipes.recipe import to_dict
-
+def _kiln_layout(model: torch.nn.Module, model_table: dict) -> tuple[dict, dict]:
     tensors, seen = {}, {}
     for name, t in model.state_dict().items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -101,7 +77,7 @@ def _kiln_layout(model: torch.nn.Module, recipe) -> tuple[dict, dict]:
             continue
         seen[key] = name
         tensors[name] = t.detach().contiguous()
-    config = {"format": "kiln", "model": to_dict(recipe)["model"],
+    config = {"format": "kiln", "model": model_table,
               "vocab_size": getattr(model, "vocab_size", None),
               "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
     return tensors, config

@@ -3,17 +3,21 @@
 Policy (the ``[checkpoint]`` table): save every ``interval`` steps and at the end, keep the newest
 ``keep_last`` snapshots plus ``final``; resume per ``resume``; on SIGTERM/SIGINT save at the next
 step boundary and stop (the trainer then returns normally, so the process exits 0).
+
+The hook sits below the trainer: what needs the recipes package (diffing the checkpoint's recipe
+against the current one, exporting a checkpoint) is passed in by the trainer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kiln.checkpointing import layout, resume
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.checkpointing.preemption import Preemption
-from kiln.recipes import distributed
-from kiln.recipes.hooks import Hook
+from kiln.components import distributed
 
 
 def checkpoint_root(recipe) -> Path:
@@ -21,8 +25,16 @@ def checkpoint_root(recipe) -> Path:
     return folder if folder.is_absolute() else Path(recipe.run.folder) / folder
 
 
-class CheckpointHook(Hook):
-    def __init__(self, trainer, *, hub_api=None) -> None:
+class CheckpointHook:
+    """A trainer hook (``on_train_start``, ``on_step_end``, ``on_train_end``, ``close``).
+
+    ``recipe_diff(folder)`` diffs a checkpoint's recipe against the run's (resume check);
+    ``export(checkpoint, out_dir)`` writes an export (Hub upload of the final model)."""
+
+    def __init__(self, trainer, *, recipe_diff: Callable[[Path], Any],
+                 export: Callable[[Path, Path], Any] | None = None, hub_api=None) -> None:
+        self.recipe_diff = recipe_diff
+        self.export = export
         self.cfg = cfg = trainer.recipe.checkpoint
         self.root = checkpoint_root(trainer.recipe)
         self.hub = None
@@ -52,8 +64,8 @@ class CheckpointHook(Hook):
         weights_only = cfg.weights_only and source.explicit
         if source.note:
             trainer.print(f"kiln: {source.note}")
-        resume.compare_with_checkpoint(source.folder, trainer.recipe, weights_only=weights_only,
-                                       log=trainer.print)
+        resume.compare_with_checkpoint(source.folder, self.recipe_diff,
+                                       weights_only=weights_only, log=trainer.print)
         distributed.barrier()  # every rank has resolved the source before any folder moves
         if source.explicit and not weights_only and trainer.world.is_main:
             moved = resume.abandon_newer(self.root, source.folder)
@@ -112,7 +124,8 @@ class CheckpointHook(Hook):
             if self.manager.last_saved_step != step:
                 self.manager.save(trainer, extra={"loss": self._last_loss})
             self.manager.mark_final(step)
-            if self.hub is not None and self.cfg.hub_upload in ("export", "both"):
+            if self.hub is not None and self.cfg.hub_upload in ("export", "both") \
+                    and self.export is not None:
                 self._upload_export(trainer, step)
 
     def close(self, trainer) -> None:
@@ -127,8 +140,6 @@ class CheckpointHook(Hook):
                 self.preemption.uninstall()
 
     def _upload_export(self, trainer, step: int) -> None:
-        from kiln.checkpointing.export import export
-
         out = Path(trainer.run_dir) / "export"
-        export(self.root / layout.step_name(step), out)
+        self.export(self.root / layout.step_name(step), out)
         self.hub.upload_export(out)

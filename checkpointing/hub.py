@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from kiln.checkpointing import layout
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 PREFIX = "checkpoints/"
 

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "kiln-checkpoint"

@@ -2,8 +2,9 @@
 
 The manager works on a *train state*: any object with ``model``, ``optimizers`` (an
 ``OptimizerSet`` or a dict name -> optimizer), ``progress`` (``state_dict``/``load_state_dict``),
-``guards`` (dict), ``world`` (``kiln.recipes.distributed.World``), ``recipe`` and optionally
-``train_loader`` (``state_dict``/``load_state_dict``). The trainer is one; tests use small ones.
+``guards`` (dict), ``world`` (``kiln.components.distributed.World``) and optionally
+``recipe_toml`` (the resolved recipe's text, copied into every snapshot) and ``train_loader``
+(``state_dict``/``load_state_dict``). The trainer is one; tests use small ones.
 
 Model and optimizers go through ``get_state_dict``/``set_state_dict`` so plain and FSDP2-sharded
 models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
@@ -33,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from kiln.checkpointing import layout, payload, rng, storage
-from kiln.recipes import distributed
-from kiln.recipes.errors import CheckpointError
+from kiln.components import distributed
+from kiln.components.errors import CheckpointError
 
 STATE = "state.json"
 RECIPE = "recipe.toml"
@@ -112,7 +113,9 @@ class CheckpointManager:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
         if self.world.is_main:
             layout.write_json(tmp / STATE, meta)
-            _write_recipe(state.recipe, tmp / RECIPE)
+            recipe_toml = getattr(state, "recipe_toml", None)
+            if recipe_toml is not None:
+                layout.write_atomic(tmp / RECIPE, recipe_toml)
         writer = FileSystemWriter(str(tmp), sync_files=True)
         if not self.async_save:
             with storage.quiet_dcp():
@@ -355,14 +358,6 @@ def _write_marker(path: Path, future) -> None:
     exc = future.exception()
     text = "ok" if exc is None else f"{type(exc).__name__}: {_short(exc)}"
     layout.write_atomic(path, text)
-
-
-def _write_recipe(recipe, path: Path) -> None:
-    if recipe is None:
-        return
-    from kiln.recipes.trainer import write_recipe
-
-    write_recipe(recipe, path)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

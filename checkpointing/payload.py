@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 VERSION = 1
 FIELDS = frozenset({"version", "step", "carry", "guard_fields"})

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from kiln.recipes import distributed
+from kiln.components import distributed
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

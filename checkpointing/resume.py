@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.checkpointing import layout
-from kiln.recipes.diff import diff
-from kiln.recipes.errors import CheckpointError, RecipeError
+from kiln.components.errors import CheckpointError, RecipeError
 
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
 
@@ -127,9 +126,10 @@ class Compatibility:
     allowed: list[str]
 
 
-def check_recipe(saved, current, *, weights_only: bool) -> Compatibility:
-    """Classify the differences between the checkpoint's recipe and the current one."""
-    d = diff(saved, current)
+def check_recipe(d, *, weights_only: bool) -> Compatibility:
+    """Classify the differences between the checkpoint's recipe and the current one. ``d`` is
+    their diff (``kiln.recipes.diff.RecipeDiff``: ``keys()``, ``changed``, ``only_a`` for keys
+    only the checkpoint has, ``only_b`` for keys only the current recipe has)."""
     refused, allowed = [], []
     for key in d.keys():  # noqa: SIM118 (RecipeDiff.keys(), not a dict)
         line = _describe(d, key)
@@ -168,17 +168,17 @@ def _describe(d, key: str) -> str:
     return f"{key}: added ({d.only_b[key]!r})"
 
 
-def compare_with_checkpoint(folder: Path, current, *, weights_only: bool, log) -> None:
-    """Refuse incompatible recipe changes (CheckpointError); report allowed ones via ``log``."""
-    from kiln.recipes.recipe import load_recipe
-
+def compare_with_checkpoint(folder: Path, recipe_diff, *, weights_only: bool, log) -> None:
+    """Refuse incompatible recipe changes (CheckpointError); report allowed ones via ``log``.
+    ``recipe_diff(folder)`` diffs the checkpoint's recipe against the current one (the trainer
+    passes it: reading recipes is the recipes package's job); RecipeError = unreadable."""
     try:
-        saved = load_recipe(folder)
+        d = recipe_diff(folder)
     except RecipeError as exc:
         log(f"kiln: warning: cannot read the checkpoint's recipe to compare ({exc}); resuming "
             "without the recipe check")
         return
-    result = check_recipe(saved, current, weights_only=weights_only)
+    result = check_recipe(d, weights_only=weights_only)
     if result.refused:
         raise CheckpointError(
             f"{folder}: the recipe changed in ways this checkpoint cannot follow:\n  "

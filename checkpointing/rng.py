@@ -14,7 +14,7 @@ import random
 import numpy as np
 import torch
 
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 PREFIX = "rng."
 _MT_WORDS = 624  # Mersenne Twister state words (python and numpy's legacy generator)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 _JSON_LEAVES = (type(None), bool, int, float, str)
 # DCP warns that it runs "in a single process" even when told to (no_dist=True), also from the

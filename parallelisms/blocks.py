@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.recipes.errors import KilnError
+from kiln.components.errors import KilnError
 
 # Prefixes that wrappers add to parameter names (checkpoint_wrapper, torch.compile).
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")

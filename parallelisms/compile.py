@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kiln.components.errors import KilnError
 from kiln.parallelisms.blocks import model_blocks
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.errors import KilnError
 
 
 def check_toolchain(device: torch.device) -> None:

@@ -18,10 +18,10 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
+from kiln.components.errors import KilnError
 from kiln.components.torchao_import import import_torchao
 from kiln.parallelisms.blocks import clean_name
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.errors import KilnError
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
 ALWAYS_EXCLUDED = ("output", "lm_head", "*norm*", "*embed*")  # LM head, norms, embeddings

@@ -3,15 +3,15 @@
 ``dp_shard`` ranks share one copy of the model (FSDP2 shards parameters, gradients and optimizer
 state over them); ``dp_replicate`` such groups hold replicas (HSDP: gradients all-reduced across
 them). Their product must be the world size. The process group itself (gloo on CPU, nccl on
-CUDA, or ``parallelism.backend``) is created by ``kiln.recipes.distributed.init`` before this.
+CUDA, or ``parallelism.backend``) is created by ``kiln.components.distributed.init`` before this.
 """
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from kiln.components.errors import RecipeError
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.errors import RecipeError
 
 MESH_DIMS = ("dp_replicate", "dp_shard")
 

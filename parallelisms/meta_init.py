@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kiln.recipes.errors import KilnError
+from kiln.components.errors import KilnError
 
 
 def _dtensor_params(model: nn.Module) -> dict[int, tuple[DTensor, list[tuple[nn.Module, str]]]]:

@@ -30,7 +30,7 @@ from kiln.parallelisms.mesh import build_mesh, fsdp_mesh
 
 
 class WorldLike(Protocol):
-    """What parallelize needs of ``kiln.recipes.distributed.World``."""
+    """What parallelize needs of ``kiln.components.distributed.World``."""
 
     world_size: int
     device: torch.device

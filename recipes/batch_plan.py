@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 
 
 @dataclass(frozen=True)

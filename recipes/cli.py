@@ -11,8 +11,8 @@ import importlib
 import os
 import sys
 
+from kiln.components.errors import KilnError
 from kiln.components.registry import RegistryError
-from kiln.recipes.errors import KilnError
 from kiln.recipes.loader import parse_override
 
 # name -> (module, one-line help)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kiln.recipes import distributed as dist_utils
+from kiln.components import distributed as dist_utils
 
 
 class Hook:

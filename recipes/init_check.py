@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from kiln.recipes.errors import KilnError
+from kiln.components.errors import KilnError
 
 SAMPLE = 4096  # elements summed per tensor (strided over the whole tensor)
 

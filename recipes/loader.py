@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 
 CLI = "command line"
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 from kiln.recipes.loader import load_layers
 from kiln.recipes.resolve import build_config, take_notes
 from kiln.recipes.schema import Recipe
@@ -49,3 +51,33 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
 
 def to_toml(recipe: Recipe) -> str:
     return tomli_w.dumps(to_dict(recipe))
+
+
+def render_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as TOML, headed by the kiln version and git revision (comments)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("kiln")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"# resolved by kiln {version}, git {git_revision()}\n" + to_toml(recipe)
+
+
+def write_recipe(recipe: Recipe, path: Path) -> None:
+    write_text_atomic(Path(path), render_recipe(recipe))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

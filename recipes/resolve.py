@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from kiln.components import registry
 from kiln.components.base import ComponentConfig, Config, Kind, default_type
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 from kiln.recipes.loader import Layered
 
 _NOTES: list[str] = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +15,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kiln.components import distributed
+from kiln.components.errors import TrainingAborted
 from kiln.components.steps.common import GuardDecision
-from kiln.recipes import batch_plan, distributed
+from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
-from kiln.recipes.errors import TrainingAborted
 from kiln.recipes.flops import peak_flops
 from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.recipe import to_toml
+from kiln.recipes.recipe import render_recipe, write_text_atomic
 from kiln.recipes.schema import Recipe
 
 
@@ -55,9 +55,10 @@ class Trainer:
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
         self.run_dir = Path(recipe.run.folder)
+        self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_recipe(recipe, self.run_dir / "recipe.toml")
+            write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
         self.plan = batch_plan.plan(tr, self.world.world_size)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
@@ -107,7 +108,7 @@ class Trainer:
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         if getattr(model, "vocab_size", vocab) < vocab:
-            from kiln.recipes.errors import RecipeError
+            from kiln.components.errors import RecipeError
 
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
@@ -144,8 +145,13 @@ class Trainer:
 
     def _checkpoint_hook(self) -> Hook:
         from kiln.checkpointing.hook import CheckpointHook
+        from kiln.recipes.diff import diff
+        from kiln.recipes.recipe import load_recipe
+        from kiln.recipes.saved_model import export_checkpoint
 
-        return CheckpointHook(self)
+        return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
+                                                                    self.recipe),
+                              export=export_checkpoint)
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
@@ -272,31 +278,6 @@ class Trainer:
                 hook.close(self)
             self.metrics.close()
         return self.progress
-
-
-def write_recipe(recipe: Recipe, path: Path) -> None:
-    """The resolved recipe, headed by the kiln version and git revision (TOML comments)."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("kiln")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    header = f"# resolved by kiln {version}, git {git_revision()}\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + to_toml(recipe), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def git_revision() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def peak_rss_bytes() -> int:

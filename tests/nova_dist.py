@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from kiln.recipes import distributed
+from kiln.components import distributed
 
 WORLD = 2
 
@@ -197,9 +197,9 @@ def case_adamw8bit(tmp: str) -> dict:
 
 def case_tied_transformer(rank: int) -> dict:
     from kiln.components.base import default_config
+    from kiln.components.distributed import World
     from kiln.parallelisms import parallelize
     from kiln.parallelisms.config import ParallelismConfig
-    from kiln.recipes.distributed import World
 
     def build():
         cfg = default_config(
@@ -240,7 +240,7 @@ def case_tied_transformer(rank: int) -> dict:
 
 
 def case_init_check(rank: int) -> dict:
-    from kiln.recipes.errors import KilnError
+    from kiln.components.errors import KilnError
     from kiln.recipes.init_check import check_identical_init
 
     model = _mats(False)

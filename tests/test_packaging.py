@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tomllib
 import venv
@@ -37,11 +38,14 @@ def test_every_source_folder_is_a_declared_kiln_package():
 def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp_path):
     """A non-editable install next to an unrelated ``components`` package (first on sys.path)
     imports kiln's own modules and trains a step."""
+    source = tmp_path / "source"  # pip builds in the source tree: keep the checkout clean
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"))
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=True)  # torch etc. from the host
     py = env_dir / "bin" / "python"
     build = subprocess.run(
-        [str(py), "-m", "pip", "install", "--quiet", "--no-deps", str(REPO)],
+        [str(py), "-m", "pip", "install", "--quiet", "--no-deps", str(source)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
 
@@ -66,7 +70,8 @@ def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp
         [str(env_dir / "bin" / "kiln"), "train", str(CONFIGS / "debug.toml"),
          "--training.steps=1", "--model.dim=32", "--model.n_layers=1",
          "--model.attention.n_heads=2", "--model.ffn.hidden_dim=64", "--training.seq_len=32",
-         "--data.max_bytes=300000", "--data.eval_fraction=0.2", "--eval.tokens=256", "--checkpoint.enable=false",
+         "--data.max_bytes=300000", "--data.eval_fraction=0.2", "--eval.tokens=256",
+         "--checkpoint.enable=false",
          "--run.progress_bar=false", f"--run.folder={work / 'run'}"],
         capture_output=True, text=True, cwd=work, timeout=300,
         env={**os.environ, "PYTHONPATH": str(work)})

@@ -32,8 +32,8 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.shard_source import FolderSource, HubSource, Shard
+from kiln.components.errors import DataError, RecipeError
 from kiln.components.registry import register
-from kiln.recipes.errors import DataError, RecipeError
 
 
 class BalancedShardsConfig(ComponentConfig):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 # Folders never read from the stdlib: installed packages and bytecode caches.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 LAYOUT_VERSION = 1
 META, TOKENS, OFFSETS = "metadata.json", "tokens.bin", "doc_offsets.npy"

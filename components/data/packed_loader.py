@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kiln.components.data.packed_layout import TOKENS, PackedLayout, open_layout
-from kiln.recipes.errors import DataError, RecipeError
+from kiln.components.errors import DataError, RecipeError
 
 _ENDLESS = 1 << 62  # the train stream cycles data epochs forever; the trainer decides when to stop
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 _INT_DTYPES = (np.uint16, np.int16, np.int32, np.uint32, np.int64, np.uint8)
 

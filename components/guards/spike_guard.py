@@ -27,9 +27,9 @@ import torch.distributed as dist
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
+from kiln.components.errors import CheckpointError
 from kiln.components.registry import register
 from kiln.components.steps.common import GuardDecision
-from kiln.recipes.errors import CheckpointError
 
 STATE_VERSION = 1
 _COUNTERS = ("skips_total", "spikes_total", "nonfinite_total", "consecutive_skipped_steps")

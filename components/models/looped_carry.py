@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig, ParamRule
 from kiln.components.optimizers.orthogonalize import (
     NS_COEFFICIENTS,
@@ -29,7 +30,6 @@ from kiln.components.optimizers.orthogonalize import (
     orthogonalize_sharded,
 )
 from kiln.components.registry import register
-from kiln.recipes.errors import RecipeError
 
 
 class MuonConfig(OptimizerConfig):

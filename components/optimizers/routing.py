@@ -7,8 +7,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig, ParamRule
-from kiln.recipes.errors import RecipeError
 
 
 @dataclass

@@ -13,9 +13,9 @@ import torch
 from pydantic import Field
 from torch.distributed.tensor import DTensor
 
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
-from kiln.recipes.errors import RecipeError
 
 
 class SGDConfig(OptimizerConfig):

@@ -112,27 +112,3 @@ def render(rows: list[dict[str, Any]]) -> str:
             line += f"  {r['cuda_peak_above_weights_bytes'] / 2**20:>22,.1f} MiB"
         lines.append(line)
     return "\n".join(lines)
-
-
-def bench_loops(recipe_path: str, overrides: list[str], loops: str,
-                batch: int = 0) -> list[dict[str, Any]]:
-    """``kiln bench RECIPE --loops 4,8,16``: the recipe's model and micro-batch at each H, with
-    the recipe's segment length K (``training.step.segment_loops``; all H for other steps)."""
-    from kiln.recipes.distributed import pick_device
-    from kiln.recipes.errors import RecipeError
-    from kiln.recipes.recipe import load_recipe
-
-    recipe = load_recipe(recipe_path, overrides)
-    if "loops" not in type(recipe.model).model_fields:
-        raise RecipeError(f"--loops needs a looped model; model.type = {recipe.model.type!r}")
-    try:
-        values = [int(x) for x in loops.split(",") if x.strip()]
-    except ValueError:
-        raise RecipeError(f"--loops {loops!r}: give comma-separated integers") from None
-    tokenizer = recipe.tokenizer.build()
-    tr = recipe.training
-    device = pick_device(tr.device)
-    return loop_memory(recipe.model, vocab_size=tokenizer.vocab_size, seq_len=tr.seq_len,
-                       batch=batch or tr.micro_batch, loops=values,
-                       segment_loops=getattr(tr.step, "segment_loops", 0),
-                       device=str(device), seed=tr.seed)

@@ -18,9 +18,9 @@ import torch
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
+from kiln.components.errors import RecipeError
 from kiln.components.registry import register
 from kiln.components.steps.common import StepResult
-from kiln.recipes.errors import RecipeError
 
 
 class SegmentedBPTTConfig(ComponentConfig):

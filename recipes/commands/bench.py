@@ -7,9 +7,13 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 
+from kiln.components.distributed import pick_device
+from kiln.components.errors import RecipeError
+from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.hooks import Hook
 from kiln.recipes.recipe import load_recipe
 
@@ -134,9 +138,28 @@ def render(r: dict) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+def bench_loops(recipe_path: str, overrides: list[str], loops: str,
+                batch: int = 0) -> list[dict[str, Any]]:
+    """``kiln bench RECIPE --loops 4,8,16``: the recipe's model and micro-batch at each H, with
+    the recipe's segment length K (``training.step.segment_loops``; all H for other steps)."""
+    recipe = load_recipe(recipe_path, overrides)
+    if "loops" not in type(recipe.model).model_fields:
+        raise RecipeError(f"--loops needs a looped model; model.type = {recipe.model.type!r}")
+    try:
+        values = [int(x) for x in loops.split(",") if x.strip()]
+    except ValueError:
+        raise RecipeError(f"--loops {loops!r}: give comma-separated integers") from None
+    tokenizer = recipe.tokenizer.build()
+    tr = recipe.training
+    device = pick_device(tr.device)
+    return loop_memory(recipe.model, vocab_size=tokenizer.vocab_size, seq_len=tr.seq_len,
+                       batch=batch or tr.micro_batch, loops=values,
+                       segment_loops=getattr(tr.step, "segment_loops", 0),
+                       device=str(device), seed=tr.seed)
+
+
 def run(args) -> int:
     if args.loops:
-        from kiln.components.steps.bptt_memory import bench_loops
         from kiln.components.steps.bptt_memory import render as render_loops
 
         rows = bench_loops(args.recipe, args.overrides, args.loops)

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
 
@@ -68,10 +68,10 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
                  device: str = "auto", overrides: list[str] | None = None) -> dict:
     import contextlib
 
-    from kiln.checkpointing.export import load_model
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.distributed import pick_device
+    from kiln.components.distributed import pick_device
     from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.saved_model import load_model
 
     ckpt = find_checkpoint(Path(run))
     recipe, tokenizer, model = load_model(ckpt)

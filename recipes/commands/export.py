@@ -17,11 +17,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kiln.checkpointing.export import export
     from kiln.checkpointing.resume import find_checkpoint
+    from kiln.recipes.saved_model import export_checkpoint
 
     folder = find_checkpoint(Path(args.checkpoint))
-    summary = export(folder, Path(args.out_dir), args.format)
+    summary = export_checkpoint(folder, Path(args.out_dir), args.format)
     print(f"exported {folder} -> {args.out_dir} ({summary['layout']} layout, "
           f"{summary['tensors']} tensors): {', '.join(summary['files'])}")
     if summary["layout"] == "kiln" and summary["why_not_hf"]:

@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
-    from kiln.recipes import distributed
+    from kiln.components import distributed
     from kiln.recipes.trainer import Trainer
 
     ok = False

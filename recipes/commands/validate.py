@@ -7,7 +7,7 @@ import tempfile
 
 import torch
 
-from kiln.recipes.errors import KilnError
+from kiln.components.errors import KilnError
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 

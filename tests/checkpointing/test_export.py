@@ -9,13 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.checkpointing.export import export, llama_incompatibility, load_model, rope_permute
+from kiln.checkpointing.export import llama_incompatibility, rope_permute
 from kiln.checkpointing.manager import CheckpointManager
+from kiln.components.distributed import World
+from kiln.components.errors import CheckpointError
 from kiln.components.positions.rope import RoPE, RoPEConfig
 from kiln.recipes.cli import main
-from kiln.recipes.distributed import World
-from kiln.recipes.errors import CheckpointError
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.recipe import load_recipe, render_recipe
+from kiln.recipes.saved_model import export_checkpoint as export
+from kiln.recipes.saved_model import load_model
 from tests.checkpointing.toy import ToyState
 from tests.conftest import CONFIGS
 
@@ -28,7 +30,7 @@ def checkpoint(tmp_path, *overrides):
     torch.manual_seed(0)
     model = recipe.model.build(vocab_size=258, seq_len=16)
     state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(model.parameters())},
-                     recipe=recipe)
+                     recipe_toml=render_recipe(recipe))
     state.train_loader = None
     state.progress.step = 5
     CheckpointManager(tmp_path / "ck", World(0, 1, 0, torch.device("cpu")),

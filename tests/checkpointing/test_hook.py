@@ -9,8 +9,8 @@ import json
 import pytest
 
 from kiln.checkpointing import hub
+from kiln.components.errors import CheckpointError
 from kiln.recipes.cli import main
-from kiln.recipes.errors import CheckpointError
 from kiln.recipes.recipe import load_recipe
 from kiln.recipes.trainer import Trainer
 from tests.checkpointing.test_exact_resume import TINY

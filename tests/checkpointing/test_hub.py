@@ -12,8 +12,8 @@ import torch
 
 from kiln.checkpointing import hub, layout
 from kiln.checkpointing.manager import CheckpointManager
-from kiln.recipes.distributed import World
-from kiln.recipes.errors import CheckpointError
+from kiln.components.distributed import World
+from kiln.components.errors import CheckpointError
 from tests.checkpointing.toy import toy_state
 
 COMMIT = "0" * 40

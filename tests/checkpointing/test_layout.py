@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kiln.checkpointing import layout
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 def make(root, step, files=None):

@@ -13,8 +13,8 @@ import torch
 
 from kiln.checkpointing import layout
 from kiln.checkpointing.manager import CheckpointManager, rank_file
-from kiln.recipes.distributed import World
-from kiln.recipes.errors import CheckpointError
+from kiln.components.distributed import World
+from kiln.components.errors import CheckpointError
 from tests.checkpointing.toy import toy_state
 
 

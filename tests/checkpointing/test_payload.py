@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.checkpointing import payload
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 def good() -> dict:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kiln.checkpointing import layout, resume
-from kiln.recipes.errors import CheckpointError
-from kiln.recipes.recipe import load_recipe
+from kiln.components.errors import CheckpointError
+from kiln.recipes.diff import diff
+from kiln.recipes.recipe import load_recipe, write_recipe
 from tests.checkpointing.test_layout import make
 from tests.conftest import CONFIGS
 
@@ -59,10 +60,19 @@ def recipe(*overrides):
     return load_recipe(CONFIGS / "debug.toml", list(overrides))
 
 
+def check(saved, current, *, weights_only):
+    return resume.check_recipe(diff(saved, current), weights_only=weights_only)
+
+
+def diff_with(current):
+    """What the trainer passes to the checkpoint hook: the checkpoint's recipe vs the current."""
+    return lambda folder: diff(load_recipe(folder), current)
+
+
 def test_allowed_changes_are_reported():
-    result = resume.check_recipe(
-        recipe(), recipe("--training.steps=999", "--optimizer.lr=1e-4", "--run.log_interval=3",
-                         "--model.init_std=0.01"), weights_only=False)
+    result = check(recipe(), recipe("--training.steps=999", "--optimizer.lr=1e-4",
+                                    "--run.log_interval=3", "--model.init_std=0.01"),
+                   weights_only=False)
     assert result.refused == []
     assert any("training.steps" in line for line in result.allowed)
     assert any("optimizer.lr" in line for line in result.allowed)
@@ -76,12 +86,12 @@ def test_allowed_changes_are_reported():
     ("--optimizer.no_decay.ndim=[1]", "which parameters"),
 ])
 def test_incompatible_changes_are_refused(override, why):
-    result = resume.check_recipe(recipe(), recipe(override), weights_only=False)
+    result = check(recipe(), recipe(override), weights_only=False)
     assert len(result.refused) >= 1 and why in " ".join(result.refused)
 
 
 def test_optimizer_type_change_is_refused():
-    result = resume.check_recipe(recipe(), recipe("--optimizer.type=adamw",
+    result = check(recipe(), recipe("--optimizer.type=adamw",
                                                   "--optimizer.schedule.type=constant"),
                                  weights_only=False)
     assert result.refused == []  # a schedule change is fine
@@ -92,21 +102,19 @@ def test_optimizer_type_change_is_refused():
 
 
 def test_weights_only_allows_data_and_optimizer_changes_but_not_shapes():
-    result = resume.check_recipe(recipe(), recipe("--training.global_batch=16"),
+    result = check(recipe(), recipe("--training.global_batch=16"),
                                  weights_only=True)
     assert result.refused == []
-    result = resume.check_recipe(recipe(), recipe("--model.n_layers=2"), weights_only=True)
+    result = check(recipe(), recipe("--model.n_layers=2"), weights_only=True)
     assert result.refused
 
 
 def test_compare_raises_with_instructions(tmp_path):
-    from kiln.recipes.trainer import write_recipe
-
     write_recipe(recipe(), tmp_path / "recipe.toml")
     with pytest.raises(CheckpointError, match="weights_only = true"):
-        resume.compare_with_checkpoint(tmp_path, recipe("--model.dim=64"), weights_only=False,
-                                       log=print)
+        resume.compare_with_checkpoint(tmp_path, diff_with(recipe("--model.dim=64")),
+                                       weights_only=False, log=print)
     lines = []
-    resume.compare_with_checkpoint(tmp_path, recipe("--training.steps=7"), weights_only=False,
-                                   log=lines.append)
+    resume.compare_with_checkpoint(tmp_path, diff_with(recipe("--training.steps=7")),
+                                   weights_only=False, log=lines.append)
     assert "training.steps: 300 -> 7" in lines[0]

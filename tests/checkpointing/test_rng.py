@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.checkpointing import rng
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 def draws() -> tuple:

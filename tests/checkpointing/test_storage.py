@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from kiln.checkpointing import storage
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 def test_split_and_merge_round_trip():

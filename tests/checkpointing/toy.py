@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.recipes.distributed import World
+from kiln.components.distributed import World
 from kiln.recipes.trainer import Progress  # the real one: checkpoints store its state
 
 
@@ -73,7 +73,7 @@ class ToyState:
     train_loader: ToyLoader = field(default_factory=ToyLoader)
     guards: dict = field(default_factory=lambda: {"spike": ToyGuard()})
     world: World = field(default_factory=lambda: World(0, 1, 0, torch.device("cpu")))
-    recipe: object = None
+    recipe_toml: str | None = None
 
     def train_step(self) -> float:
         """One step whose loss depends on weights, optimizer moments, data and every RNG."""

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from kiln.components.errors import KilnError
 from kiln.parallelisms.blocks import clean_name, model_blocks, replace_block
-from kiln.recipes.errors import KilnError
 from tests.parallelisms.tiny import tiny_model
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.components.errors import KilnError
 from kiln.parallelisms import compile as compile_mod
 from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.errors import KilnError
 from tests.parallelisms.tiny import batches, loss_fn, tiny_model
 
 CPU = torch.device("cpu")

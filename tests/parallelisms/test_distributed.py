@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kiln.components import distributed
 from kiln.parallelisms import ParallelismConfig, grad_norm, materialize, parallelize
-from kiln.recipes import distributed
 from tests.parallelisms.tiny import batches, free_port, init_gloo, loss_fn, tiny_model
 
 STEPS, GLOBAL_BATCH, SEED, CLIP = 5, 4, 7, 0.5

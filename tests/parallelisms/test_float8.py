@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import kiln.parallelisms.float8 as f8
+from kiln.components.errors import KilnError
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.errors import KilnError
 from tests.parallelisms.tiny import batches, loss_fn, tiny_model
 
 CPU = torch.device("cpu")

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.components.errors import RecipeError
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.mesh import mesh_shape
-from kiln.recipes.errors import RecipeError
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from kiln.components.errors import KilnError
 from kiln.parallelisms.meta_init import choose_mode, materialize
-from kiln.recipes.errors import KilnError
 from tests.parallelisms.tiny import tiny_model
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.components.errors import RecipeError
 from kiln.recipes.batch_plan import plan, total_steps
-from kiln.recipes.errors import RecipeError
 from kiln.recipes.schema import TrainingConfig
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.components.errors import RecipeError
 from kiln.recipes.cli import main
-from kiln.recipes.errors import RecipeError
 from kiln.recipes.recipe import load_recipe
 
 

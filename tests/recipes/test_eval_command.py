@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.components.errors import RecipeError
 from kiln.recipes.commands.eval import parse_loops, verdict
-from kiln.recipes.errors import RecipeError
 
 
 @pytest.mark.parametrize("losses, better", [

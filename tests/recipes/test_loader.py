@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 from kiln.recipes.loader import load_layers, parse_override
 from kiln.recipes.recipe import load_recipe, to_toml
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.components.base import default_config
-from kiln.recipes.errors import DataError, RecipeError
+from kiln.components.errors import DataError, RecipeError
 
 L = 8  # seq_len
 DOMAINS = ["code", "math", "web"]

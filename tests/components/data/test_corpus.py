@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kiln.components.data.corpus import folder_corpus, open_corpus, stdlib_corpus
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 
 def test_folder_reads_txt_and_jsonl_in_sorted_order(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from kiln.components.data.byte_tokenizer import ByteTokenizer
 from kiln.components.data.packed_documents import PackedDocumentsConfig
-from kiln.recipes.errors import DataError, RecipeError
+from kiln.components.errors import DataError, RecipeError
 
 from .conftest import epoch_stream
 

@@ -7,7 +7,7 @@ import pytest
 
 from kiln.components.data.byte_tokenizer import ByteTokenizer
 from kiln.components.data.packed_layout import open_layout, split_documents, write_layout
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 TEXTS = [f"document number {i} " * (1 + i % 5) for i in range(30)]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.components.data.packed_loader import Loader, _check_batch_plan, _locate, _Windows
-from kiln.recipes.errors import DataError, RecipeError
+from kiln.components.errors import DataError, RecipeError
 
 from .conftest import epoch_stream
 

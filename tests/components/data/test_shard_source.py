@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kiln.components.data.shard_source import FolderSource, HubSource, Shard
-from kiln.recipes.errors import DataError
+from kiln.components.errors import DataError
 
 L = 4
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
+from kiln.components import distributed
 from kiln.components.base import default_config
-from kiln.recipes import distributed
-from kiln.recipes.errors import CheckpointError
+from kiln.components.errors import CheckpointError
 
 
 def make(tmp_path=None, **values):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.components.base import default_config
+from kiln.components.errors import CheckpointError
 from kiln.components.models.looped import Looped
-from kiln.recipes.errors import CheckpointError
 
 V, T = 40, 12
 

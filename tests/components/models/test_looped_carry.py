@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kiln.components.errors import CheckpointError
 from kiln.components.models.looped_carry import Carry
-from kiln.recipes.errors import CheckpointError
 
 B, T, DIM, EOS = 3, 4, 2, 9
 

@@ -10,6 +10,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
 from kiln.components.base import default_config
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.muon import Muon
 from kiln.components.optimizers.orthogonalize import (
     NS_COEFFICIENTS,
@@ -18,7 +19,6 @@ from kiln.components.optimizers.orthogonalize import (
     newton_schulz,
 )
 from kiln.components.optimizers.routing import param_groups, route
-from kiln.recipes.errors import RecipeError
 from tests import nova_dist
 from tests.components.optimizers.helpers import dcp_round_trip, make_net, train_steps
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from kiln.components.base import default_config
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import ParamRule
 from kiln.components.optimizers.routing import param_groups, route, routing_table
-from kiln.recipes.errors import RecipeError
 
 
 class Tiny(nn.Module):

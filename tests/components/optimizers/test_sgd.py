@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.components.base import default_config
-from kiln.recipes.errors import RecipeError
+from kiln.components.errors import RecipeError
 from tests.components.optimizers.helpers import dcp_round_trip
 
 

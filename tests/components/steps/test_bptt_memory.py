@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from kiln.components.base import default_config
+from kiln.components.errors import RecipeError
 from kiln.components.steps.bptt_memory import (
     SavedTensorMeter,
-    bench_loops,
     loop_memory,
     segment_pass,
 )
 from kiln.recipes.cli import main
-from kiln.recipes.errors import RecipeError
+from kiln.recipes.commands.bench import bench_loops
 from tests.conftest import CONFIGS
 
 V, T = 40, 12

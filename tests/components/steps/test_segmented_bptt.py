@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kiln.components.base import default_config
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import ParamRule
 from kiln.components.steps.common import GuardDecision
-from kiln.recipes.errors import RecipeError
 from tests.components.steps.trainer_stub import StubTrainer
 
 V, T = 40, 12

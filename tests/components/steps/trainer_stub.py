@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from kiln.components.base import default_config
+from kiln.components.distributed import World
 from kiln.parallelisms import ParallelPlan
-from kiln.recipes.distributed import World
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.trainer import Progress, Trainer
 

@@ -1,4 +1,7 @@
-"""Process-group setup and the few collectives the trainer uses (torchrun environment)."""
+"""Process-group setup and the collectives kiln uses (torchrun environment).
+
+A leaf module: every package may import it; it imports only ``kiln.components.errors``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kiln.components.errors import RecipeError
 
 
 @dataclass(frozen=True)
@@ -29,8 +34,6 @@ class World:
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from kiln.recipes.errors import RecipeError
-
             raise RecipeError("training.device = \"cuda\" but CUDA is not available; use \"auto\"")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

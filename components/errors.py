@@ -2,6 +2,8 @@
 
 The command line prints ``KilnError`` messages without a traceback; ``RecipeError`` (a bad
 recipe or command line) exits with status 2, the others with status 1.
+
+A leaf module: every package may import it and it imports nothing of kiln.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""Imports run one way: leaf modules at the bottom, then components, parallelisms, checkpointing,
+and the trainer and CLI (recipes) on top. Checked on the source, imports inside functions
+included (a lazy import is still a dependency)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+FLOORS = {"components": 0, "parallelisms": 1, "checkpointing": 2, "recipes": 3}
+LEAVES = {  # module -> the kiln modules it may import
+    "kiln.components.errors": set(),
+    "kiln.components.registry": set(),
+    "kiln.components.distributed": {"kiln.components.errors"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return "kiln." + ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """Every kiln module ``path`` imports (``from kiln.x import y`` counts y when y is a module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kiln.")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            if base.startswith("kiln"):
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for top in FLOORS for p in (REPO / top).rglob("*.py")}
+    return {name: {m for m in _imports(path, name) if m in files and m != name}
+            for name, path in files.items()}
+
+
+def test_graph_is_not_empty():
+    graph = _graph()
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100
+
+
+def test_leaf_modules_import_nothing_else_of_kiln():
+    graph = _graph()
+    for leaf, allowed in LEAVES.items():
+        extra = graph[leaf] - allowed - {"kiln.components"}
+        assert not extra, f"{leaf} imports {sorted(extra)}"
+
+
+def test_no_package_imports_a_higher_floor():
+    bad = []
+    for name, deps in _graph().items():
+        floor = FLOORS[name.split(".")[1]]
+        bad += [f"{name} -> {d}" for d in deps if FLOORS[d.split(".")[1]] > floor]
+    assert not bad, "imports running up:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # The package __init__ modules that only re-export are edges of their own: drop an edge into
+    # a package __init__ from its own sub-modules (Python runs the __init__ first anyway).
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if node.startswith(dep + "."):
+                continue  # a module importing its own package
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
