@@ -1,5 +1,11 @@
 """Process-group setup and the collectives kiln uses (torchrun environment).
 
+Every collective in kiln goes through the helpers here (tests/test_imports.py checks the
+source). Each helper hands the collective a tensor on the process group's device -- the current
+CUDA device for NCCL, which takes CUDA tensors only; the CPU for gloo -- and copies the result
+back to the caller's tensor, so call sites never need to know the backend. Outside a process
+group (one process) every helper is the identity.
+
 A leaf module: every package may import it; it imports only ``kiln.components.errors``.
 """
 
@@ -62,7 +68,7 @@ def shutdown(*, together: bool = True) -> None:
     """Leave the process group. ``together``: first wait (bounded) until every rank is here,
     because a rank tearing down gloo connections that a peer still uses can abort the peer
     ("terminate called without an active exception"). Pass False when leaving on an error."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         return
     if together and dist.get_world_size() > 1:
         if dist.get_backend() == "gloo":
@@ -72,21 +78,87 @@ def shutdown(*, together: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def is_initialized() -> bool:
+    """True inside a process group (torchrun with WORLD_SIZE > 1, or a test's gloo group)."""
+    return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                               "min": dist.ReduceOp.MIN}[op])
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a collective on ``group`` (default: the world) takes its tensors on."""
+    if not is_initialized():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:  # also "cpu:gloo,cuda:nccl": device tensors take the NCCL route
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _staged(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``t`` itself when it already sits contiguous on the group's device, else a copy there."""
+    return t.to(group_device(group)).contiguous()
+
+
+def _copy_back(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    if work is not t:
+        t.copy_(work)
     return t
 
 
-def broadcast_object(obj):
-    if dist.is_available() and dist.is_initialized():
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum",
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``t`` in place over ``group`` (``op``: sum, max or min; gloo has no average)."""
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"all_reduce_: op {op!r} is not one of sum, max, min")
+    if not is_initialized():
+        return t
+    work = _staged(t, group)
+    dist.all_reduce(work, op=getattr(dist.ReduceOp, op.upper()), group=group)
+    return _copy_back(t, work)
+
+
+def broadcast_(t: torch.Tensor, src: int = 0,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Overwrite ``t`` in place with rank ``src``'s values (``src`` is a global rank)."""
+    if not is_initialized():
+        return t
+    work = _staged(t, group)
+    dist.broadcast(work, src=src, group=group)
+    return _copy_back(t, work)
+
+
+def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on every rank), in rank order, on ``t``'s
+    device."""
+    if not is_initialized():
+        return [t]
+    work = _staged(t, group)
+    out = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, work, group=group)
+    return [o.to(t.device) for o in out]
+
+
+def all_to_all_single_(
+    output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+    input_split_sizes: list[int], group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``dist.all_to_all_single`` on the group's device; fills ``output`` in place."""
+    if not is_initialized():
+        return _copy_back(output, input)
+    work_out, work_in = _staged(output, group), _staged(input, group)
+    dist.all_to_all_single(work_out, work_in, output_split_sizes, input_split_sizes,
+                           group=group)
+    return _copy_back(output, work_out)
+
+
+def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
+    """Rank ``src``'s picklable ``obj`` on every rank (kiln's own values only: it unpickles)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=group_device(group))
+    return box[0]

@@ -17,11 +17,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from kiln.components import distributed
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def all_reduce_grads(model: nn.Module, world_size: int, bucket_mb: int = 25) -> 
     protocol (blocks(), init_weights()); the price is no overlap of communication with backward.
     A parameter without a gradient contributes zeros, so every rank sends the same buckets.
     """
-    if world_size <= 1 or not dist.is_initialized():
+    if world_size <= 1 or not distributed.is_initialized():
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -65,7 +66,7 @@ def all_reduce_grads(model: nn.Module, world_size: int, bucket_mb: int = 25) -> 
 
 def _reduce_bucket(grads: list[torch.Tensor], world_size: int) -> None:
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat)  # SUM: gloo has no AVG
+    distributed.all_reduce_(flat)  # SUM: gloo has no AVG
     flat.div_(world_size)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)

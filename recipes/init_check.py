@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from kiln.components import distributed
 from kiln.components.errors import KilnError
 
 SAMPLE = 4096  # elements summed per tensor (strided over the whole tensor)
@@ -64,18 +65,13 @@ def check_identical_init(model: nn.Module, group: dist.ProcessGroup | None = Non
         return "init check: single process"
     names, local = fingerprint(model)
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.get_backend(group) == "nccl") else torch.device("cpu")
-    count = torch.tensor([local.shape[0]], device=device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
+    counts = distributed.all_gather(torch.tensor([local.shape[0]]), group=group)
     if len({int(c) for c in counts}) != 1:
         raise KilnError(
             f"init check: ranks hold different numbers of tensors ({[int(c) for c in counts]}); "
             "every rank must build the same model from the same recipe"
         )
-    gathered = [torch.zeros_like(local, device=device) for _ in range(world)]
-    dist.all_gather(gathered, local.to(device), group=group)
+    gathered = distributed.all_gather(local, group=group)
     ref = gathered[0].cpu()
     bad = {}
     for r, other in enumerate(gathered[1:], start=1):

@@ -125,7 +125,7 @@ class Trainer:
         pcfg = self.recipe.parallelism
         if not pcfg.meta_init and self.world.distributed:
             for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
-                torch.distributed.broadcast(t.data, src=0)
+                distributed.broadcast_(t.data, src=0)
         self.parallel = parallelize(self.model, pcfg, self.world)
         details = self.parallel.describe().splitlines()[1:]
         if pcfg.meta_init:

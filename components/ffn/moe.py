@@ -19,11 +19,11 @@ import math
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from kiln.components import distributed
 from kiln.components.base import ComponentConfig
 from kiln.components.ffn.moe_dispatch import run_experts, sort_by_expert
 from kiln.components.ffn.swiglu import SwiGLU, SwiGLUConfig
@@ -236,8 +236,7 @@ def balance_step(layers: list[MoE], skipped: bool) -> None:
             layer.discard_load()
         return
     loads = torch.stack([layer.tokens_per_expert for layer in layers])  # (L, E)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loads)
+    distributed.all_reduce_(loads)
     for layer, load in zip(layers, loads, strict=True):
         layer.apply_load(load)
 

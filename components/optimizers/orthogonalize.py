@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from kiln.components import distributed
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -110,7 +112,7 @@ def orthogonalize_sharded(
     in_split = [counts[j] * rows[me] * n for j in range(world)]
     out_split = [len(owned) * rows[k] * n for k in range(world)]
     recv_buf = send_buf.new_empty(sum(out_split))
-    dist.all_to_all_single(recv_buf, send_buf, out_split, in_split, group=group)
+    distributed.all_to_all_single_(recv_buf, send_buf, out_split, in_split, group=group)
 
     # Reassemble my full matrices: rank k sent (len(owned), rows[k], n) blocks.
     blocks = [p.view(len(owned), rows[k], n) for k, p in enumerate(recv_buf.split(out_split))]
@@ -122,7 +124,7 @@ def orthogonalize_sharded(
     back = torch.cat([ortho[:, offsets[k] : offsets[k] + rows[k]].reshape(-1)
                       for k in range(world)])
     result = back.new_empty(sum(in_split))
-    dist.all_to_all_single(result, back, in_split, out_split, group=group)
+    distributed.all_to_all_single_(result, back, in_split, out_split, group=group)
 
     mine: list[torch.Tensor] = [shards[0]] * len(shards)
     for j, block in enumerate(result.split(in_split)):

@@ -1,0 +1,76 @@
+"""Records every torch.distributed collective a process makes: which one, the devices of its
+tensors, the device the process group expects, and whether kiln code called it other than
+through ``kiln.components.distributed`` (the one place allowed to). Installed in the workers of
+the 2-process tests; the parent asserts on what they report."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kiln.components import distributed
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = tuple(str(REPO / top) + "/" for top in
+               ("components", "parallelisms", "checkpointing", "recipes"))
+HELPERS = str(REPO / "components" / "distributed.py")
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+    "scatter", "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object",
+    "gather_object", "scatter_object_list",
+)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class CollectiveSpy:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.wrong_device: list[str] = []
+        self.direct_calls: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def install(self) -> CollectiveSpy:
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+            self._saved[name] = real
+            setattr(dist, name, self._wrap(name, real))
+        return self
+
+    def uninstall(self) -> None:
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+    def _wrap(self, name: str, real):
+        @functools.wraps(real)
+        def spy(*args, **kwargs):
+            self.calls += 1
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(SOURCE) and caller != HELPERS:
+                self.direct_calls.append(f"{name} from {caller}")
+            want = distributed.group_device(kwargs.get("group"))
+            got = {t.device for t in _tensors([*args, *kwargs.values()])}
+            if "device" in kwargs and kwargs["device"] is not None:
+                got.add(torch.device(kwargs["device"]))
+            wrong = {d for d in got if d != want}
+            if wrong:
+                self.wrong_device.append(f"{name}: {sorted(map(str, wrong))} (group on {want}) "
+                                         f"from {caller}")
+            return real(*args, **kwargs)
+
+        return spy
+
+    def report(self) -> dict:
+        return {"calls": self.calls, "wrong_device": self.wrong_device,
+                "direct_calls": self.direct_calls}
