@@ -36,10 +36,11 @@ def load_model(checkpoint: Path):
     return recipe, tokenizer, model
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
-                      fmt: str = "auto") -> dict[str, Any]:
-    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``)."""
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto", *,
+                      force: bool = False) -> dict[str, Any]:
+    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``;
+    a non-empty ``out_dir`` needs ``force``)."""
     checkpoint = Path(checkpoint)
     recipe, tokenizer, model = load_model(checkpoint)
     return export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-                             recipe_file=checkpoint / "recipe.toml", fmt=fmt)
+                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force)

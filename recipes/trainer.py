@@ -141,6 +141,9 @@ class Trainer:
             self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
         for line in details:
             self.print(f"parallelism: {line}")
+        kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
+        if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
+            self.print(f"model: {line}")
         return self.parallel.summary
 
     def _checkpoint_hook(self) -> Hook:
@@ -151,7 +154,8 @@ class Trainer:
 
         return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
                                                                     self.recipe),
-                              export=export_checkpoint)
+                              # the run's own export folder: a rerun rewrites the export files
+                              export=functools.partial(export_checkpoint, force=True))
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
@@ -160,9 +164,14 @@ class Trainer:
         lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
         if not self.world.is_main:
             return 0.0
+        return peak_flops(self.device.type, self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: bf16 under autocast or FSDP2 bf16 params, else fp32."""
         bf16 = self.recipe.training.mixed_precision == "bf16" or (
             self.recipe.parallelism.param_dtype == "bfloat16")
-        return peak_flops(self.device.type, torch.bfloat16 if bf16 else torch.float32)
+        return torch.bfloat16 if bf16 else torch.float32
 
     @property
     def tokens_per_step(self) -> int:
@@ -224,6 +233,16 @@ class Trainer:
         if hook is not None:
             hook(decision.skip)
 
+    def end_step(self, result) -> None:
+        """After the step function: count the step and tell the model the global step is over
+        (``on_global_step(skipped)``: skipped if any of its optimizer steps was; e.g. the MoE
+        bias moves once per global step from the loads of all its segments)."""
+        self.progress.step += 1
+        self.progress.tokens += result.tokens
+        hook = getattr(self.model, "on_global_step", None)
+        if hook is not None:
+            hook(result.skipped)
+
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return batch
@@ -267,8 +286,7 @@ class Trainer:
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)
-                self.progress.step += 1
-                self.progress.tokens += result.tokens
+                self.end_step(result)
                 for hook in self.hooks:
                     hook.on_step_end(self, result)
             for hook in self.hooks:

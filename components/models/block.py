@@ -32,7 +32,8 @@ class Block(nn.Module):
     """Pre-norm residual block with optional LayerScale (CaiT, Touvron et al. 2021).
 
     x = x + s1 * attention(attention_norm(x)); x = x + s2 * feed_forward(ffn_norm(x)).
-    Names follow torchtitan so checkpoint conversion maps one-to-one.
+    Names follow torchtitan's llama3 of v0.2.x (``attention``, ``feed_forward``,
+    ``attention_norm``, ``ffn_norm``); see ``attention/causal.py`` for what 0.3.0 renamed.
     """
 
     def __init__(

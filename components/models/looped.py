@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.components.base import ComponentConfig, Sub, component
-from kiln.components.ffn.moe import MoE, MoEModelMixin
+from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
@@ -181,6 +181,20 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             return cfg.loop_scale_init + (cfg.loop_scale_end - cfg.loop_scale_init) * self.progress
         return cfg.loop_scale_init
 
+    def value_jacobians(self) -> dict[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]:
+        """Parameters that parameterise a value, with d value / d parameter (elementwise):
+        the learned loop scale, lambda = lambda_max * sigmoid(raw). ``sign_sgd`` with
+        ``value_space`` uses it to move lambda itself by lr (the reference's lambda step)."""
+        if self.loop_scale_raw is None:
+            return {}
+        lam_max = self.cfg.loop_scale_max
+
+        def dlambda(raw: torch.Tensor) -> torch.Tensor:
+            s = torch.sigmoid(raw.float())
+            return (lam_max * s * (1 - s)).to(raw.dtype)
+
+        return {self.loop_scale_raw: dlambda}
+
     # ------------------------------------------------------------------------- forward
     @contextlib.contextmanager
     def loop_window(self, start: int, stop: int, *, slot: int = 0,
@@ -273,7 +287,6 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
 
     # ------------------------------------------------------------------- step protocol
     def on_optimizer_step(self, skipped: bool) -> None:
-        super().on_optimizer_step(skipped)  # MoE bias balancing
         if self.carry is not None:
             self.carry.commit(skipped)
         self._slot = 0
@@ -303,8 +316,7 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
         for m in modules:
             total += sum(p.numel() for p in m.parameters())
             if active:
-                total -= sum(sum(p.numel() for p in x.parameters()) - x.active_params()
-                             for x in m.modules() if isinstance(x, MoE))
+                total -= idle_expert_params(m)
         return total
 
     def num_params(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:
