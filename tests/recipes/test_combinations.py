@@ -128,6 +128,66 @@ def train(recipe, *, eval_first: bool = False) -> tuple[list[float], object]:
     return record.losses, trainer
 
 
+def steps_for(family: str) -> list[str]:
+    """Every registered step; segmented BPTT only where the model loops."""
+    return [name for name in registry.names("step")
+            if name != "segmented_bptt" or is_looped(family)]
+
+
+def cases():
+    for family in discovered():
+        for step in steps_for(family):
+            for float8 in ("off", "rowwise"):
+                for ac in ac_modes():
+                    for eval_first in (False, True):
+                        yield pytest.param(family, step, float8, ac, eval_first,
+                                           id=f"{family}-{step}-f8_{float8}-{ac}-"
+                                              f"{'eval_first' if eval_first else 'train_first'}")
+
+
+_reference: dict[tuple, list[float]] = {}
+
+
+def _run(tmp_path, family, step, float8, ac, eval_first) -> list[float]:
+    from kiln.components.ffn import moe_dispatch
+
+    moe_dispatch.grouped_mm_works.cache_clear()  # decided afresh in every case
+    args = [*ac_modes()[ac], f"--parallelism.float8={float8}", f"--training.step.type={step}"]
+    if step == "segmented_bptt":
+        args.append("--training.step.segment_loops=2")
+    losses, trainer = train(recipe_for(family, tmp_path / "run", *args), eval_first=eval_first)
+    if float8 != "off":
+        assert trainer.parallel.float8_modules, "float8 converted no layer: the case is vacuous"
+    return losses
+
+
+@pytest.mark.parametrize("family, step, float8, ac, eval_first", list(cases()))
+def test_every_combination_trains(tmp_path, family, step, float8, ac, eval_first):
+    """2 optimizer steps, finite; and the same losses as the same recipe without activation
+    checkpointing and without the evaluation first (recomputation and a no_grad evaluation must
+    not change training): one reference run per (family, step, float8), which also checks that
+    two runs of one recipe agree."""
+    losses = _run(tmp_path, family, step, float8, ac, eval_first)
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
+    key = (family, step, float8)
+    if key not in _reference:
+        _reference[key] = _run(tmp_path / "ref", family, step, float8, "none", False)
+    assert losses == _reference[key]
+
+
+def test_the_matrix_covers_what_kiln_ships():
+    """Every model family of the brief, every registered model/attention/ffn, every AC mode."""
+    families = discovered()
+    names = set().union(*(_names(load_recipe(CONFIGS / f, o)) for f, o in families.values()))
+    for kind in ("model", "attention", "ffn"):
+        assert {(kind, n) for n in registry.names(kind)} <= names, kind
+    assert set(ac_modes()) == {"none", "full", "selective_every2", "selective_ops"}
+    looped = [f for f in families if is_looped(f)]
+    assert looped and all("segmented_bptt" in steps_for(f) for f in looped)
+    nova = load_recipe(CONFIGS / families["diff_layerscale"][0], families["diff_layerscale"][1])
+    assert nova.model.attention.type == "differential" and nova.model.layerscale_init > 0
+
+
 # ------------------------------------------------------------------- 2 processes, FSDP2
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
