@@ -96,7 +96,12 @@ def test_component_contract(entry, tmp_path):
         assert not torch.equal(before, layer.weight)
         assert isinstance(opt.state_dict(), dict)
     elif kind == "tokenizer":
-        tok = _default(entry).build()
+        values = {}
+        if "path" in entry.config.model_fields:  # reads a tokenizer file: give it a small one
+            from tests.components.data.tokenizer_files import trained_tokenizer
+
+            values["path"] = str(trained_tokenizer(tmp_path / "tok"))
+        tok = _default(entry, **values).build()
         assert tok.decode(tok.encode("kiln ✓")) == "kiln ✓" and tok.vocab_size > 0
     elif kind == "step":
         assert callable(_default(entry).build())
