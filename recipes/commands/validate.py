@@ -8,6 +8,7 @@ import tempfile
 import torch
 
 from kiln.components.errors import KilnError
+from kiln.components.models.block import padded_vocab
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 
@@ -19,7 +20,8 @@ def add_arguments(parser) -> None:
 def build_meta_model(recipe):
     tokenizer = recipe.tokenizer.build()
     with torch.device("meta"):
-        return recipe.model.build(vocab_size=tokenizer.vocab_size, seq_len=recipe.training.seq_len)
+        return recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
+                                  seq_len=recipe.training.seq_len)
 
 
 def describe(recipe) -> str:
