@@ -100,7 +100,7 @@ class PackedDocuments:
         the same folder)."""
         c = self.cfg
         parts = [self._source().description, self.tokenizer.fingerprint(), c.max_bytes,
-                 self.seed, c.num_epochs, c.eval_fraction]
+                 self.seed, c.num_epochs, c.eval_fraction, "bytes"]  # layouts with byte counts
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     @property
