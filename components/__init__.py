@@ -30,6 +30,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.models.looped",
     "kiln.components.data.byte_tokenizer",
     "kiln.components.data.hf_tokenizer",
+    "kiln.components.data.bpe_tokenizer",
     "kiln.components.data.packed_documents",
     "kiln.components.data.balanced_shards",
 )

@@ -12,14 +12,36 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kiln.components.errors import DataError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIALS = (BOS, EOS, PAD)  # ids 0, 1, 2
 MIN_VOCAB = 256 + len(SPECIALS)  # every byte plus the specials
+
+
+class Documents:
+    """The documents of some input files, in order, capped at ``max_bytes`` of UTF-8 text
+    (whole documents; 0 = no cap); counts what it yielded."""
+
+    def __init__(self, files: list[Any], *, text_field: str = "text", max_bytes: int = 0) -> None:
+        self.files, self.text_field, self.max_bytes = files, text_field, max_bytes
+        self.docs = self.bytes = 0
+
+    def __iter__(self) -> Iterator[str]:
+        from kiln.components.data.text_sources import read_documents
+
+        self.docs = self.bytes = 0
+        for src in self.files:
+            for _, _, text in read_documents(src, text_field=self.text_field):
+                n = len(text.encode("utf-8"))
+                if self.max_bytes and self.bytes + n > self.max_bytes:
+                    continue
+                self.docs, self.bytes = self.docs + 1, self.bytes + n
+                yield text
 
 
 def build_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> object:

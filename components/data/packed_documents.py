@@ -10,11 +10,9 @@ concurrent calls safe anyway.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +20,13 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.corpus import open_corpus
-from kiln.components.data.packed_layout import PackedLayout, Tokenizer, open_layout, write_layout
+from kiln.components.data.packed_layout import (
+    PackedLayout,
+    Tokenizer,
+    file_lock,
+    open_layout,
+    write_layout,
+)
 from kiln.components.data.packed_loader import Loader
 from kiln.components.registry import register
 
@@ -57,23 +61,6 @@ class PackedDocumentsConfig(ComponentConfig):
 
 def cache_root(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serialises builders on one machine; the atomic rename covers the rest."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: rely on the atomic rename alone
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @register("dataset", "packed_documents")
@@ -117,7 +104,7 @@ class PackedDocuments:
         a recipe fails instead of quietly building a new dataset."""
         folder = self.folder
         if not folder.exists() and (create or not self.cfg.path):
-            with _file_lock(folder.parent / f".{folder.name}.lock"):
+            with file_lock(folder.parent / f".{folder.name}.lock"):
                 if not folder.exists():
                     self.build(folder)
         self._layout = open_layout(folder, self.tokenizer)

@@ -16,11 +16,12 @@ folder at the real path that looks valid. Opening it checks everything that is c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +44,23 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def fingerprint(self) -> str: ...
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Serialises builders on one machine; the atomic rename covers the rest."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: rely on the atomic rename alone
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
