@@ -80,6 +80,8 @@ class ShardSink:
     (whole documents), each written aside and renamed, so a training run that lists the
     domain while this runs only ever sees finished shards."""
 
+    periodic = False  # commits happen when a shard is written (see add)
+
     def __init__(self, folder: Path, dtype: np.dtype, bos: int, eos: int,
                  state: dict[str, int], shard_tokens: int) -> None:
         self.folder, self.dtype, self.bos, self.eos = folder, np.dtype(dtype), bos, eos
