@@ -33,6 +33,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.data.bpe_tokenizer",
     "kiln.components.data.packed_documents",
     "kiln.components.data.balanced_shards",
+    "kiln.components.data.streaming_text",
 )
 
 

@@ -137,6 +137,12 @@ class PackedDocuments:
         """Tokens in one train data epoch (BOS/EOS included)."""
         return int(self.meta["splits"]["train"]["tokens"])
 
+    def tokens_per_byte(self, split: str = "eval") -> float | None:
+        """Tokens (BOS/EOS included) per UTF-8 byte of text in ``split``, for bits per byte:
+        ``bpb = loss * tokens_per_byte / ln 2``; None for layouts built without byte counts."""
+        info = self.meta["splits"][split]
+        return info["tokens"] / info["bytes"] if info.get("bytes") else None
+
     @property
     def windows_per_epoch(self) -> int:
         """seq_len windows per train data epoch."""

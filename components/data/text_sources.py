@@ -300,7 +300,5 @@ def read_documents(src: SourceFile, *, text_field: str = "text", start: int = 0,
             yield from _rows(src, path, start, text_field, on_invalid_utf8, stats)
     except FileNotFoundError:
         raise DataError(f"{src.name}: the file disappeared while reading") from None
-    except (gzip.BadGzipFile, EOFError, OSError) as exc:
-        if isinstance(exc, DataError):
-            raise
+    except (EOFError, OSError) as exc:  # gzip.BadGzipFile is an OSError
         raise DataError(f"{src.name}: not a readable {src.kind} file ({exc})") from None
