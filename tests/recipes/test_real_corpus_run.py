@@ -62,6 +62,6 @@ def test_training_with_another_tokenizer_is_refused(prepared):
     root, tok = prepared
     overrides = [o for o in _overrides(root, tok, "x") if not o.startswith("--tokenizer")]
     recipe = load_recipe(CONFIGS / "debug.toml", overrides)
-    with pytest.raises(DataError, match=rf"tokenized by {tok} .* recipe's tokenizer is "
-                                        "ByteTokenizer"):
-        Trainer(recipe, out=open(os.devnull, "w"))
+    with open(os.devnull, "w") as sink, pytest.raises(
+            DataError, match=rf"tokenized by {tok} .* recipe's tokenizer is ByteTokenizer"):
+        Trainer(recipe, out=sink)

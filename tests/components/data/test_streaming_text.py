@@ -89,7 +89,8 @@ def test_resume_does_not_reread_consumed_input(inputs):
         next(it)
         state = a.state_dict()
         lanes = state["loader"]["dataset_state"]["lanes"].values()
-        if all(v["addr"] for v in lanes) and min(v["addr"][1] for v in lanes) == 1 and all(v["addr"][0] == 0 for v in lanes):
+        addrs = [v["addr"] for v in lanes]
+        if all(addrs) and min(a[1] for a in addrs) == 1 and all(a[0] == 0 for a in addrs):
             break  # every lane is past the first file
     else:
         pytest.fail("the lanes never all left the first file")
