@@ -78,19 +78,21 @@ def _recipe(args: argparse.Namespace) -> Any:
 
 
 def _tokenizer(args: argparse.Namespace, recipe: Any) -> tuple[Any, list[str]]:
-    """(tokenizer, the overrides a recipe needs to use it: none when it is the recipe's)."""
-    from kiln.components.base import default_config
-
+    """(tokenizer, the overrides a recipe needs to use it: none when it is the recipe's).
+    Flag tokenizers are built directly (not through the registry, which imports every
+    component and torch): `prepare` stays a light process."""
+    if args.tokenizer is None and recipe is not None:
+        return recipe.tokenizer.build(), []
     if args.tokenizer in (None, "byte"):
-        cfg = recipe.tokenizer if recipe is not None and args.tokenizer is None else \
-            default_config("tokenizer", "byte")
-        extra = [] if recipe is not None and args.tokenizer is None else \
-            ["--tokenizer.type=byte"]
-        return cfg.build(), extra
+        from kiln.components.data.byte_tokenizer import ByteTokenizer
+
+        return ByteTokenizer(), ["--tokenizer.type=byte"]
+    from kiln.components.data.hf_tokenizer import HuggingFaceTokenizer, HuggingFaceTokenizerConfig
+
     path = args.tokenizer if args.tokenizer.startswith("hf://") else \
         str(Path(args.tokenizer).expanduser().resolve())
-    cfg = default_config("tokenizer", "huggingface", path=path)
-    return cfg.build(), ["--tokenizer.type=huggingface", f"--tokenizer.path={path}"]
+    tok = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(type="huggingface", path=path))
+    return tok, ["--tokenizer.type=huggingface", f"--tokenizer.path={path}"]
 
 
 def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
