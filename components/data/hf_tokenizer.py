@@ -66,21 +66,20 @@ def parse_hub_path(path: str) -> tuple[str, str | None]:
     return repo, revision or None
 
 
-def fetch_from_hub(path: str, cache_dir: str = "") -> Path:
-    """The cached folder holding the repo's tokenizer.json (and its config files if any)."""
+def fetch_from_hub(path: str, cache_dir: str = "", filename: str = TOKENIZER_FILE) -> Path:
+    """The cached folder holding the repo's ``filename`` (and its config files if any)."""
     from huggingface_hub import hf_hub_download
 
     repo, revision = parse_hub_path(path)
     try:
-        file = hf_hub_download(repo, TOKENIZER_FILE, revision=revision,
-                               cache_dir=cache_dir or None)
+        file = hf_hub_download(repo, filename, revision=revision, cache_dir=cache_dir or None)
     except Exception as exc:  # the Hub library raises several types for "not there"
         where = "not in the local Hub cache and HF_HUB_OFFLINE is set" if hub_offline() else \
             "could not be downloaded"
         raise RecipeError(
-            f"tokenizer.path = {path!r}: {TOKENIZER_FILE} of {repo} {where} "
+            f"tokenizer.path = {path!r}: {filename} of {repo} {where} "
             f"({type(exc).__name__}); download it once online (`hf download {repo} "
-            f"{TOKENIZER_FILE}`) or point tokenizer.path at a local tokenizer.json"
+            f"{filename}`) or point tokenizer.path at a local {filename}"
         ) from None
     for name in _CONFIG_FILES:  # optional: absent from many repos
         try:
@@ -90,20 +89,56 @@ def fetch_from_hub(path: str, cache_dir: str = "") -> Path:
     return Path(file).parent
 
 
-def resolve_file(path: str, cache_dir: str = "") -> Path:
-    """The tokenizer.json that ``path`` names (downloading hf:// paths into the cache)."""
+def resolve_file(path: str, cache_dir: str = "", filename: str = TOKENIZER_FILE) -> Path:
+    """The ``filename`` that ``path`` names: the file, the one in a folder, or the Hub repo's
+    (downloaded into the Hub cache)."""
     if not path:
-        raise RecipeError('tokenizer.path is empty: give a tokenizer.json, a folder holding one '
+        raise RecipeError(f"tokenizer.path is empty: give a {filename}, a folder holding one "
                           'or "hf://owner/repo" (or train one: kiln tokenizer train)')
     if path.startswith(HUB_PREFIX):
-        return fetch_from_hub(path, cache_dir) / TOKENIZER_FILE
+        return fetch_from_hub(path, cache_dir, filename) / filename
     file = Path(path).expanduser()
     if file.is_dir():
-        file = file / TOKENIZER_FILE
+        file = file / filename
     if not file.is_file():
         raise RecipeError(f"tokenizer.path = {path!r}: {file} does not exist; give a "
-                          "tokenizer.json or a folder holding one")
+                          f"{filename} or a folder holding one")
     return file
+
+
+def file_fingerprint(kind: str, data: bytes, vocab: int, bos: int, eos: int) -> str:
+    """Identifies an id mapping read from a file: its hash, the vocabulary and the specials."""
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    return f"{kind}-v1:sha256={digest}:vocab={vocab}:bos={bos}:eos={eos}"
+
+
+class TokenizerBase:
+    """``encode`` / ``encode_array`` / ``encode_batch`` from a subclass's ``bare_ids``."""
+
+    bos_id: int
+    eos_id: int
+    add_bos: bool = True
+    add_eos: bool = False
+
+    def bare_ids(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; ``bos``/``eos`` override the config's add_bos/add_eos."""
+        ids = list(self.bare_ids(text))
+        if self.add_bos if bos is None else bos:
+            ids.insert(0, self.bos_id)
+        if self.add_eos if eos is None else eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The bare ids of ``text`` (no specials) as uint32."""
+        return np.asarray(self.bare_ids(text), dtype=np.uint32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Bare ids of each text (uint32)."""
+        return [self.encode_array(t) for t in texts]
 
 
 def _token_text(value: Any) -> str:
@@ -132,7 +167,7 @@ def configured_specials(folder: Path) -> dict[str, str]:
     return found
 
 
-class TokenizerFile:
+class TokenizerFile(TokenizerBase):
     """A loaded ``tokenizers.Tokenizer`` with kiln's protocol; shared by the tokenizer
     components that end in a tokenizer.json (``huggingface``, ``bpe``)."""
 
@@ -148,7 +183,6 @@ class TokenizerFile:
                               f"({exc}); check tokenizer.path") from None
         self.file, self.source = file, source
         self.add_bos, self.add_eos = add_bos, add_eos
-        self._digest = hashlib.sha256(data).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         specials = {**configured_specials(file.parent), **{k: v for k, v in overrides.items() if v}}
@@ -163,6 +197,8 @@ class TokenizerFile:
         self.bos_id: int = bos if bos is not None else eos  # type: ignore[assignment]
         self.eos_id: int = eos if eos is not None else bos  # type: ignore[assignment]
         self.pad_id: int | None = ids["pad"]
+        self._fingerprint = file_fingerprint("tokenizers", data, self.vocab_size, self.bos_id,
+                                             self.eos_id)
 
     def _special_id(self, key: str, text: str, vocab: dict[str, int], explicit: bool) -> int | None:
         if text:
@@ -181,18 +217,8 @@ class TokenizerFile:
 
         self.__dict__.update({**state, "_tok": Tokenizer.from_str(state["_tok"])})
 
-    def encode(self, text: str, *, bos: bool | None = None, eos: bool | None = None) -> list[int]:
-        """Token ids of ``text``; ``bos``/``eos`` override the config's add_bos/add_eos."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos if bos is None else bos:
-            ids.insert(0, self.bos_id)
-        if self.add_eos if eos is None else eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """The bare ids of ``text`` (no specials) as uint32."""
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+    def bare_ids(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Bare ids of each text (uint32), encoded as one batch (the data builder's path)."""
@@ -208,8 +234,7 @@ class TokenizerFile:
 
     def fingerprint(self) -> str:
         """Identifies the id mapping: the file's hash, the vocabulary and the specials."""
-        return (f"tokenizers-v1:sha256={self._digest[:16]}:vocab={self.vocab_size}:"
-                f"bos={self.bos_id}:eos={self.eos_id}")
+        return self._fingerprint
 
 
 @register("tokenizer", "huggingface")

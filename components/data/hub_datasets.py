@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kiln.components.data.text_sources import SourceFile, kind_of
+from kiln.components.data.hf_tokenizer import hub_offline
+from kiln.components.data.source_files import SourceFile, kind_of
 from kiln.components.errors import DataError
 
 DATASET_PREFIX = "hf://datasets/"
@@ -30,12 +31,6 @@ def parse(spec: str) -> tuple[str, str | None]:
     if repo.count("/") != 1 or not all(repo.split("/")):
         raise DataError(f"input {spec!r}: write hf://datasets/owner/name[@revision]")
     return repo, revision or None
-
-
-def _offline() -> bool:
-    from kiln.components.data.hf_tokenizer import hub_offline
-
-    return hub_offline()
 
 
 def in_split(path: str, split: str) -> bool:
@@ -59,7 +54,7 @@ def _listing(repo: str, revision: str | None, cache_dir: str) -> tuple[str, dict
     """(commit, {path: size}) of the repository: the cached snapshot when offline."""
     import huggingface_hub as hub
 
-    if _offline():
+    if hub_offline():
         try:
             snap = Path(hub.snapshot_download(repo, repo_type="dataset", revision=revision,
                                               cache_dir=cache_dir or None,
@@ -93,14 +88,3 @@ def list_hub_files(spec: str, *, split: str, config: str, cache_dir: str = "") -
             for p in chosen]
 
 
-def fetch(src: SourceFile) -> Path:
-    """The local copy of a Hub file (downloaded into the Hub cache when online)."""
-    import huggingface_hub as hub
-
-    try:
-        return Path(hub.hf_hub_download(src.repo, src.filename, repo_type="dataset",
-                                        revision=src.revision, cache_dir=src.cache_dir or None))
-    except Exception as exc:  # the Hub library raises several types for "not there"
-        where = "not in the local Hub cache" if _offline() else "could not be downloaded"
-        raise DataError(f"{src.name}: {where} ({type(exc).__name__}); download the dataset "
-                        "once online") from None

@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.components.data.hub_datasets import DATASET_PREFIX, list_hub_files
+from kiln.components.data.source_files import KINDS, SourceFile, kind_of
 from kiln.components.errors import DataError
 
-KINDS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst",
-         ".parquet": "parquet", ".arrow": "arrow"}
+__all__ = ["KINDS", "ReadStats", "SourceFile", "expand_inputs", "kind_of", "read_documents",
+           "stdlib_files"]
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 _BATCH_ROWS = 1024  # rows per Arrow batch read: bounded memory whatever the row-group size
@@ -50,35 +53,6 @@ class ReadStats:
         setattr(self, what, getattr(self, what) + 1)
         if len(self.where) < 5:
             self.where.append(place)
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """One input file. Hub files carry their repo coordinates and are fetched when read."""
-
-    name: str  # as errors and manifests show it: a local path or hf://datasets/...
-    kind: str  # a value of KINDS
-    size: int
-    local: str = ""  # local path ("" for a Hub file not fetched yet)
-    repo: str = ""
-    filename: str = ""
-    revision: str = ""
-    cache_dir: str = ""
-
-    def path(self) -> Path:
-        if self.local:
-            return Path(self.local)
-        from kiln.components.data.hub_datasets import fetch
-
-        return fetch(self)
-
-
-def kind_of(path: str) -> str | None:
-    lower = path.lower()
-    for suffix in sorted(KINDS, key=len, reverse=True):
-        if lower.endswith(suffix):
-            return KINDS[suffix]
-    return None
 
 
 def _local(path: Path, kind: str) -> SourceFile:
@@ -126,8 +100,6 @@ def _folder(folder: Path, split: str) -> list[SourceFile]:
 def expand_inputs(inputs: list[str], *, split: str = "train", config: str = "",
                   cache_dir: str = "", include_tests: bool = False) -> list[SourceFile]:
     """The files the inputs name, in order (each input's files sorted), without duplicates."""
-    from kiln.components.data.hub_datasets import DATASET_PREFIX, list_hub_files
-
     files: list[SourceFile] = []
     for spec in inputs:
         if spec == "stdlib":

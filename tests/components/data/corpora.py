@@ -7,6 +7,8 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
+
 DOCS = [f"document {i}: " + "kiln packs documents. " * (i % 7 + 1) + "é" * (i % 3)
         for i in range(60)]
 
@@ -21,7 +23,7 @@ def write_jsonl(path: Path, docs=DOCS, compress: str = "") -> Path:
     if compress == "gz":
         data = gzip.compress(data, mtime=0)
     elif compress == "zst":
-        import zstandard
+        zstandard = pytest.importorskip("zstandard")
 
         data = zstandard.ZstdCompressor().compress(data)
     path.write_bytes(data)
@@ -39,7 +41,7 @@ def write_parquet(path: Path, docs=DOCS, row_group_size: int = 16) -> Path:
 
 
 def write_saved_dataset(folder: Path, docs=DOCS, with_test: bool = False) -> Path:
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     train = datasets.Dataset.from_dict({"text": list(docs), "id": list(range(len(docs)))})
     if with_test:

@@ -42,3 +42,52 @@ def gpt2_style(folder: Path) -> Path:
         vocab[new] = vocab.pop(old)
     (folder / "tokenizer.json").write_text(json.dumps(data))
     return folder / "tokenizer.json"
+
+
+def sentencepiece_model(folder: Path, vocab_size: int = 700) -> Path:
+    """A SentencePiece BPE .model trained here on stdlib text (BOS 1, EOS 2, pad 3)."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(line for t in stdlib_texts() for line in t.splitlines() if line),
+        model_writer=model, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        pad_id=3, minloglevel=2, num_threads=1, split_digits=True, character_coverage=0.99,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    return folder / "tokenizer.model"
+
+
+def tiktoken_ranks(folder: Path, vocab_size: int = 400) -> Path:
+    """A .tiktoken ranks file made from the byte-level BPE trained here: the same merges, so
+    the same ids (less the 3 specials) with the gpt2 pattern."""
+    import base64
+
+    data = json.loads(_trained_json(vocab_size))
+    byte_of = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
+    lines = []
+    for token, idx in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]):
+        if idx < 3:
+            continue
+        raw = bytes(byte_of[c] for c in token)
+        lines.append(f"{base64.b64encode(raw).decode()} {idx - 3}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ranks.tiktoken").write_text("\n".join(lines) + "\n")
+    return folder / "ranks.tiktoken"
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in character for each byte value 0..255, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
