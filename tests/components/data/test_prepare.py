@@ -177,3 +177,19 @@ def test_bad_input(tmp_path):
     assert (tmp_path / "taken" / "x").read_text() == "mine"
     with pytest.raises(DataError, match="--domain"):
         prepare(_opts([tmp_path / "c.jsonl"], tmp_path / "o", domain="../x"), ByteTokenizer())
+
+
+class _WideVocab(ByteTokenizer):
+    """Byte ids, but a vocabulary past 65,536: the layout must switch to uint32."""
+
+    vocab_size = 70_000
+
+    def fingerprint(self) -> str:
+        return "wide-v1"
+
+
+def test_vocabularies_past_uint16_write_uint32(tmp_path):
+    r = prepare(_opts([write_jsonl(tmp_path / "c.jsonl")], tmp_path / "o"), _WideVocab(),
+                progress=False)
+    meta = json.loads((r.folder / "metadata.json").read_text())
+    assert meta["token_dtype"] == "uint32" and _docs(r.folder, _WideVocab()) == DOCS
