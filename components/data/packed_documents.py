@@ -40,9 +40,10 @@ class PackedDocumentsConfig(ComponentConfig):
     )
     source: Literal["stdlib", "folder"] = Field(
         "stdlib", description="text to build from: this machine's Python stdlib .py files, or "
-        "a folder of .txt/.jsonl files (source_path)"
+        "a folder of .txt/.jsonl(.gz/.zst)/.parquet files (source_path)"
     )
-    source_path: str = Field("", description='folder of .txt/.jsonl ({"text": ...}) files')
+    source_path: str = Field("", description='folder of .txt, .jsonl ({"text": ...}), '
+                             ".jsonl.gz/.zst or .parquet files")
     include_tests: bool = Field(False, description="stdlib source: also read its test suites")
     max_bytes: int = Field(
         16_000_000, ge=1, description="cap on source text (UTF-8 bytes); whole documents only"
