@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from kiln.checkpointing import export as export_lib
 from kiln.checkpointing import layout, storage
+from kiln.components.models.block import padded_vocab
 from kiln.recipes.recipe import load_recipe, to_dict
 
 
@@ -21,7 +22,7 @@ def load_model(checkpoint: Path):
     recipe = load_recipe(checkpoint)
     tokenizer = recipe.tokenizer.build()
     with torch.device("meta"):
-        model = recipe.model.build(vocab_size=tokenizer.vocab_size,
+        model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
                                    seq_len=recipe.training.seq_len)
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)

@@ -101,18 +101,21 @@ class Trainer:
     # ----------------------------------------------------------------------------- building
     def _build_model(self) -> torch.nn.Module:
         tr = self.recipe.training
-        vocab = self.tokenizer.vocab_size
+        from kiln.components.models.block import padded_vocab
+
+        vocab = padded_vocab(self.recipe.model, self.tokenizer.vocab_size)
         if self.recipe.parallelism.meta_init:  # allocated and initialised after parallelize
             with torch.device("meta"):
                 model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
-        if getattr(model, "vocab_size", vocab) < vocab:
+        if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
             from kiln.components.errors import RecipeError
 
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({vocab}); raise it or set 0 to use the tokenizer's"
+                f"vocabulary ({self.tokenizer.vocab_size}); raise it or set 0 to use the "
+                "tokenizer's (rounded up to model.vocab_multiple)"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
 

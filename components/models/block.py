@@ -92,6 +92,15 @@ def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
         init_component(block, std, std / math.sqrt(depth))
 
 
+def padded_vocab(cfg: Any, vocab_size: int) -> int:
+    """The vocabulary a model config builds for a tokenizer of ``vocab_size`` ids: the config's
+    ``vocab_size`` when set, else ``vocab_size`` rounded up to ``vocab_multiple`` (GEMM-friendly
+    shapes; the extra rows are never targets, since data ids come from the tokenizer). Every
+    caller that builds a model for a tokenizer passes ``vocab_size=padded_vocab(cfg, n)``."""
+    multiple = getattr(cfg, "vocab_multiple", 1) or 1
+    return getattr(cfg, "vocab_size", 0) or -(-vocab_size // multiple) * multiple
+
+
 def resolve_sizes(family: str, cfg: Any, vocab_size: int, seq_len: int) -> tuple[int, int]:
     """(vocab size, max sequence length): the config's when set, else the values passed in."""
     vocab, max_len = cfg.vocab_size or vocab_size, cfg.max_seq_len or seq_len

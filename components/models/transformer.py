@@ -34,7 +34,11 @@ from kiln.components.registry import register
 class TransformerConfig(ComponentConfig):
     dim: int = Field(256, ge=1, description="model (residual stream) width")
     n_layers: int = Field(6, ge=1, description="number of decoder blocks")
-    vocab_size: int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size")
+    vocab_size: int = Field(
+        0, ge=0, description="0 = the tokenizer's vocabulary size rounded up to vocab_multiple")
+    vocab_multiple: int = Field(
+        64, ge=1, description="vocab_size = 0 pads the tokenizer's size to a multiple of this; "
+        "the padded rows are never targets")
     max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
     tie_embeddings: bool = Field(False, description="share one matrix for input and output")
     logit_softcap: float = Field(0.0, ge=0, description="logits = cap*tanh(logits/cap); 0 = off")

@@ -10,6 +10,7 @@ import tempfile
 import torch
 
 from kiln.components.errors import KilnError, RecipeError
+from kiln.components.models.block import padded_vocab
 from kiln.recipes import batch_plan
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
@@ -24,7 +25,8 @@ def add_arguments(parser) -> None:
 def build_meta_model(recipe):
     tokenizer = recipe.tokenizer.build()
     with torch.device("meta"):
-        return recipe.model.build(vocab_size=tokenizer.vocab_size, seq_len=recipe.training.seq_len)
+        return recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
+                                  seq_len=recipe.training.seq_len)
 
 
 def describe(recipe, world_size: int = 1) -> str:
