@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from kiln.checkpointing.export import llama_incompatibility, rope_permute
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.components.distributed import World
+from kiln.components.models.block import padded_vocab
 from kiln.components.errors import CheckpointError
 from kiln.components.positions.rope import RoPE, RoPEConfig
 from kiln.recipes.cli import main
@@ -29,7 +30,7 @@ TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
 def checkpoint(tmp_path, *overrides):
     recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *overrides])
     torch.manual_seed(0)
-    model = recipe.model.build(vocab_size=258, seq_len=16)
+    model = recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=16)
     state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(model.parameters())},
                      recipe_toml=render_recipe(recipe))
     state.train_loader = None
