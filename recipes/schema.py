@@ -41,6 +41,10 @@ class TrainingConfig(Config):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
     threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="chunked cross-entropy: the LM head and the loss run this many "
+        "tokens at a time, so the micro-batch's full logits never exist (0 = unchunked)",
+    )
     context_warmup: ContextWarmupConfig = Field(
         default_factory=ContextWarmupConfig,
         description="grow the sequence length from `start` to seq_len over `steps` steps",

@@ -21,7 +21,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+
+from kiln.components.distributed import is_dtensor
 
 from kiln.components import distributed
 
@@ -69,9 +70,12 @@ def chunk_rows(rows: int, world: int) -> list[int]:
 
 def is_row_sharded(t: torch.Tensor) -> bool:
     """A DTensor sharded on dim 0 of a 1-D mesh: the FSDP2 layout the owner path handles."""
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor import Shard
+
     return (
-        isinstance(t, DTensor)
-        and t.device_mesh.ndim == 1
+        t.device_mesh.ndim == 1
         and len(t.placements) == 1
         and t.placements[0] == Shard(0)
     )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor
 
+from kiln.components.distributed import local_tensor
 from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
@@ -40,7 +40,7 @@ def build_sgd(cfg: SGDConfig, groups: list[dict]) -> torch.optim.Optimizer:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 class SignSGD(torch.optim.Optimizer):

@@ -22,6 +22,13 @@ def test_bench_json_and_table(capsys):
     assert result["optimizer_state_bytes"] == sum(result["optimizer_state_bytes_by_optimizer"]
                                                   .values()) > 0
     assert result["parallelism"] == "single process"
+    phases = result["startup_s"]
+    assert list(phases) == ["interpreter, imports", "recipe", "process group, run folder", "data",
+                            "model build", "parallelize", "optimizers, hooks", "first step"]
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= result["time_to_first_step_s"] + 1e-3
+    assert 0 <= result["data_wait_s"] < result["step_time_s"]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "tokens/s" in table and "time to first step" in table and "MFU" in table
+    assert "data wait" in table and "model build" in table
