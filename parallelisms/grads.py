@@ -21,9 +21,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from kiln.components.distributed import is_dtensor
-
 from kiln.components import distributed
+from kiln.components.distributed import is_dtensor
 
 
 @contextlib.contextmanager

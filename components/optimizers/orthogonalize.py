@@ -22,9 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from kiln.components.distributed import is_dtensor
-
 from kiln.components import distributed
+from kiln.components.distributed import is_dtensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
