@@ -27,6 +27,21 @@ if (( ${#wheels[@]} == 0 )); then
          "package registry first and carry the folder along" >&2
     exit 2
 fi
+# Wheels built for another interpreter (gpu_wheels.sh makes cp312 ones, for the GPU image) would
+# fail inside pip with a terse message; say what to do instead.
+"$PY" - "${wheels[@]}" <<'PY'
+import sys
+from packaging.tags import sys_tags
+from packaging.utils import parse_wheel_filename
+
+here = set(sys_tags())
+bad = [w for w in sys.argv[1:] if not here & set(parse_wheel_filename(w.rsplit("/", 1)[-1])[3])]
+if bad:
+    v = f"{sys.version_info.major}.{sys.version_info.minor}"
+    sys.exit(f"gpu_check: {', '.join(bad)} cannot install on this Python {v}; run "
+             f"scripts/gpu_wheels.sh --python-version {v} --dest DIR and set WHEELS=DIR, or set "
+             "PYTHON to a Python the wheels are for")
+PY
 rm -rf "$SITE"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
     "${wheels[@]}"
