@@ -136,6 +136,21 @@ def matmul_probe(device: str) -> float:
     return 2 * n**3 / sorted(times)[len(times) // 2]
 
 
+def cpu_float8(rows: list[Row]) -> None:
+    """A CPU dry run where this torch has no row-wise scaled matmul on CPU (torch 2.11): the fp8
+    rows run tensorwise, so the path is still exercised (GPUs have both)."""
+    from kiln.parallelisms.float8 import cpu_rowwise_scaled_mm
+
+    if cpu_rowwise_scaled_mm():
+        return
+    for row in rows:
+        if any("rowwise" in o for o in row.overrides):
+            row.overrides = [o.replace("rowwise", "tensorwise") for o in row.overrides]
+            row.peer = [p.replace("rowwise", "tensorwise") for p in row.peer or []] \
+                if row.peer is not None else None
+            row.setup += " (tensorwise: no row-wise fp8 on this CPU)"
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
@@ -199,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {name}, torch {torch.__version__}, bf16 matmul probe "
           f"{probe / 1e12:.1f} TFLOP/s", flush=True)
     rows = [r for r in ROWS if args.only.lower() in f"{r.shape} {r.setup}".lower()]
+    if device == "cpu":
+        cpu_float8(rows)
     with open(out / "gpu_check.log", "a") as log:
         for row in rows:
             left = args.budget - (time.perf_counter() - t0)
