@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -63,6 +63,10 @@ class EvalConfig(Config):
 class Recipe(Config):
     """A kiln recipe: the components of one training run and their settings."""
 
+    # Top-level tables of which a recipe uses one: a file that writes one of them replaces the
+    # others inherited through `extends` (recipes/loader.py).
+    exclusive_tables: ClassVar[tuple[tuple[str, ...], ...]] = (("optimizer", "optimizers"),)
+
     description: str = Field("", description="free text shown by `kiln show`")
     run: RunConfig = Field(default_factory=RunConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -86,7 +90,7 @@ class Recipe(Config):
     @model_validator(mode="after")
     def _one_optimizer_table(self) -> Recipe:
         if self.optimizer is not None and self.optimizers:
-            raise ValueError("set either [optimizer] or [optimizers.NAME] tables, not both")
+            raise ValueError("both [optimizer] and [optimizers.NAME] tables are set; use one")
         if self.optimizer is None and not self.optimizers:
             self.optimizer = default_config("optimizer", "adamw")
         return self
