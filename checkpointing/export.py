@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
 
 
@@ -59,7 +59,7 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(recipe_file, tmp / "recipe.toml")
     if out_dir.exists():

@@ -19,7 +19,9 @@ class RunConfig(Config):
     folder: str = Field("", description="run folder; default: runs/<name>")
     log_interval: int = Field(10, ge=1, description="console / JSONL / TensorBoard every N steps")
     tensorboard: bool = Field(True, description="write TensorBoard scalars under the run folder")
-    progress_bar: bool = Field(True, description="tqdm progress bar on rank 0")
+    progress_bar: bool = Field(
+        True, description="tqdm progress bar on rank 0, when stdout and stderr are terminals"
+    )
 
 
 class TrainingConfig(Config):

@@ -54,11 +54,10 @@ class Trainer:
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
+        # The run folder gets its recipe.toml when the first step is done (``fit``): a run that
+        # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
         self.plan = batch_plan.plan(tr, self.world.world_size)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
@@ -255,10 +254,17 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.on_train_start(self)
+            if self.progress.step >= self.total_steps:
+                self.print(f"kiln: {self.recipe.run.name} already finished: step "
+                           f"{self.progress.step} of {self.total_steps} in {self.run_dir}; nothing "
+                           "to do (raise training.steps to continue it, or give another "
+                           "--run.folder to start over)")
+                return self.progress
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
             warmup = self.recipe.training.context_warmup
+            started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
                 self.seq_len = context_length(self.progress.step, self.plan.seq_len, warmup)
@@ -267,6 +273,10 @@ class Trainer:
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)
+                if self.world.is_main and not started:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
+                started = True
                 self.progress.step += 1
                 self.progress.tokens += result.tokens
                 for hook in self.hooks:
