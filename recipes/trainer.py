@@ -242,6 +242,7 @@ class Trainer:
             from tqdm import tqdm
 
             tqdm.write(text, file=self.out)  # keeps the progress bar intact
+            self.out.flush()  # line by line also into a file or a pipe (`tail -f` a log)
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> Progress:

@@ -10,6 +10,7 @@ would use, so preparing ahead of time makes the first training step start at onc
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from typing import Any
 
@@ -103,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     verb = "reused" if existed else f"built in {took:.1f} s:"
     print(f"{verb} {_summary(folder, dataset.meta, seq_len)}")
-    if not existed and data.path:
-        print(f"train on it with --data.path={folder}")
+    print(f"train on it: {train_command(args, folder)}")
     return 0
+
+
+def train_command(args: argparse.Namespace, folder) -> str:
+    """The command that trains on ``folder``: the recipe (and overrides) it was prepared with,
+    or the default recipe, plus ``--data.path``."""
+    recipe = args.recipe or "train_configs/debug.toml"
+    words = ["./run_train.sh", recipe, *args.overrides, f"--data.path={folder}"]
+    return " ".join(shlex.quote(str(w)) for w in words)

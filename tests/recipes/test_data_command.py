@@ -24,6 +24,7 @@ def test_prepare_from_a_folder_then_reuse(tmp_path, texts, capsys):
     printed = capsys.readouterr().out
     meta = json.loads((out / "metadata.json").read_text())
     assert "built in" in printed and str(out) in printed
+    assert f"train on it: ./run_train.sh train_configs/debug.toml --data.path={out}\n" in printed
     assert f"{meta['total_tokens']:,} tokens in 13 documents" in printed
     assert meta["seed"] == 5 and meta["source"].startswith("folder:")
     assert main(args) == 0
@@ -37,6 +38,7 @@ def test_prepare_default_goes_to_the_cache(tmp_path, monkeypatch, capsys):
     assert main(["data", "prepare", "--max-bytes", "30000", "--seq-len", "64"]) == 0
     printed = capsys.readouterr().out
     assert str(tmp_path / "cache" / "packed" / "stdlib-") in printed
+    assert "train on it: ./run_train.sh train_configs/debug.toml --data.path=" in printed
     assert "windows of 64" in printed
 
 
@@ -54,6 +56,8 @@ def test_prepare_from_a_recipe_with_overrides(tmp_path, texts, write, capsys):
     out = tmp_path / "from_recipe"
     assert main(["data", "prepare", str(recipe), "--out", str(out),
                  "--data.num_epochs=2"]) == 0
+    hint = f"train on it: ./run_train.sh {recipe} --data.num_epochs=2 --data.path={out}"
+    assert hint in capsys.readouterr().out
     meta = json.loads((out / "metadata.json").read_text())
     assert (meta["seed"], meta["seq_len"], meta["num_epochs"]) == (7, 16, 2)
 
