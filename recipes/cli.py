@@ -27,7 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kiln.recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
     "eval": ("kiln.recipes.commands.eval",
              "held-out loss of a run's checkpoint; --loops 1,2,4,8 for looped models"),
-    "data": ("kiln.recipes.commands.data", "prepare a packed-document dataset folder"),
+    "data": ("kiln.recipes.commands.data",
+             "prepare a dataset folder from text: packed documents or balanced_shards shards"),
+    "tokenizer": ("kiln.recipes.commands.tokenizer",
+                  "train a byte-level BPE tokenizer on local text (offline)"),
     "export": ("kiln.recipes.commands.export",
                "checkpoint -> safetensors + config.json (+ Hugging Face Llama layout)"),
 }
