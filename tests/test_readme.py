@@ -172,7 +172,7 @@ def _walk_field(info, rest: list[str]) -> bool:
 
 # Dotted names that are files or parameter names (`model.safetensors`, `norm.weight`), not keys.
 NOT_KEYS = (".toml", ".json", ".jsonl", ".safetensors", ".py", ".npy", ".bin", ".md", ".sh",
-            ".weight", ".bias")
+            ".weight", ".bias", ".model", ".tiktoken")
 
 
 # Components the README's own Python examples register (`@register("attention", "linear")`).
