@@ -30,23 +30,40 @@ i + head_dim/2. The rows of wq and wk (and their biases) are permuted per head a
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from kiln.components.errors import CheckpointError
+from kiln.checkpointing.storage import save_safetensors
+from kiln.components.errors import CheckpointError, RecipeError
+
+EXPORT_FILES = ("config.json", "model.safetensors", "recipe.toml")  # what an export writes
 
 
 def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_table: dict,
-           recipe_file: Path, fmt: str = "auto") -> dict[str, Any]:
+           recipe_file: Path, fmt: str = "auto", force: bool = False) -> dict[str, Any]:
     """Write ``model`` (whole, on the CPU) to ``out_dir``; returns a summary (layout, file
     names, tensor count). ``model_table`` is the recipe's resolved ``[model]`` table (the kiln
     layout's config.json); ``recipe_file`` is copied beside the weights. Loading a checkpoint
-    into a model is the caller's job (``kiln.recipes.saved_model``)."""
+    into a model is the caller's job (``kiln.recipes.saved_model``).
+
+    A non-empty ``out_dir`` is refused unless ``force``; then only the files the export writes
+    are replaced in it, nothing else there is touched. The files are written into a fresh
+    temporary folder beside ``out_dir`` first (moved into place at the end, removed on error):
+    export never deletes anything it did not create."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"{out_dir}: exists and is not a folder; give a folder to export "
+                              "into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise RecipeError(
+            f"{out_dir}: folder exists and is not empty; export into a new or empty folder, or "
+            f"pass --force to overwrite only {', '.join(EXPORT_FILES)} in it"
+        )
     reason = llama_incompatibility(model)
     if fmt == "hf" and reason:
         raise CheckpointError(f"--format hf: this model has no Llama layout: {reason}; use "
@@ -56,17 +73,27 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
         tensors, config = to_llama(model, tokenizer)
     else:
         tensors, config = _kiln_layout(model, model_table)
-    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    shutil.copyfile(recipe_file, tmp / "recipe.toml")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".kiln-export",
+                                dir=out_dir.parent))
+    try:
+        save_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        shutil.copyfile(recipe_file, tmp / "recipe.toml")
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # an empty folder: take its place
+        if out_dir.exists():  # --force into a non-empty folder: replace our files only
+            for name in EXPORT_FILES:
+                os.replace(tmp / name, out_dir / name)
+        else:
+            tmp.rename(out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{out_dir}: cannot write the export ({exc})") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # the temporary folder this call created, and only it
     return {"layout": "hf" if use_hf else "kiln", "tensors": len(tensors),
-            "why_not_hf": reason, "files": sorted(p.name for p in out_dir.iterdir())}
+            "why_not_hf": reason, "files": list(EXPORT_FILES)}
 
 
 def _kiln_layout(model: torch.nn.Module, model_table: dict) -> tuple[dict, dict]:

@@ -4,6 +4,7 @@ packages add their own hooks. A hook overrides any of the three methods."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -75,17 +76,19 @@ class LogHook(Hook):
 
 
 class ProgressHook(Hook):
-    """A tqdm bar on the main rank: steps, loss, tokens/s, ETA."""
+    """A tqdm bar on the main rank: steps, loss, tokens/s, ETA. Only on a terminal: in a file or
+    a pipe its redraws would be carriage-return frames in the log, where the log lines every
+    ``run.log_interval`` steps already show the progress."""
 
     def __init__(self):
         self.bar = None
 
     def on_train_start(self, trainer) -> None:
-        if trainer.world.is_main and trainer.recipe.run.progress_bar:
+        if trainer.world.is_main and trainer.recipe.run.progress_bar and _on_terminal(trainer):
             from tqdm import tqdm
 
             self.bar = tqdm(total=trainer.total_steps, initial=trainer.progress.step,
-                            unit="step", dynamic_ncols=True, leave=True)
+                            unit="step", dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def on_step_end(self, trainer, result) -> None:
         if self.bar is not None:
@@ -96,6 +99,11 @@ class ProgressHook(Hook):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _on_terminal(trainer) -> bool:
+    """The bar goes to stderr, the log lines to ``trainer.out``: both must be terminals."""
+    return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stderr, trainer.out))
 
 
 class EvalHook(Hook):
@@ -113,12 +121,26 @@ class EvalHook(Hook):
 
     def evaluate(self, trainer) -> float:
         loss = evaluate(trainer, trainer.recipe.eval.tokens)
-        trainer.metrics.log(trainer.progress.step, {"eval/loss": loss})
+        values = {"eval/loss": loss}
+        bpb = bits_per_byte(loss, trainer.dataset)
+        if bpb is not None:
+            values["eval/bpb"] = bpb
+        trainer.metrics.log(trainer.progress.step, values)
         trainer.last_eval_loss = loss
         if trainer.world.is_main:
+            tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
             trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
-                          f"ppl {math.exp(min(loss, 50)):.2f}")
+                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}")
         return loss
+
+
+def bits_per_byte(loss: float, dataset) -> float | None:
+    """Bits per UTF-8 byte of the eval text: comparable across tokenizers, unlike the loss per
+    token. ``loss`` (nats per token) times the eval split's tokens per byte, over ln 2; None
+    when the dataset does not know its byte counts."""
+    ratio = getattr(dataset, "tokens_per_byte", None)
+    ratio = ratio("eval") if ratio is not None else None
+    return loss * ratio / math.log(2) if ratio else None
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from kiln.checkpointing import export as export_lib
 from kiln.checkpointing import layout, storage
+from kiln.components.models.block import padded_vocab
 from kiln.recipes.recipe import load_recipe, to_dict
 
 
@@ -21,7 +22,7 @@ def load_model(checkpoint: Path):
     recipe = load_recipe(checkpoint)
     tokenizer = recipe.tokenizer.build()
     with torch.device("meta"):
-        model = recipe.model.build(vocab_size=tokenizer.vocab_size,
+        model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
                                    seq_len=recipe.training.seq_len)
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)
@@ -36,10 +37,11 @@ def load_model(checkpoint: Path):
     return recipe, tokenizer, model
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
-                      fmt: str = "auto") -> dict[str, Any]:
-    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``)."""
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto", *,
+                      force: bool = False) -> dict[str, Any]:
+    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``;
+    a non-empty ``out_dir`` needs ``force``)."""
     checkpoint = Path(checkpoint)
     recipe, tokenizer, model = load_model(checkpoint)
     return export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-                             recipe_file=checkpoint / "recipe.toml", fmt=fmt)
+                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force)

@@ -60,11 +60,10 @@ class Trainer:
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
+        # The run folder gets its recipe.toml when the first step is done (``fit``): a run that
+        # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
         self.plan = batch_plan.plan(tr, self.world.world_size)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
@@ -112,16 +111,19 @@ class Trainer:
     # ----------------------------------------------------------------------------- building
     def _build_model(self) -> torch.nn.Module:
         tr = self.recipe.training
-        vocab = self.tokenizer.vocab_size
+        from kiln.components.models.block import padded_vocab
+
+        vocab = padded_vocab(self.recipe.model, self.tokenizer.vocab_size)
         if self.recipe.parallelism.meta_init:  # allocated and initialised after parallelize
             with torch.device("meta"):
                 model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
-        if getattr(model, "vocab_size", vocab) < vocab:
+        if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({vocab}); raise it or set 0 to use the tokenizer's"
+                f"vocabulary ({self.tokenizer.vocab_size}); raise it or set 0 to use the "
+                "tokenizer's (rounded up to model.vocab_multiple)"
             )
         if tr.loss_chunk_tokens and "head" not in inspect.signature(model.forward).parameters:
             raise RecipeError(
@@ -157,6 +159,9 @@ class Trainer:
             self.chunk_loss = compile_loss(chunk_loss_sum, pcfg, self.device)
         for line in details:
             self.print(f"parallelism: {line}")
+        kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
+        if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
+            self.print(f"model: {line}")
         return self.parallel.summary
 
     def _checkpoint_hook(self) -> Hook:
@@ -167,7 +172,8 @@ class Trainer:
 
         return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
                                                                     self.recipe),
-                              export=export_checkpoint)
+                              # the run's own export folder: a rerun rewrites the export files
+                              export=functools.partial(export_checkpoint, force=True))
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
@@ -176,9 +182,14 @@ class Trainer:
         lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
         if not self.world.is_main:
             return 0.0
+        return peak_flops(self.device.type, self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: bf16 under autocast or FSDP2 bf16 params, else fp32."""
         bf16 = self.recipe.training.mixed_precision == "bf16" or (
             self.recipe.parallelism.param_dtype == "bfloat16")
-        return peak_flops(self.device.type, torch.bfloat16 if bf16 else torch.float32)
+        return torch.bfloat16 if bf16 else torch.float32
 
     @property
     def tokens_per_step(self) -> int:
@@ -247,6 +258,16 @@ class Trainer:
         if hook is not None:
             hook(decision.skip)
 
+    def end_step(self, result) -> None:
+        """After the step function: count the step and tell the model the global step is over
+        (``on_global_step(skipped)``: skipped if any of its optimizer steps was; e.g. the MoE
+        bias moves once per global step from the loads of all its segments)."""
+        self.progress.step += 1
+        self.progress.tokens += result.tokens
+        hook = getattr(self.model, "on_global_step", None)
+        if hook is not None:
+            hook(result.skipped)
+
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return batch
@@ -266,6 +287,7 @@ class Trainer:
             from tqdm import tqdm
 
             tqdm.write(text, file=self.out)  # keeps the progress bar intact
+            self.out.flush()  # line by line also into a file or a pipe (`tail -f` a log)
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> Progress:
@@ -278,10 +300,17 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.on_train_start(self)
+            if self.progress.step >= self.total_steps:
+                self.print(f"kiln: {self.recipe.run.name} already finished: step "
+                           f"{self.progress.step} of {self.total_steps} in {self.run_dir}; nothing "
+                           "to do (raise training.steps to continue it, or give another "
+                           "--run.folder to start over)")
+                return self.progress
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
             warmup = self.recipe.training.context_warmup
+            started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
                 waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
@@ -292,8 +321,11 @@ class Trainer:
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)
-                self.progress.step += 1
-                self.progress.tokens += result.tokens
+                if self.world.is_main and not started:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
+                started = True
+                self.end_step(result)
                 for hook in self.hooks:
                     hook.on_step_end(self, result)
             for hook in self.hooks:

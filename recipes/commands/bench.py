@@ -13,6 +13,7 @@ import torch
 
 from kiln.components.distributed import pick_device
 from kiln.components.errors import RecipeError
+from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.hooks import Hook
 from kiln.recipes.recipe import load_recipe
@@ -172,7 +173,8 @@ def bench_loops(recipe_path: str, overrides: list[str], loops: str,
     tokenizer = recipe.tokenizer.build()
     tr = recipe.training
     device = pick_device(tr.device)
-    return loop_memory(recipe.model, vocab_size=tokenizer.vocab_size, seq_len=tr.seq_len,
+    vocab = padded_vocab(recipe.model, tokenizer.vocab_size)
+    return loop_memory(recipe.model, vocab_size=vocab, seq_len=tr.seq_len,
                        batch=batch or tr.micro_batch, loops=values,
                        segment_loops=getattr(tr.step, "segment_loops", 0),
                        device=str(device), seed=tr.seed)

@@ -11,7 +11,10 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (e.g. runs/NAME/checkpoints/final)")
-    parser.add_argument("out_dir", help="folder to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="folder to write (new or empty; see --force)")
+    parser.add_argument("--force", action="store_true",
+                        help="export into a non-empty folder: overwrite config.json, "
+                        "model.safetensors and recipe.toml there, leave everything else")
     parser.add_argument("--format", choices=("auto", "hf", "kiln"), default="auto",
                         help="auto: Hugging Face Llama layout when the model has one, else kiln")
 
@@ -21,7 +24,7 @@ def run(args) -> int:
     from kiln.recipes.saved_model import export_checkpoint
 
     folder = find_checkpoint(Path(args.checkpoint))
-    summary = export_checkpoint(folder, Path(args.out_dir), args.format)
+    summary = export_checkpoint(folder, Path(args.out_dir), args.format, force=args.force)
     print(f"exported {folder} -> {args.out_dir} ({summary['layout']} layout, "
           f"{summary['tensors']} tensors): {', '.join(summary['files'])}")
     if summary["layout"] == "kiln" and summary["why_not_hf"]:
