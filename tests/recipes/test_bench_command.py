@@ -9,7 +9,7 @@ from tests.conftest import CONFIGS
 from tests.recipes.test_trainer import TINY
 
 KEYS = ("tokens_per_second", "step_time_s", "mfu", "peak_memory_bytes", "time_to_first_step_s",
-        "data_wait_s_per_step", "data_wait_max_s")
+        "data_wait_s", "data_wait_fraction", "startup_s")
 
 
 def test_bench_json_and_table(capsys):
