@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError, RecipeError
 
 EXPORT_FILES = ("config.json", "model.safetensors", "recipe.toml")  # what an export writes
@@ -77,7 +77,7 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".kiln-export",
                                 dir=out_dir.parent))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         shutil.copyfile(recipe_file, tmp / "recipe.toml")
         if out_dir.is_dir() and not any(out_dir.iterdir()):
