@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from kiln.checkpointing.export import llama_incompatibility, rope_permute
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.components.distributed import World
-from kiln.components.models.block import padded_vocab
 from kiln.components.errors import CheckpointError
+from kiln.components.models.block import padded_vocab
 from kiln.components.positions.rope import RoPE, RoPEConfig
 from kiln.recipes.cli import main
 from kiln.recipes.recipe import load_recipe, render_recipe
