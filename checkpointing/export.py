@@ -150,6 +150,8 @@ def rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def to_llama(model, tokenizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from kiln.components.attention.causal import split_fused_rows
+
     blocks = model.blocks()
     attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.tok_embeddings.weight}
@@ -157,10 +159,10 @@ def to_llama(model, tokenizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     for i, block in enumerate(blocks):
         a, f, p = block.attention, block.feed_forward, f"model.layers.{i}."
         if hasattr(a, "wqkv"):
-            hd = a.head_dim
-            sizes = [a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd]
-            q, k, v = a.wqkv.weight.split(sizes)
-            qb, kb, vb = a.wqkv.bias.split(sizes) if a.wqkv.bias is not None else (None,) * 3
+            group, hd = a.n_heads // a.n_kv_heads, a.head_dim
+            q, k, v = split_fused_rows(a.wqkv.weight, group, hd)  # kv-grouped rows
+            qb, kb, vb = (split_fused_rows(a.wqkv.bias, group, hd) if a.wqkv.bias is not None
+                          else (None,) * 3)
             ob = a.wo.bias
         else:
             q, k, v = a.wq.weight, a.wk.weight, a.wv.weight

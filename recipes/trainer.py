@@ -21,6 +21,8 @@ from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
+from kiln.parallelisms.layout_check import raise_problems, training_problems
+from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import peak_flops
@@ -64,7 +66,12 @@ class Trainer:
         # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        self.plan = batch_plan.plan(tr, self.world.world_size)
+        # This rank's share of each global batch: tensor-parallel peers train on the same batch,
+        # so data is split over the data-parallel ranks only (data_rank = rank // tp).
+        self.layout = layout(recipe.parallelism, self.world.world_size)
+        self.data_rank, self.data_ranks = self.layout.dp_rank(self.world.rank), self.layout.dp
+        raise_problems(training_problems(tr, self.layout.tp), self.layout.describe())
+        self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.layout.tp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -82,7 +89,7 @@ class Trainer:
             self.dataset.prepare()
         self.train_loader = self.dataset.loader(
             "train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
-            rank=self.world.rank, world_size=self.world.world_size,
+            rank=self.data_rank, world_size=self.data_ranks,
         )
         self.total_steps = batch_plan.total_steps(
             tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
@@ -210,7 +217,9 @@ class Trainer:
         else:
             with self.autocast:
                 logits = self.model(batch["input_ids"])  # (B, T, V)
-            loss = self.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+            # Through the plan: with loss parallel the logits are sharded over the vocabulary.
+            loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
+                                      batch["labels"].flatten())
         pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
         aux = pop_aux() if pop_aux is not None else None
         # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.

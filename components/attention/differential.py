@@ -27,7 +27,9 @@ reference script concatenates ``[A_1 v_1, lambda A_2 v_2]`` over half-width valu
 not a difference of maps at all; kiln keeps the differential form. ``head_gate`` adds the
 reference's learnable per-head output gate (initialised to 1).
 
-Projections, QK-norm modules and the position sub-component are the causal attention's.
+Projections, QK-norm modules and the position sub-component are the causal attention's. Under
+tensor parallelism a rank computes whole heads (both maps of a head on one rank): head counts come
+from the projection shapes, and per-head parameters are read at ``head_offset``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class DifferentialAttention(CausalAttention):
             self.lambda_head = nn.Parameter(torch.empty(self.n_heads))
         self.head_gate = nn.Parameter(torch.empty(self.n_heads)) if cfg.head_gate else None
         self.head_norm = RMSNorm(RMSNormConfig(type="rmsnorm", eps=cfg.head_norm_eps), dim=hd)
+        self.head_offset = 0  # first head this rank computes (tensor parallelism sets it)
         if not self.wo.weight.is_meta:
             self._init_extra()
 
@@ -121,25 +124,31 @@ class DifferentialAttention(CausalAttention):
         super().init_weights(std, out_std)
         self._init_extra()
 
-    def lambda_value(self) -> torch.Tensor:
-        """lambda per head, shape (H,) (the reparam value is shared by the heads), fp32."""
+    def lambda_value(self, heads: int = 0) -> torch.Tensor:
+        """lambda of this rank's ``heads`` (0 = all), shape (heads,) (the reparam value is shared
+        by the heads), fp32."""
+        heads = heads or self.n_heads
         if self.lambda_mode == "per_head":
-            return self.lambda_head.float()
+            return self._my_heads(self.lambda_head, heads).float()
         lam1 = torch.exp((self.lambda_q1.float() * self.lambda_k1.float()).sum())
         lam2 = torch.exp((self.lambda_q2.float() * self.lambda_k2.float()).sum())
-        return (lam1 - lam2 + self.lambda_init).expand(self.n_heads)
+        return (lam1 - lam2 + self.lambda_init).expand(heads)
+
+    def _my_heads(self, per_head: torch.Tensor, heads: int) -> torch.Tensor:
+        """The entries of a per-head parameter (H,) for the heads this rank computes: all of
+        them, or under tensor parallelism ``heads`` from ``head_offset`` (set by the plan; the
+        parameter stays whole on every rank and its gradient is summed over the ranks)."""
+        if heads == per_head.shape[0]:
+            return per_head
+        return per_head.narrow(0, self.head_offset, heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
         b, t, _ = x.shape
-        h, hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        half = hd // 2
-        if hasattr(self, "wqkv"):
-            q, k, v = self.wqkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
-        k = k.view(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
-        v = v.view(b, t, hk, hd).transpose(1, 2)  # (B, Hk, T, 2d)
+        q, k, v = self.project_qkv(x)  # (B, T, H, 2d), (B, T, Hk, 2d), (B, T, Hk, 2d)
+        h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2  # this rank's heads
+        q = q.reshape(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
+        k = k.reshape(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
+        v = v.transpose(1, 2)  # (B, Hk, T, 2d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.position(q, k)
@@ -153,8 +162,9 @@ class DifferentialAttention(CausalAttention):
             )  # (B, H, T, 2d)
             for c in (0, 1)
         )
-        lam = self.lambda_value().to(a1v.dtype).view(1, h, 1, 1)
+        lam = self.lambda_value(h).to(a1v.dtype).view(1, h, 1, 1)
         out = self.head_norm(a1v - lam * a2v) * (1 - self.lambda_init)  # (B, H, T, 2d)
         if self.head_gate is not None:
-            out = out * self.head_gate.to(out.dtype).view(1, h, 1, 1)
-        return self.wo(out.transpose(1, 2).reshape(b, t, h * hd))
+            gate = self._my_heads(self.head_gate, h)
+            out = out * gate.to(out.dtype).view(1, h, 1, 1)
+        return self.wo(out.transpose(1, 2).reshape(b, t, h * self.head_dim))
