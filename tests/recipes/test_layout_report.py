@@ -52,6 +52,8 @@ def test_validate_plans_expert_parallel(capsys, monkeypatch):
     (2, ["--parallelism.ep=2"], "parallelism.ep = 2 needs MoE layers"),
     (4, ["--parallelism.tp=2", "--training.seq_len=33"],
      "training.seq_len = 33 (sequence-parallel slices) is not divisible by parallelism.tp = 2"),
+    (2, ["--parallelism.tp=2", "--training.loss_chunk_tokens=256"],
+     "training.loss_chunk_tokens = 256 with parallelism.tp = 2"),
 ])
 def test_validate_refuses_layouts_that_do_not_divide(capsys, monkeypatch, world, flags, message):
     monkeypatch.delenv("NGPU", raising=False)
