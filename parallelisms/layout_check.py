@@ -57,8 +57,8 @@ def _expert_problems(problems: list[str], model: nn.Module, ep: int) -> None:
 
 
 def training_problems(training, tp: int) -> list[str]:
-    """``[training]`` settings that sequence parallelism (T split over ``tp`` ranks) or loss
-    parallelism cannot run."""
+    """``[training]`` lengths that sequence parallelism (T split over ``tp`` ranks) cannot
+    split."""
     problems: list[str] = []
     if tp <= 1:
         return problems
@@ -67,13 +67,6 @@ def training_problems(training, tp: int) -> list[str]:
     if training.context_warmup.steps:
         _divides(problems, training.context_warmup.multiple, "training.context_warmup.multiple",
                  tp, "tp", " (every warmup length is a multiple of it)")
-    if getattr(training, "loss_chunk_tokens", 0):
-        problems.append(
-            f"training.loss_chunk_tokens = {training.loss_chunk_tokens} with parallelism.tp = "
-            f"{tp}: the chunked loss needs the whole logits of a chunk, tensor parallel shards "
-            "them over the vocabulary (loss parallel already never gathers them); set "
-            "training.loss_chunk_tokens = 0"
-        )
     return problems
 
 
@@ -84,3 +77,12 @@ def raise_problems(problems: list[str], layout_text: str) -> None:
             + "\nchange those keys or pick other parallelism degrees "
             "(`kiln validate RECIPE --world-size N` checks a layout without training)"
         )
+
+
+def chunked_loss_note(training, tp: int) -> str:
+    """Why ``training.loss_chunk_tokens`` is not used under tensor parallel ("" when it is)."""
+    if tp <= 1 or not getattr(training, "loss_chunk_tokens", 0):
+        return ""
+    return (f"training.loss_chunk_tokens = {training.loss_chunk_tokens} not used with "
+            f"parallelism.tp = {tp}: the head's logits are sharded over the vocabulary (the "
+            "chunked head needs a chunk's whole logits); loss parallel keeps them sharded")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.components.optimizers.memory import optimizer_state_bytes
+from kiln.parallelisms.layout_check import chunked_loss_note
 from kiln.parallelisms.layout_plan import dry_parallelize, fake_world, local_bytes, local_numel
 from kiln.parallelisms.mesh import layout
 from kiln.recipes.optimizer_set import OptimizerSet
@@ -63,4 +64,6 @@ def layout_report(recipe, model_builder, world_size: int) -> str:
         + ", ".join(f"{k} {_gib(v)}" for k, v in per_opt.items()) + ")",
         f"    total             {_gib(total)}",
     ]
+    if note := chunked_loss_note(recipe.training, shape.tp):
+        lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
-from kiln.parallelisms.layout_check import raise_problems, training_problems
+from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
@@ -71,6 +71,7 @@ class Trainer:
         self.layout = layout(recipe.parallelism, self.world.world_size)
         self.data_rank, self.data_ranks = self.layout.dp_rank(self.world.rank), self.layout.dp
         raise_problems(training_problems(tr, self.layout.tp), self.layout.describe())
+        self.loss_chunk_tokens = tr.loss_chunk_tokens if self.layout.tp == 1 else 0
         self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.layout.tp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
@@ -152,6 +153,8 @@ class Trainer:
                 distributed.broadcast_(t.data, src=0)
         self.parallel = parallelize(self.model, pcfg, self.world)
         details = self.parallel.describe().splitlines()[1:]
+        if note := chunked_loss_note(self.recipe.training, self.layout.tp):
+            details.append(note)
         if pcfg.meta_init:
             details.append(materialize(
                 self.model, self.device, self.recipe.training.seed, mode=pcfg.init_mode,
@@ -209,7 +212,7 @@ class Trainer:
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); chunked
         through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
-        chunk = self.recipe.training.loss_chunk_tokens
+        chunk = self.loss_chunk_tokens  # 0 under tensor parallel (see chunked_loss_note)
         if chunk:
             with self.autocast:
                 loss = self.model(batch["input_ids"],

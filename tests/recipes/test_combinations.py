@@ -219,7 +219,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         # Tensor parallel (dense, loss parallel, float8 rowwise) and expert parallel (MoE
         # all-to-all) on 2 ranks; each saved (DCP, DTensor layouts) and resumed one step further
         for name, family, flags in (
-            ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise")),
+            ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise", CHUNK)),
             ("ep2", "moe", ("--parallelism.ep=2",)),
         ):
             args = (*flags, "--checkpoint.enable=true")

@@ -31,6 +31,10 @@ def test_validate_plans_tensor_parallel_memory_per_rank(capsys, monkeypatch):
     assert _gib(out, "gradients") == _gib(out, "parameters")
     # AdamW: two fp32 moments per element, measured on a probe step
     assert _gib(out, "optimizer state") == pytest.approx(2 * _gib(out, "parameters"), rel=0.02)
+    assert "loss_chunk_tokens" not in out
+    assert main([*args, "--training.loss_chunk_tokens=256"]) == 0  # not used under tp: a note
+    assert "note: training.loss_chunk_tokens = 256 not used with parallelism.tp = 2" in (
+        capsys.readouterr().out)
 
 
 def test_validate_plans_expert_parallel(capsys, monkeypatch):
@@ -52,8 +56,6 @@ def test_validate_plans_expert_parallel(capsys, monkeypatch):
     (2, ["--parallelism.ep=2"], "parallelism.ep = 2 needs MoE layers"),
     (4, ["--parallelism.tp=2", "--training.seq_len=33"],
      "training.seq_len = 33 (sequence-parallel slices) is not divisible by parallelism.tp = 2"),
-    (2, ["--parallelism.tp=2", "--training.loss_chunk_tokens=256"],
-     "training.loss_chunk_tokens = 256 with parallelism.tp = 2"),
 ])
 def test_validate_refuses_layouts_that_do_not_divide(capsys, monkeypatch, world, flags, message):
     monkeypatch.delenv("NGPU", raising=False)
