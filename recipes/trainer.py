@@ -71,7 +71,6 @@ class Trainer:
         self.layout = layout(recipe.parallelism, self.world.world_size)
         self.data_rank, self.data_ranks = self.layout.dp_rank(self.world.rank), self.layout.dp
         raise_problems(training_problems(tr, self.layout.tp), self.layout.describe())
-        self.loss_chunk_tokens = tr.loss_chunk_tokens if self.layout.tp == 1 else 0
         self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.layout.tp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
@@ -212,7 +211,8 @@ class Trainer:
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); chunked
         through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
-        chunk = self.loss_chunk_tokens  # 0 under tensor parallel (see chunked_loss_note)
+        # not under tensor parallel: the logits are vocabulary shards (see chunked_loss_note)
+        chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
         if chunk:
             with self.autocast:
                 loss = self.model(batch["input_ids"],
