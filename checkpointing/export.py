@@ -1,184 +1,97 @@
-"""``kiln export``: a checkpoint's model as consolidated safetensors + config.json + recipe.toml.
+"""``kiln export``: a model as safetensors (sharded above a size, with an index) + config.json +
+generation_config.json + the tokenizer's files + recipe.toml.
 
 Two layouts:
 
+- ``hf``: for the dense ``transformer`` with causal attention, RoPE (any scaling), SwiGLU and
+  RMSNorm, Hugging Face's Llama layout, or Qwen2's (q/k/v-only biases) or Qwen3's (QK-norm):
+  loadable with ``transformers``' ``from_pretrained``. The mapping is in ``hf_layout``.
 - ``kiln``: the model's own parameter names (torchtitan's), ``config.json`` holding the model
   table of the recipe. Works for every registered model.
-- ``hf``: for the dense ``transformer`` with standard causal attention, RoPE, SwiGLU and RMSNorm
-  (no QK-norm, LayerScale or logit soft-capping) a Hugging Face ``LlamaForCausalLM`` layout,
-  loadable with ``transformers``' ``from_pretrained``. ``auto`` picks ``hf`` when it applies.
 
-Llama mapping (kiln -> Hugging Face):
-
-==============================================  ===============================================
-``tok_embeddings.weight``                       ``model.embed_tokens.weight``
-``layers.N.attention.wq.weight`` (RoPE perm.)   ``model.layers.N.self_attn.q_proj.weight``
-``layers.N.attention.wk.weight`` (RoPE perm.)   ``model.layers.N.self_attn.k_proj.weight``
-``layers.N.attention.wv.weight``                ``model.layers.N.self_attn.v_proj.weight``
-``layers.N.attention.wo.weight``                ``model.layers.N.self_attn.o_proj.weight``
-``layers.N.attention_norm.weight``              ``model.layers.N.input_layernorm.weight``
-``layers.N.ffn_norm.weight``                    ``model.layers.N.post_attention_layernorm.weight``
-``layers.N.feed_forward.w1/w3/w2.weight``       ``model.layers.N.mlp.gate_proj/up_proj/down_proj``
-``norm.weight``                                 ``model.norm.weight``
-``output.weight`` (absent when tied)            ``lm_head.weight``
-==============================================  ===============================================
-
-kiln's RoPE rotates adjacent feature pairs (2i, 2i+1) of a head; Hugging Face's pairs i with
-i + head_dim/2. The rows of wq and wk (and their biases) are permuted per head accordingly.
+``auto`` picks ``hf`` when the model has that layout. The model may be sharded (FSDP2
+DTensors): every rank calls ``export``, each writes its share of the files into a temporary
+folder, and rank 0 publishes the folder with one rename once all are written.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from kiln.checkpointing import hf_config, hf_files, hf_layout
+from kiln.components import distributed
 from kiln.components.errors import CheckpointError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_table: dict,
-           recipe_file: Path, fmt: str = "auto") -> dict[str, Any]:
-    """Write ``model`` (whole, on the CPU) to ``out_dir``; returns a summary (layout, file
-    names, tensor count). ``model_table`` is the recipe's resolved ``[model]`` table (the kiln
-    layout's config.json); ``recipe_file`` is copied beside the weights. Loading a checkpoint
-    into a model is the caller's job (``kiln.recipes.saved_model``)."""
+           recipe_file: Path | None, fmt: str = "auto", max_shard_size: str | int = "5GB",
+           dtype: str = "", tokenizer_files: Callable[[Path], Any] | None = None,
+           rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Write ``model`` to ``out_dir`` (replaced); returns a summary (layout, files, tensors).
+
+    ``model_table`` is the recipe's resolved ``[model]`` table (the kiln layout's config.json);
+    ``recipe_file`` is copied beside the weights; ``tokenizer_files(folder)`` writes the
+    tokenizer's own files (e.g. tokenizer.json). Rebuilding a model from a checkpoint is the
+    caller's job (``kiln.recipes.saved_model``)."""
     out_dir = Path(out_dir)
-    reason = llama_incompatibility(model)
+    reason = hf_layout.hf_incompatibility(model)
     if fmt == "hf" and reason:
-        raise CheckpointError(f"--format hf: this model has no Llama layout: {reason}; use "
-                              "--format kiln")
+        raise CheckpointError(f"--format hf: this model has no Hugging Face layout: {reason}; "
+                              "use --format kiln")
     use_hf = fmt == "hf" or (fmt == "auto" and not reason)
-    if use_hf:
-        tensors, config = to_llama(model, tokenizer)
-    else:
-        tensors, config = _kiln_layout(model, model_table)
+    if dtype and dtype not in DTYPES:
+        raise CheckpointError(f"export dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    cast = DTYPES.get(dtype)
+    named = hf_layout.tensors(model)
+    layout = hf_layout.parts(model) if use_hf else hf_layout.identity_parts(model)
+    missing = sorted(set(named) - set(layout))
+    if missing:
+        raise CheckpointError(f"export: no Hugging Face tensor for {', '.join(missing)}")
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    shutil.copyfile(recipe_file, tmp / "recipe.toml")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return {"layout": "hf" if use_hf else "kiln", "tensors": len(tensors),
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    index = hf_files.write_sharded(
+        ((named[k], layout[k]) for k in named), tmp, max_bytes=hf_files.parse_size(
+            max_shard_size), rank=rank, world_size=world_size, dtype=cast)
+    if rank == 0:
+        if use_hf:
+            family = hf_config.family_of(model)
+            config = hf_config.hf_config(model, tokenizer, family)
+            if cast is not None:
+                config["dtype"] = dtype
+            _write_json(tmp / "generation_config.json", hf_config.generation_config(tokenizer))
+        else:
+            family, config = "kiln", {
+                "format": "kiln", "model": model_table,
+                "vocab_size": getattr(model, "vocab_size", None),
+                "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
+        _write_json(tmp / "config.json", config)
+        if len(set(index["weight_map"].values())) > 1:
+            _write_json(tmp / hf_files.INDEX, index)
+        if recipe_file is not None:
+            shutil.copyfile(recipe_file, tmp / "recipe.toml")
+        if tokenizer_files is not None:
+            tokenizer_files(tmp)
+    distributed.barrier()  # every rank's files are in tmp
+    if rank == 0:
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    distributed.barrier()
+    return {"layout": "hf" if use_hf else "kiln", "family": family,
+            "tensors": len(index["weight_map"]),
             "why_not_hf": reason, "files": sorted(p.name for p in out_dir.iterdir())}
 
 
-def _kiln_layout(model: torch.nn.Module, model_table: dict) -> tuple[dict, dict]:
-    tensors, seen = {}, {}
-    for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:  # tied weights: safetensors stores a tensor once
-            continue
-        seen[key] = name
-        tensors[name] = t.detach().contiguous()
-    config = {"format": "kiln", "model": model_table,
-              "vocab_size": getattr(model, "vocab_size", None),
-              "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
-    return tensors, config
-
-
-def llama_incompatibility(model: torch.nn.Module) -> str:
-    """Why the model has no Llama layout ("" if it has one)."""
-    from kiln.components.attention.causal import CausalAttention
-    from kiln.components.ffn.swiglu import SwiGLU
-    from kiln.components.models.transformer import Transformer
-    from kiln.components.norms.rmsnorm import RMSNorm
-    from kiln.components.positions.rope import RoPE
-
-    if type(model) is not Transformer:
-        return f"model is {type(model).__name__}, not the dense transformer"
-    if model.logit_softcap:
-        return "logit soft-capping"
-    for i, block in enumerate(model.blocks()):
-        attn, ffn = block.attention, block.feed_forward
-        if type(attn) is not CausalAttention:
-            return f"layer {i} attention is {type(attn).__name__}"
-        if attn.q_norm is not None:
-            return "QK-norm"
-        if type(attn.position) is not RoPE:
-            return f"position encoding {type(attn.position).__name__}"
-        if type(ffn) is not SwiGLU:
-            return f"layer {i} feed-forward is {type(ffn).__name__}"
-        if block.attention_scale is not None:
-            return "LayerScale"
-        for norm in (block.attention_norm, block.ffn_norm):
-            if type(norm) is not RMSNorm or norm.weight is None:
-                return "norms other than RMSNorm with a weight"
-    if type(model.norm) is not RMSNorm or model.norm.weight is None:
-        return "final norm is not RMSNorm with a weight"
-    return ""
-
-
-def rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection from adjacent-pair to half-split RoPE order, per head."""
-    rows = w.shape[0]
-    d = rows // n_heads
-    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def to_llama(model, tokenizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    blocks = model.blocks()
-    attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.tok_embeddings.weight}
-    bias = None
-    for i, block in enumerate(blocks):
-        a, f, p = block.attention, block.feed_forward, f"model.layers.{i}."
-        if hasattr(a, "wqkv"):
-            hd = a.head_dim
-            sizes = [a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd]
-            q, k, v = a.wqkv.weight.split(sizes)
-            qb, kb, vb = a.wqkv.bias.split(sizes) if a.wqkv.bias is not None else (None,) * 3
-            ob = a.wo.bias
-        else:
-            q, k, v = a.wq.weight, a.wk.weight, a.wv.weight
-            qb, kb, vb, ob = (m.bias for m in (a.wq, a.wk, a.wv, a.wo))
-        out[p + "self_attn.q_proj.weight"] = rope_permute(q, a.n_heads)
-        out[p + "self_attn.k_proj.weight"] = rope_permute(k, a.n_kv_heads)
-        out[p + "self_attn.v_proj.weight"] = v
-        out[p + "self_attn.o_proj.weight"] = a.wo.weight
-        bias = qb is not None
-        if bias:
-            out[p + "self_attn.q_proj.bias"] = rope_permute(qb, a.n_heads)
-            out[p + "self_attn.k_proj.bias"] = rope_permute(kb, a.n_kv_heads)
-            out[p + "self_attn.v_proj.bias"] = vb
-            out[p + "self_attn.o_proj.bias"] = ob
-        out[p + "input_layernorm.weight"] = block.attention_norm.weight
-        out[p + "post_attention_layernorm.weight"] = block.ffn_norm.weight
-        out[p + "mlp.gate_proj.weight"] = f.w1.weight
-        out[p + "mlp.up_proj.weight"] = f.w3.weight
-        out[p + "mlp.down_proj.weight"] = f.w2.weight
-    out["model.norm.weight"] = model.norm.weight
-    if not model.tied:
-        out["lm_head.weight"] = model.output.weight
-    tensors = {k: v.detach().contiguous().clone() for k, v in out.items()}
-    dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.dim,
-        "intermediate_size": ffn0.hidden_dim,
-        "num_hidden_layers": len(blocks),
-        "num_attention_heads": attn0.n_heads,
-        "num_key_value_heads": attn0.n_kv_heads,
-        "head_dim": attn0.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.max_seq_len,
-        "rms_norm_eps": model.norm.eps,
-        "rope_theta": attn0.position.theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": attn0.position.theta},
-        "attention_bias": bool(bias),
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(model.tied),
-        "bos_token_id": getattr(tokenizer, "bos_id", None),
-        "eos_token_id": getattr(tokenizer, "eos_id", None),
-        "torch_dtype": dtype,
-        "kiln": {"exported_from": "kiln transformer", "rope": "permuted to half-split"},
-    }
-    return tensors, config
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
