@@ -27,7 +27,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "held-out loss of a run's checkpoint; --loops 1,2,4,8 for looped models"),
     "data": ("kiln.recipes.commands.data", "prepare a packed-document dataset folder"),
     "export": ("kiln.recipes.commands.export",
-               "checkpoint -> safetensors + config.json (+ Hugging Face Llama layout)"),
+               "checkpoint -> safetensors + config.json (Hugging Face layout when it has one)"),
+    "import": ("kiln.recipes.commands.import_model",
+               "Hugging Face model -> recipe that continues training it (checkpoint.init_from)"),
+    "generate": ("kiln.recipes.commands.generate",
+                 "sample text from a run's checkpoint (KV cache, streaming, batched prompts)"),
 }
 
 
