@@ -50,6 +50,7 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     if dtype and dtype not in DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype)
+    family = hf_config.family_of(model) if use_hf else "kiln"
     named = hf_layout.tensors(model)
     layout = hf_layout.parts(model) if use_hf else hf_layout.identity_parts(model)
     missing = sorted(set(named) - set(layout))
@@ -65,13 +66,12 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
             max_shard_size), rank=rank, world_size=world_size, dtype=cast)
     if rank == 0:
         if use_hf:
-            family = hf_config.family_of(model)
             config = hf_config.hf_config(model, tokenizer, family)
             if cast is not None:
                 config["dtype"] = dtype
             _write_json(tmp / "generation_config.json", hf_config.generation_config(tokenizer))
         else:
-            family, config = "kiln", {
+            config = {
                 "format": "kiln", "model": model_table,
                 "vocab_size": getattr(model, "vocab_size", None),
                 "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
