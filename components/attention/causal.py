@@ -21,7 +21,7 @@ from kiln.components.registry import register
 
 
 class CausalAttentionConfig(ComponentConfig):
-    n_heads: int = Field(16, ge=1, description="query heads; head_dim = dim / n_heads")
+    n_heads: int = Field(16, ge=1, description="query heads (head_dim = dim / n_heads unless set)")
     n_kv_heads: int = Field(
         0, ge=0, description="key/value heads (0 = n_heads; fewer = grouped-query attention)"
     )
