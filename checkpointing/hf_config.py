@@ -200,7 +200,10 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
         "num_key_value_heads": attn0.n_kv_heads,
         "head_dim": attn0.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": model.max_seq_len,
+        # the trained context, or what a scaled RoPE was made for (transformers checks that
+        # original_max_position_embeddings is below it)
+        "max_position_embeddings": max(model.max_seq_len, int(rope.original_max_seq_len
+                                                              * rope.factor)),
         "rms_norm_eps": model.norm.eps,
         "rope_parameters": params,  # transformers >= 5; rope_theta/rope_scaling: older
         "rope_theta": rope.theta,

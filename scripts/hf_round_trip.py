@@ -36,7 +36,7 @@ def main() -> int:
     sh("kiln", "import", str(work / "hf"), "--out", str(work / "recipe.toml"), "--seq-len", "256")
     sh("./run_train.sh", str(work / "recipe.toml"), f"--training.steps={args.steps}",
        f"--run.folder={work / 'run'}", "--run.progress_bar=false", "--run.log_interval=5",
-       "--eval.interval=0", "--checkpoint.resume=off")
+       "--eval.interval=0", "--eval.at_end=false", "--checkpoint.resume=off")
     sh("kiln", "export", str(work / "run" / "checkpoints" / "final"), str(work / "export"),
        "--max-shard-size", "1MB")
 
