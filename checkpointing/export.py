@@ -17,7 +17,9 @@ folder, and rank 0 publishes the folder with one rename once all are written.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,22 +28,36 @@ import torch
 
 from kiln.checkpointing import hf_config, hf_files, hf_layout
 from kiln.components import distributed
-from kiln.components.errors import CheckpointError
+from kiln.components.errors import CheckpointError, RecipeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_table: dict,
-           recipe_file: Path | None, fmt: str = "auto", max_shard_size: str | int = "5GB",
-           dtype: str = "", tokenizer_files: Callable[[Path], Any] | None = None,
+           recipe_file: Path | None, fmt: str = "auto", force: bool = False,
+           max_shard_size: str | int = "5GB", dtype: str = "",
+           tokenizer_files: Callable[[Path], Any] | None = None,
            rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """Write ``model`` to ``out_dir`` (replaced); returns a summary (layout, files, tensors).
+    """Write ``model`` to ``out_dir``; returns a summary (layout, files, tensors).
 
     ``model_table`` is the recipe's resolved ``[model]`` table (the kiln layout's config.json);
     ``recipe_file`` is copied beside the weights; ``tokenizer_files(folder)`` writes the
     tokenizer's own files (e.g. tokenizer.json). Rebuilding a model from a checkpoint is the
-    caller's job (``kiln.recipes.saved_model``)."""
+    caller's job (``kiln.recipes.saved_model``).
+
+    A non-empty ``out_dir`` is refused unless ``force``; then only the files the export writes
+    are replaced in it (and weight shards or an index an earlier export left there, which would
+    otherwise mix with the new weights), nothing else there is touched. The files are written
+    into a fresh temporary folder beside ``out_dir`` first (moved into place at the end, removed
+    on error): export never deletes anything it did not create."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"{out_dir}: exists and is not a folder; give a folder to export into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise RecipeError(
+            f"{out_dir}: folder exists and is not empty; export into a new or empty folder, or "
+            "pass --force to overwrite only the export's files (weights, config.json, "
+            "generation_config.json, tokenizer files, recipe.toml) in it")
     reason = hf_layout.hf_incompatibility(model)
     if fmt == "hf" and reason:
         raise CheckpointError(f"--format hf: this model has no Hugging Face layout: {reason}; "
@@ -56,41 +72,66 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     missing = sorted(set(named) - set(layout))
     if missing:
         raise CheckpointError(f"export: no Hugging Face tensor for {', '.join(missing)}")
-    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    tmp = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    distributed.barrier()
-    index = hf_files.write_sharded(
-        ((named[k], layout[k]) for k in named), tmp, max_bytes=hf_files.parse_size(
-            max_shard_size), rank=rank, world_size=world_size, dtype=cast)
-    if rank == 0:
-        if use_hf:
-            config = hf_config.hf_config(model, tokenizer, family)
-            if cast is not None:
-                config["dtype"] = dtype
-            _write_json(tmp / "generation_config.json", hf_config.generation_config(tokenizer))
-        else:
-            config = {
-                "format": "kiln", "model": model_table,
-                "vocab_size": getattr(model, "vocab_size", None),
-                "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
-        _write_json(tmp / "config.json", config)
-        if len(set(index["weight_map"].values())) > 1:
-            _write_json(tmp / hf_files.INDEX, index)
-        if recipe_file is not None:
-            shutil.copyfile(recipe_file, tmp / "recipe.toml")
-        if tokenizer_files is not None:
-            tokenizer_files(tmp)
-    distributed.barrier()  # every rank's files are in tmp
-    if rank == 0:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    distributed.barrier()
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".kiln-export",
+                               dir=out_dir.parent)
+    tmp = Path(distributed.broadcast_object(tmp))
+    try:
+        index = hf_files.write_sharded(
+            ((named[k], layout[k]) for k in named), tmp, max_bytes=hf_files.parse_size(
+                max_shard_size), rank=rank, world_size=world_size, dtype=cast)
+        if rank == 0:
+            _write_metadata(tmp, model, tokenizer, family, use_hf, dtype if cast else "",
+                            model_table, index, recipe_file, tokenizer_files)
+        distributed.barrier()  # every rank's files are in tmp
+        if rank == 0:
+            files = sorted(p.name for p in tmp.iterdir())
+            _publish(tmp, out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{out_dir}: cannot write the export ({exc})") from exc
+    finally:
+        if rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # the temporary folder this call created, and only it
+    files = distributed.broadcast_object(files if rank == 0 else None)
     return {"layout": "hf" if use_hf else "kiln", "family": family,
-            "tensors": len(index["weight_map"]),
-            "why_not_hf": reason, "files": sorted(p.name for p in out_dir.iterdir())}
+            "tensors": len(index["weight_map"]), "why_not_hf": reason, "files": files}
+
+
+def _write_metadata(tmp: Path, model, tokenizer, family: str, use_hf: bool, dtype: str,
+                    model_table: dict, index: dict, recipe_file: Path | None,
+                    tokenizer_files: Callable[[Path], Any] | None) -> None:
+    if use_hf:
+        config = hf_config.hf_config(model, tokenizer, family)
+        if dtype:
+            config["dtype"] = dtype
+        _write_json(tmp / "generation_config.json", hf_config.generation_config(tokenizer))
+    else:
+        config = {"format": "kiln", "model": model_table,
+                  "vocab_size": getattr(model, "vocab_size", None),
+                  "num_params": int(model.num_params()) if hasattr(model, "num_params") else None}
+    _write_json(tmp / "config.json", config)
+    if len(set(index["weight_map"].values())) > 1:
+        _write_json(tmp / hf_files.INDEX, index)
+    if recipe_file is not None:
+        shutil.copyfile(recipe_file, tmp / "recipe.toml")
+    if tokenizer_files is not None:
+        tokenizer_files(tmp)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished export into place: take the folder's place when it is absent or
+    empty, else (``--force``) replace the export's own files in it one by one."""
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    for stale in hf_files.weight_files(out_dir):  # an earlier export's shards / index
+        stale.unlink()
+    for path in tmp.iterdir():
+        os.replace(path, out_dir / path.name)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -133,6 +133,14 @@ def plan_files(entries, max_bytes: int) -> list[list[str]]:
     return files
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files and index an export writes (``model.safetensors``, its shards
+    ``model-NNNNN-of-NNNNN.safetensors`` and the index) found in ``folder``."""
+    shard = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and (
+        p.name in (SINGLE, INDEX) or shard.fullmatch(p.name)))
+
+
 def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path, *,
                   max_bytes: int, rank: int = 0, world_size: int = 1,
                   dtype: torch.dtype | None = None) -> dict:

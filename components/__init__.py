@@ -29,8 +29,13 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.models.transformer",
     "kiln.components.models.looped",
     "kiln.components.data.byte_tokenizer",
+    "kiln.components.data.hf_tokenizer",
+    "kiln.components.data.bpe_tokenizer",
+    "kiln.components.data.sentencepiece_tokenizer",
+    "kiln.components.data.tiktoken_tokenizer",
     "kiln.components.data.packed_documents",
     "kiln.components.data.balanced_shards",
+    "kiln.components.data.streaming_text",
 )
 
 

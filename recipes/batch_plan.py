@@ -46,13 +46,26 @@ def plan(training, world_size: int) -> BatchPlan:
 
 
 def total_steps(training, bp: BatchPlan, steps_per_epoch: int | None) -> int:
-    """Budget by steps, else epochs of the data, else tokens."""
+    """Budget by steps, else epochs of the data, else tokens (these two at least
+    ``min_steps``: the 10B reference trains max(130k steps, 200B tokens))."""
     if training.steps:
         return training.steps
     if training.epochs:
         if not steps_per_epoch:
             raise RecipeError("training.epochs needs a dataset that knows its epoch length")
-        return max(1, math.floor(training.epochs * steps_per_epoch))
+        return max(1, training.min_steps, math.floor(training.epochs * steps_per_epoch))
     if training.tokens:
-        return max(1, math.ceil(training.tokens / bp.tokens_per_step))
+        return max(1, training.min_steps, math.ceil(training.tokens / bp.tokens_per_step))
     raise RecipeError("no training budget: set training.steps, training.epochs or training.tokens")
+
+
+def describe_budget(training, bp: BatchPlan) -> str:
+    """One line for ``kiln validate``: steps and tokens the budget comes to (epochs: later)."""
+    if not training.steps and training.epochs:
+        return (f"budget: {training.epochs:g} epochs of the data (steps known once it is "
+                f"prepared), {bp.tokens_per_step:,} tokens/step")
+    steps = total_steps(training, bp, None)
+    tokens = steps * bp.tokens_per_step
+    billions = f" ({tokens / 1e9:.1f}B)" if tokens >= 1e9 else ""
+    return (f"budget: {steps:,} steps x {bp.tokens_per_step:,} tokens/step = {tokens:,} "
+            f"tokens{billions} (world size {bp.world_size})")

@@ -113,12 +113,26 @@ class EvalHook(Hook):
 
     def evaluate(self, trainer) -> float:
         loss = evaluate(trainer, trainer.recipe.eval.tokens)
-        trainer.metrics.log(trainer.progress.step, {"eval/loss": loss})
+        values = {"eval/loss": loss}
+        bpb = bits_per_byte(loss, trainer.dataset)
+        if bpb is not None:
+            values["eval/bpb"] = bpb
+        trainer.metrics.log(trainer.progress.step, values)
         trainer.last_eval_loss = loss
         if trainer.world.is_main:
+            tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
             trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
-                          f"ppl {math.exp(min(loss, 50)):.2f}")
+                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}")
         return loss
+
+
+def bits_per_byte(loss: float, dataset) -> float | None:
+    """Bits per UTF-8 byte of the eval text: comparable across tokenizers, unlike the loss per
+    token. ``loss`` (nats per token) times the eval split's tokens per byte, over ln 2; None
+    when the dataset does not know its byte counts."""
+    ratio = getattr(dataset, "tokens_per_byte", None)
+    ratio = ratio("eval") if ratio is not None else None
+    return loss * ratio / math.log(2) if ratio else None
 
 
 @torch.no_grad()

@@ -22,6 +22,12 @@ class OptimizerSet:
                 continue  # an optimizer whose rule selected nothing (e.g. no scalar params)
             self.optimizers[name] = cfg.build(groups)
             self.schedules[name] = cfg.schedule.build(total_steps=total_steps)
+        jacobians = getattr(model, "value_jacobians", None)  # reparameterised parameters
+        if jacobians is not None:
+            found = jacobians()
+            for opt in self.optimizers.values():
+                if hasattr(opt, "set_value_jacobians"):
+                    opt.set_value_jacobians(found)
 
     def table(self) -> str:
         return routing_table(self.routes, self.tables)

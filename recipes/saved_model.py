@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from kiln.checkpointing import export as export_lib
 from kiln.checkpointing import layout, storage
+from kiln.components.models.block import padded_vocab
 from kiln.recipes.recipe import load_recipe, to_dict
 
 
@@ -24,7 +25,8 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
     tokenizer = recipe.tokenizer.build()
     seq_len = max(recipe.training.seq_len, min_seq_len)
     with torch.device("meta"):
-        model = recipe.model.build(vocab_size=tokenizer.vocab_size, seq_len=seq_len)
+        model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
+                                   seq_len=seq_len)
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)
     tensors, _ = storage.split_tree({"model": sd})
@@ -46,22 +48,25 @@ def tokenizer_files(tokenizer):
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto", *,
-                      max_shard_size: str | int = "5GB", dtype: str = "") -> dict[str, Any]:
-    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``)."""
+                      force: bool = False, max_shard_size: str | int = "5GB",
+                      dtype: str = "") -> dict[str, Any]:
+    """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``;
+    a non-empty ``out_dir`` needs ``force``)."""
     checkpoint = Path(checkpoint)
     recipe, tokenizer, model = load_model(checkpoint)
     return export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-                             recipe_file=checkpoint / "recipe.toml", fmt=fmt,
+                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force,
                              max_shard_size=max_shard_size, dtype=dtype,
                              tokenizer_files=tokenizer_files(tokenizer))
 
 
 def export_trainer_model(trainer, out_dir: Path) -> dict[str, Any]:
-    """The trainer's live (possibly sharded) model as an export; every rank calls this."""
+    """The trainer's live (possibly sharded) model as an export; every rank calls this. The
+    run's own export folder: a rerun rewrites the export's files there (``force``)."""
     recipe = trainer.recipe
     return export_lib.export(
         trainer.model, trainer.tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-        recipe_file=Path(trainer.run_dir) / "recipe.toml",
+        recipe_file=Path(trainer.run_dir) / "recipe.toml", force=True,
         max_shard_size=recipe.checkpoint.export_max_shard_size,
         tokenizer_files=tokenizer_files(trainer.tokenizer),
         rank=trainer.world.rank, world_size=trainer.world.world_size)

@@ -45,6 +45,10 @@ class TrainingConfig(Config):
     steps: int = Field(0, ge=0, description="optimizer steps (0 = derive from epochs or tokens)")
     epochs: float = Field(0.0, ge=0, description="budget in data epochs (used when steps = 0)")
     tokens: int = Field(0, ge=0, description="budget in tokens (used when steps = epochs = 0)")
+    min_steps: int = Field(
+        0, ge=0, description="at least this many steps when the budget comes from epochs or "
+        "tokens (ignored when steps is set)"
+    )
     global_batch: int = Field(8, ge=1, description="sequences per optimizer step, all ranks")
     micro_batch: int = Field(4, ge=1, description="sequences per forward pass on one rank")
     grad_accum: int = Field(

@@ -102,18 +102,21 @@ class Trainer:
     # ----------------------------------------------------------------------------- building
     def _build_model(self) -> torch.nn.Module:
         tr = self.recipe.training
-        vocab = self.tokenizer.vocab_size
+        from kiln.components.models.block import padded_vocab
+
+        vocab = padded_vocab(self.recipe.model, self.tokenizer.vocab_size)
         if self.recipe.parallelism.meta_init:  # allocated and initialised after parallelize
             with torch.device("meta"):
                 model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
-        if getattr(model, "vocab_size", vocab) < vocab:
+        if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
             from kiln.components.errors import RecipeError
 
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({vocab}); raise it or set 0 to use the tokenizer's"
+                f"vocabulary ({self.tokenizer.vocab_size}); raise it or set 0 to use the "
+                "tokenizer's (rounded up to model.vocab_multiple)"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
 
@@ -142,6 +145,9 @@ class Trainer:
             self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
         for line in details:
             self.print(f"parallelism: {line}")
+        kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
+        if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
+            self.print(f"model: {line}")
         return self.parallel.summary
 
     def _checkpoint_hook(self) -> Hook:
@@ -170,9 +176,14 @@ class Trainer:
         lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
         if not self.world.is_main:
             return 0.0
+        return peak_flops(self.device.type, self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: bf16 under autocast or FSDP2 bf16 params, else fp32."""
         bf16 = self.recipe.training.mixed_precision == "bf16" or (
             self.recipe.parallelism.param_dtype == "bfloat16")
-        return peak_flops(self.device.type, torch.bfloat16 if bf16 else torch.float32)
+        return torch.bfloat16 if bf16 else torch.float32
 
     @property
     def tokens_per_step(self) -> int:
@@ -234,6 +245,16 @@ class Trainer:
         if hook is not None:
             hook(decision.skip)
 
+    def end_step(self, result) -> None:
+        """After the step function: count the step and tell the model the global step is over
+        (``on_global_step(skipped)``: skipped if any of its optimizer steps was; e.g. the MoE
+        bias moves once per global step from the loads of all its segments)."""
+        self.progress.step += 1
+        self.progress.tokens += result.tokens
+        hook = getattr(self.model, "on_global_step", None)
+        if hook is not None:
+            hook(result.skipped)
+
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return batch
@@ -278,8 +299,7 @@ class Trainer:
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)
-                self.progress.step += 1
-                self.progress.tokens += result.tokens
+                self.end_step(result)
                 for hook in self.hooks:
                     hook.on_step_end(self, result)
             for hook in self.hooks:

@@ -1,8 +1,11 @@
 """Causal multi-head self-attention with grouped-query heads (GQA), RoPE and optional QK-norm.
 
-Parameter names follow torchtitan (``wq``, ``wk``, ``wv``, ``wo``; ``wqkv`` when fused) so that
-checkpoint conversion maps one-to-one. While generating, a ``kv_cache`` (``kv_cache.py``) makes a
-forward run only the new tokens. Layout is (B, T, H, D) through the projections and the
+Parameter names follow torchtitan's llama3 of the TOML era (v0.2.x: ``wq``, ``wk``, ``wv``,
+``wo``). torchtitan 0.3.0 renamed them (``attention.qkv_linear.wq``, ``lm_head``), and its fused
+``wqkv`` groups the rows per kv head, where kiln's fused ``wqkv`` is [all q rows; all k rows;
+all v rows]: converting to 0.3.0 needs a name map and a row permutation, not a copy. While
+generating, a ``kv_cache`` (``kv_cache.py``) makes a forward run only the new tokens. Layout is
+(B, T, H, D) through the projections and the
 position encoding; SDPA sees (B, H, T, D) as a free transpose and returns a tensor whose memory
 is already (B, T, H, D), so no `.contiguous()` copy is made on the way in or out.
 """
@@ -38,7 +41,7 @@ class CausalAttentionConfig(ComponentConfig):
 
 @register("attention", "causal")
 class CausalAttention(nn.Module):
-    """Causal self-attention (SDPA) with GQA, RoPE and optional QK-norm, torchtitan naming."""
+    """Causal self-attention (SDPA) with GQA, RoPE and optional QK-norm, torchtitan v0.2 names."""
 
     Config = CausalAttentionConfig
 

@@ -10,10 +10,16 @@ width ``hd``::
     lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 l)
 
 with ``l`` the 0-based layer index (the paper's ``l - 1`` for 1-based depth; unilm passes the
-0-based index). The two maps are two SDPA calls on half-width q/k with the full-width v, which
-matches the official explicit-softmax layout (so any fused SDPA backend is used). As in unilm,
-RoPE rotates each half as its own sub-head (a table of width ``d``); QK-norm, which the paper
-does not use, normalises each half too, since each half feeds its own softmax.
+0-based index). The two maps are two SDPA calls on half-width q/k with the full-width v (so any
+fused SDPA backend is used). As in unilm, RoPE rotates each half as its own sub-head (a table of
+width ``d``); QK-norm, which the paper does not use, normalises each half too, since each half
+feeds its own softmax.
+
+Grouped-query heads pair as in the official flash implementation (``multihead_flashdiff_*``):
+half ``c`` of query head ``i`` attends with half ``c`` of kv head ``i // (H / Hk)``. The official
+explicit-softmax ``multihead_diffattn.py`` repeats the ``2 Hk`` kv sub-heads instead, so its
+query sub-head ``2i + c`` meets kv sub-head ``(2i + c) // (H / Hk)``: under GQA both halves of a
+query head can meet the same kv half. Without GQA (Hk = H) the two are identical.
 
 ``lambda_mode = "per_head"`` is the 10B reference script's simplification: a directly learnable
 lambda per head (initialised to lambda_init) instead of the exp re-parameterisation. The

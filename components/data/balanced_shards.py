@@ -21,6 +21,7 @@ shards in stream order with their row counts, the pass queue and the shards seen
 
 from __future__ import annotations
 
+import json
 import zlib
 from bisect import bisect_right
 from pathlib import Path
@@ -153,7 +154,7 @@ class BalancedShards:
 
     def __init__(self, cfg: BalancedShardsConfig, *, tokenizer: Any = None, seq_len: int,
                  seed: int = 0, **context: Any) -> None:
-        self.cfg, self.seq_len, self.seed = cfg, seq_len, seed
+        self.cfg, self.seq_len, self.seed, self.tokenizer = cfg, seq_len, seed, tokenizer
         if len(set(cfg.domains)) != len(cfg.domains):
             raise RecipeError(f"data.domains lists a domain twice: {cfg.domains}")
         if cfg.repo_id and cfg.path:
@@ -186,6 +187,7 @@ class BalancedShards:
             if not names:
                 raise DataError(f"{self.source.where}/{d}: no .npy shards for domain {d!r}; "
                                 f"domains: {self.cfg.domains}")
+            self._check_tokenizer(d)
             first = self.shard(names[0])
             if self.cfg.eval_rows:
                 if first.rows <= self.cfg.eval_rows:
@@ -193,6 +195,22 @@ class BalancedShards:
                                     f"= {self.cfg.eval_rows}; lower data.eval_rows")
                 self.eval_shard[d] = names[0]
         return self.folder
+
+    def _check_tokenizer(self, domain: str) -> None:
+        """Shards written by `kiln data prepare --domain` record their tokenizer: check it."""
+        info = Path(self.source.where) / domain / "shards.json"
+        if self.tokenizer is None or not isinstance(self.source, FolderSource) or \
+                not info.is_file():
+            return
+        meta = json.loads(info.read_text())
+        if meta.get("tokenizer") != self.tokenizer.fingerprint():
+            ours = getattr(self.tokenizer, "source", "") or type(self.tokenizer).__name__
+            raise DataError(
+                f"{info.parent}: shards tokenized by {meta.get('tokenizer_source')} "
+                f"({meta.get('tokenizer')}), but the recipe's tokenizer is {ours} "
+                f"({self.tokenizer.fingerprint()}); set [tokenizer] to the one the shards were "
+                "built with, or rebuild them with `kiln data prepare --domain`"
+            )
 
     @property
     def meta(self) -> dict[str, Any]:

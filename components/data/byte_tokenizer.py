@@ -31,6 +31,7 @@ class ByteTokenizer:
     bos_id = NUM_BYTES
     eos_id = NUM_BYTES + 1
     vocab_size = NUM_BYTES + 2
+    pad_id = None  # no pad token: batches are packed, never padded
 
     def __init__(self, cfg: ByteTokenizerConfig | None = None, **context: object) -> None:
         self.cfg = cfg if cfg is not None else ByteTokenizerConfig(type="byte")
@@ -47,6 +48,10 @@ class ByteTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         """The bare ids of ``text`` (no specials) as uint16: the data builder's fast path."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Bare ids of each text (see ``encode_array``)."""
+        return [self.encode_array(t) for t in texts]
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         """Text of ``ids``; specials are dropped and invalid UTF-8 becomes U+FFFD."""

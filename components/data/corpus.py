@@ -1,28 +1,27 @@
-"""Text sources for the packed-document builder: the Python standard library, or a folder.
+"""Text sources for the packed-document cache builder: the Python standard library, or a folder.
 
-Each source yields documents (one per file, or one per JSONL line) in a fixed order and has a
-``description`` that changes whenever its content selection changes: it goes into the data
-cache key, so editing the folder (or a different Python) builds a new dataset instead of
-silently reusing a stale one.
+Each source yields documents (one per text file, one per JSONL line or parquet / Arrow row; see
+``text_sources``) in a fixed order and has a ``description`` that changes whenever its content
+selection changes: it goes into the data cache key, so editing the folder (or a different
+Python) builds a new dataset instead of silently reusing a stale one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.components.data.text_sources import (
+    KINDS,
+    SourceFile,
+    expand_inputs,
+    read_documents,
+    stdlib_files,
+)
 from kiln.components.errors import DataError
-
-# Folders never read from the stdlib: installed packages and bytecode caches.
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-# Folders holding the stdlib's own test suites (large, repetitive, some odd encodings).
-_TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 @dataclass(frozen=True)
@@ -31,8 +30,13 @@ class Corpus:
 
     kind: str  # "stdlib" | "folder"
     root: Path
-    files: tuple[Path, ...]  # every candidate file, in reading order
+    sources: tuple[SourceFile, ...]  # every candidate file, in reading order
     max_bytes: int  # documents are taken in order while they fit this many UTF-8 bytes
+    text_field: str = "text"
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(Path(s.local) for s in self.sources)
 
     @property
     def description(self) -> str:
@@ -48,70 +52,44 @@ class Corpus:
         """Documents in order while they fit ``max_bytes``; one too big for what is left is
         skipped (not cut), so a small cap still gets whole documents."""
         left = self.max_bytes
-        for text in self._all_documents():
-            size = len(text.encode("utf-8"))
-            if size <= left:
-                left -= size
-                yield text
-            if left == 0:
-                return
-
-    def _all_documents(self) -> Iterator[str]:
-        """Each document's text: a whole file, or the ``text`` field of each JSONL line."""
-        for f in self.files:
-            raw = f.read_bytes().decode("utf-8", errors="replace")
-            if f.suffix != ".jsonl":
-                if raw:
-                    yield raw
-                continue
-            for lineno, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise DataError(
-                        f"{f}:{lineno}: not a JSON object with a \"text\" field ({exc}); each "
-                        "JSONL line must look like {\"text\": \"...\"}; fix or remove the line"
-                    ) from exc
-                if not isinstance(text, str):
-                    raise DataError(f"{f}:{lineno}: \"text\" must be a string, got {text!r:.40}")
-                if text:
+        for src in self.sources:
+            for _, _, text in read_documents(src, text_field=self.text_field):
+                size = len(text.encode("utf-8"))
+                if size <= left:
+                    left -= size
                     yield text
+                if left == 0:
+                    return
 
 
 def stdlib_corpus(max_bytes: int, include_tests: bool = False) -> Corpus:
     """The standard library's ``.py`` files on this machine, sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise DataError(
-            f"the Python standard library folder {root} does not exist on this machine; "
-            "use a folder of .txt/.jsonl files instead (source = \"folder\")"
-        )
-    skip = _SKIP_DIRS if include_tests else _SKIP_DIRS | _TEST_DIRS
-    found = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skip]
-        found += [Path(folder) / n for n in names if n.endswith(".py")]
-    found.sort(key=lambda p: p.relative_to(root).as_posix())
-    return Corpus("stdlib", root, tuple(found), max_bytes)
+    files = stdlib_files(include_tests)
+    return Corpus("stdlib", _stdlib_root(), tuple(SourceFile(str(p), "txt", 0, local=str(p))
+                                         for p in files), max_bytes)
 
 
-def folder_corpus(path: str | Path, max_bytes: int) -> Corpus:
-    """Every ``.txt`` and ``.jsonl`` file under ``path`` (recursively), sorted by relative path."""
+def _stdlib_root() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def folder_corpus(path: str | Path, max_bytes: int, text_field: str = "text") -> Corpus:
+    """Every supported file under ``path`` (recursively; see ``text_sources``), sorted by
+    relative path."""
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise DataError(
-            f"source folder {path!r} does not exist; give a folder of .txt or .jsonl files "
-            "(one document per .txt file or per JSONL line with a \"text\" field)"
+            f"source folder {path!r} does not exist; give a folder of {', '.join(KINDS)} files "
+            "(one document per .txt file, per JSONL line or per parquet row)"
         )
-    found = sorted(
-        (p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not found:
-        raise DataError(f"source folder {root} holds no .txt or .jsonl files; add some")
-    return Corpus("folder", root, tuple(found), max_bytes)
+    try:
+        sources = expand_inputs([str(root)])
+    except DataError:
+        raise DataError(f"source folder {root} holds no {', '.join(KINDS)} files; add some") \
+            from None
+    return Corpus("folder", root, tuple(sources), max_bytes, text_field)
 
 
 def open_corpus(source: str, source_path: str, max_bytes: int, include_tests: bool) -> Corpus:
@@ -120,6 +98,7 @@ def open_corpus(source: str, source_path: str, max_bytes: int, include_tests: bo
         return stdlib_corpus(max_bytes, include_tests)
     if source == "folder":
         if not source_path:
-            raise DataError("source = \"folder\" needs source_path: a folder of .txt/.jsonl files")
+            raise DataError("source = \"folder\" needs source_path: a folder of .txt/.jsonl/"
+                            ".parquet files")
         return folder_corpus(source_path, max_bytes)
     raise DataError(f"unknown data source {source!r}; valid: stdlib, folder")

@@ -10,11 +10,9 @@ concurrent calls safe anyway.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +20,13 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.corpus import open_corpus
-from kiln.components.data.packed_layout import PackedLayout, Tokenizer, open_layout, write_layout
+from kiln.components.data.packed_layout import (
+    PackedLayout,
+    Tokenizer,
+    file_lock,
+    open_layout,
+    write_layout,
+)
 from kiln.components.data.packed_loader import Loader
 from kiln.components.registry import register
 
@@ -36,9 +40,10 @@ class PackedDocumentsConfig(ComponentConfig):
     )
     source: Literal["stdlib", "folder"] = Field(
         "stdlib", description="text to build from: this machine's Python stdlib .py files, or "
-        "a folder of .txt/.jsonl files (source_path)"
+        "a folder of .txt/.jsonl(.gz/.zst)/.parquet files (source_path)"
     )
-    source_path: str = Field("", description='folder of .txt/.jsonl ({"text": ...}) files')
+    source_path: str = Field("", description='folder of .txt, .jsonl ({"text": ...}), '
+                             ".jsonl.gz/.zst or .parquet files")
     include_tests: bool = Field(False, description="stdlib source: also read its test suites")
     max_bytes: int = Field(
         16_000_000, ge=1, description="cap on source text (UTF-8 bytes); whole documents only"
@@ -57,23 +62,6 @@ class PackedDocumentsConfig(ComponentConfig):
 
 def cache_root(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serialises builders on one machine; the atomic rename covers the rest."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: rely on the atomic rename alone
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @register("dataset", "packed_documents")
@@ -100,7 +88,7 @@ class PackedDocuments:
         the same folder)."""
         c = self.cfg
         parts = [self._source().description, self.tokenizer.fingerprint(), c.max_bytes,
-                 self.seed, c.num_epochs, c.eval_fraction]
+                 self.seed, c.num_epochs, c.eval_fraction, "bytes"]  # layouts with byte counts
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     @property
@@ -117,7 +105,7 @@ class PackedDocuments:
         a recipe fails instead of quietly building a new dataset."""
         folder = self.folder
         if not folder.exists() and (create or not self.cfg.path):
-            with _file_lock(folder.parent / f".{folder.name}.lock"):
+            with file_lock(folder.parent / f".{folder.name}.lock"):
                 if not folder.exists():
                     self.build(folder)
         self._layout = open_layout(folder, self.tokenizer)
@@ -149,6 +137,12 @@ class PackedDocuments:
     def tokens_per_epoch(self) -> int:
         """Tokens in one train data epoch (BOS/EOS included)."""
         return int(self.meta["splits"]["train"]["tokens"])
+
+    def tokens_per_byte(self, split: str = "eval") -> float | None:
+        """Tokens (BOS/EOS included) per UTF-8 byte of text in ``split``, for bits per byte:
+        ``bpb = loss * tokens_per_byte / ln 2``; None for layouts built without byte counts."""
+        info = self.meta["splits"][split]
+        return info["tokens"] / info["bytes"] if info.get("bytes") else None
 
     @property
     def windows_per_epoch(self) -> int:

@@ -1,6 +1,7 @@
 """The packed-document dataset folder (layout version 1): writing, opening and validating it.
 
-    metadata.json          layout version, vocab, counts, seed, tokenizer, source (written last)
+    metadata.json          layout version, vocab, counts (tokens, documents, UTF-8 bytes per
+                           split), seed, tokenizer fingerprint and source, source (written last)
     tokens.bin             every document as [BOS] + ids + [EOS], back to back (uint16/uint32)
     doc_offsets.npy        int64 (num_docs + 1,): start of each document, then total_tokens
     epoch_N/doc_start.npy  int64 (num_train_docs,): the train documents in data epoch N's order
@@ -15,11 +16,12 @@ folder at the real path that looks valid. Opening it checks everything that is c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,7 +42,25 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def fingerprint(self) -> str: ...
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Serialises builders on one machine; the atomic rename covers the rest."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: rely on the atomic rename alone
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -62,33 +82,52 @@ def split_documents(num_docs: int, eval_fraction: float, seed: int) -> tuple[np.
     return np.sort(perm[n_eval:]), perm[:n_eval]
 
 
-def _bare_ids(tokenizer: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
-    """The ids of ``text`` without specials (the builder adds BOS/EOS itself)."""
-    fast = getattr(tokenizer, "encode_array", None)
-    if fast is not None:
-        return fast(text).astype(dtype, copy=False)
-    ids = tokenizer.encode(text)
-    lo = 1 if ids and ids[0] == tokenizer.bos_id else 0
-    hi = len(ids) - 1 if len(ids) > lo and ids[-1] == tokenizer.eos_id else len(ids)
-    return np.asarray(ids[lo:hi], dtype=dtype)
+def document_tokens(ids: np.ndarray, lengths: np.ndarray, bos: int, eos: int) -> np.ndarray:
+    """Documents as ``[BOS] + ids + [EOS]`` back to back, from their bare ids concatenated."""
+    n = len(lengths)
+    out = np.empty(len(ids) + 2 * n, dtype=ids.dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths + 2)[:-1]]).astype(np.int64)
+    special = np.zeros(len(out), dtype=bool)
+    special[starts] = special[starts + lengths + 1] = True
+    out[starts], out[starts + lengths + 1] = bos, eos
+    out[~special] = ids
+    return out
 
 
 def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer, *,
                  seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
-                 source: str, extra: dict[str, Any] | None = None) -> Path:
-    """Tokenize ``texts`` (one document each) into a new layout folder at ``folder``.
+                 source: str, extra: dict[str, Any] | None = None,
+                 batch_docs: int = 256) -> Path:
+    """Tokenize ``texts`` (one document each, ``batch_docs`` per ``encode_batch``) in this
+    process into a new layout folder at ``folder``; ``prepare.py`` is the parallel, resumable
+    builder for large corpora.
 
     If another process finished the same folder first, its copy is kept and ours discarded.
     """
+    from kiln.components.data.encode_pool import encode
+
     folder = Path(folder)
     if folder.exists():
         raise DataError(f"{folder} already exists; delete it or choose another output folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    dtype = token_dtype(tokenizer.vocab_size)
+    lengths, nbytes = [], []
     try:
-        _write(tmp, texts, tokenizer, seq_len=seq_len, num_epochs=num_epochs, seed=seed,
-               eval_fraction=eval_fraction, source=source, extra=extra or {})
+        with open(tmp / TOKENS, "wb") as f:
+            for batch in _batched(texts, batch_docs):
+                enc = encode(tokenizer, batch, dtype)
+                f.write(document_tokens(enc.ids, enc.lengths, tokenizer.bos_id,
+                                        tokenizer.eos_id).tobytes())
+                lengths.append(enc.lengths + 2)
+                nbytes.append(enc.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+        finish_layout(tmp, np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+                      np.concatenate(nbytes) if nbytes else np.empty(0, np.int64),
+                      tokenizer_meta(tokenizer), seq_len=seq_len, num_epochs=num_epochs,
+                      seed=seed, eval_fraction=eval_fraction, source=source, extra=extra or {})
         try:
             os.rename(tmp, folder)
         except OSError:
@@ -99,28 +138,40 @@ def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer,
     return folder
 
 
+def _batched(texts: Iterable[str], n: int) -> Iterable[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenizer_meta(tok: Tokenizer) -> dict[str, Any]:
+    """What a layout records about its tokenizer (and checks at train time)."""
+    return {"vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+            "tokenizer": tok.fingerprint(),
+            "tokenizer_source": str(getattr(tok, "source", "") or type(tok).__name__)}
+
+
 def _save(path: Path, array: np.ndarray) -> None:
     path.parent.mkdir(exist_ok=True)
     np.save(path, np.ascontiguousarray(array, dtype=np.int64), allow_pickle=False)
 
 
-def _write(tmp: Path, texts: Iterable[str], tok: Tokenizer, *, seq_len: int, num_epochs: int,
-           seed: int, eval_fraction: float, source: str, extra: dict[str, Any]) -> None:
-    dtype = token_dtype(tok.vocab_size)
-    bos, eos = np.array([tok.bos_id], dtype), np.array([tok.eos_id], dtype)
-    offsets = [0]
-    with open(tmp / TOKENS, "wb") as f:
-        for text in texts:
-            ids = _bare_ids(tok, text, dtype)
-            f.write(bos.tobytes() + ids.tobytes() + eos.tobytes())
-            offsets.append(offsets[-1] + len(ids) + 2)
-        f.flush()
-        os.fsync(f.fileno())
-    num_docs = len(offsets) - 1
+def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: dict[str, Any],
+                  *, seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
+                  source: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write offsets, the epoch orders, the eval split and metadata.json (last) beside a
+    complete tokens.bin; ``lengths`` are per document with BOS and EOS, ``nbytes`` its text's
+    UTF-8 bytes (for bits per byte)."""
+    num_docs = len(lengths)
     if num_docs < 1:
         raise DataError(f"the source ({source}) gave no documents; check the source and max_bytes")
-    doc_offsets = np.asarray(offsets, dtype=np.int64)
-    lengths = np.diff(doc_offsets)
+    dtype = token_dtype(tok_meta["vocab_size"])
+    doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     _save(tmp / OFFSETS, doc_offsets)
     train, held_out = split_documents(num_docs, eval_fraction, seed)
     for epoch in range(num_epochs):
@@ -130,18 +181,19 @@ def _write(tmp: Path, texts: Iterable[str], tok: Tokenizer, *, seq_len: int, num
     _save(tmp / "eval" / "doc_start.npy", doc_offsets[held_out])
     _save(tmp / "eval" / "doc_len.npy", lengths[held_out])
     meta = {
-        "layout_version": LAYOUT_VERSION, "vocab_size": tok.vocab_size, "token_dtype": dtype.name,
+        "layout_version": LAYOUT_VERSION, **tok_meta, "token_dtype": dtype.name,
         "total_tokens": int(doc_offsets[-1]), "num_docs": num_docs, "seq_len": seq_len,
         "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
-        "bos_id": tok.bos_id, "eos_id": tok.eos_id, "tokenizer": tok.fingerprint(),
         "source": source,
-        "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum())}
+        "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum()),
+                          "bytes": int(nbytes[ids].sum())}
                    for name, ids in (("train", train), ("eval", held_out))},
         **extra,
     }
     part = tmp / (META + ".part")
     part.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(part, tmp / META)  # last: a folder without metadata.json is never valid
+    return meta
 
 
 @dataclass
@@ -223,11 +275,13 @@ def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> Packe
 
 def _check_tokenizer(folder: Path, meta: dict[str, Any], tok: Tokenizer) -> None:
     if meta["vocab_size"] != tok.vocab_size or meta["tokenizer"] != tok.fingerprint():
+        ours = tokenizer_meta(tok)["tokenizer_source"]
+        theirs = meta.get("tokenizer_source", "?")
         raise DataError(
-            f"dataset folder {folder} was tokenized by {meta['tokenizer']!r} (vocab "
-            f"{meta['vocab_size']}), but the recipe's tokenizer is {tok.fingerprint()!r} (vocab "
-            f"{tok.vocab_size}); point data.path at a folder built with this tokenizer, or "
-            "delete it and rerun `kiln data prepare`"
+            f"dataset folder {folder} was tokenized by {theirs} ({meta['tokenizer']}, vocab "
+            f"{meta['vocab_size']}), but the recipe's tokenizer is {ours} ({tok.fingerprint()}, "
+            f"vocab {tok.vocab_size}); set [tokenizer] to the one the data was built with, "
+            "point data.path at a folder built with this tokenizer, or rerun `kiln data prepare`"
         )
 
 

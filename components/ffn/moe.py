@@ -3,11 +3,12 @@
 Routing: scores = softmax or sigmoid of a linear router (computed in fp32); the top-k experts
 are chosen on ``scores + expert_bias``, but the gate weights come from the unbiased scores
 (optionally renormalised over the k chosen, times ``route_scale``). The bias is a buffer moved
-outside the gradient: after every *successful* optimizer step, by ``coeff * sign(mean - load)``
-(re-centred), with the loads summed over data-parallel ranks; a skipped step discards the
-loads. An optional sequence-wise auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the
-model (``pop_aux_loss``). Expert loads, their entropy and dropped assignments are reported by
-``moe_metrics``.
+outside the gradient: once per *global* step, by ``coeff * sign(mean - load)`` (re-centred),
+with the loads of the whole step (every micro-batch, loop and segment) summed over data-parallel
+ranks; a step with a skipped optimizer step (any segment, under segmented BPTT) discards the
+loads and leaves the bias alone, as the looped-MoE reference does. An optional sequence-wise
+auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the model (``pop_aux_loss``). Expert
+loads, their entropy and dropped assignments are reported by ``moe_metrics``.
 
 Experts are SwiGLUs with stacked weights (``w1``/``w3`` (E, dim, hidden), ``w2`` (E, hidden,
 dim)); dispatch lives in ``moe_dispatch``.
@@ -25,7 +26,7 @@ from torch import nn
 
 from kiln.components import distributed
 from kiln.components.base import ComponentConfig
-from kiln.components.ffn.moe_dispatch import run_experts, sort_by_expert
+from kiln.components.ffn.moe_dispatch import resolve_kernel, run_experts, sort_by_expert
 from kiln.components.ffn.swiglu import SwiGLU, SwiGLUConfig
 from kiln.components.registry import register
 
@@ -39,7 +40,11 @@ class MoEConfig(ComponentConfig):
     )
     multiple_of: int = Field(16, ge=1, description="round the derived hidden width up to this")
     score: Literal["softmax", "sigmoid"] = Field("softmax", description="router score function")
-    renormalize: bool = Field(True, description="gates of the k chosen experts sum to 1")
+    renormalize: bool = Field(
+        True, description="gates of the k chosen experts sum to 1 (top_k > 1 only: with "
+        "top_k = 1 the gate stays the expert's score, since a gate of 1 would give the router "
+        "no gradient)"
+    )
     route_scale: float = Field(1.0, gt=0, description="multiplies the gate weights")
     n_shared_experts: int = Field(0, ge=0, description="always-on shared experts (one SwiGLU)")
     shared_hidden_dim: int = Field(
@@ -161,8 +166,12 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
         if self.cfg.aux_loss_coeff and self.training:
+            # An activation-checkpoint recompute runs the same ops (it must save the same
+            # tensors) but does not collect the loss again: the forward's copy is already in
+            # the graph, and a second one would be added to the next micro-batch's loss.
             aux = self._sequence_aux_loss(idx, scores, shape)
-            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
+            if not _in_backward():
+                self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
         return out.view(shape).to(x.dtype)
 
     def _capacity_mask(self, order: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
@@ -206,7 +215,7 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
         self.dropped.zero_()
 
-    def on_optimizer_step(self, skipped: bool) -> None:
+    def on_global_step(self, skipped: bool) -> None:
         balance_step([self], skipped)
 
     def active_params(self) -> int:
@@ -224,11 +233,18 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def idle_expert_params(module: nn.Module) -> int:
+    """Parameters of ``module``'s MoE layers that one token does not use (E - k routed
+    experts): subtract them from a parameter count to get the active parameters."""
+    return sum(sum(p.numel() for p in m.parameters()) - m.active_params()
+               for m in moe_layers(module))
+
+
 @torch.no_grad()
 def balance_step(layers: list[MoE], skipped: bool) -> None:
-    """After an optimizer-step decision: sum every layer's loads over the data-parallel ranks
-    in one all-reduce and move the biases; on a skipped step drop the loads instead. Every rank
-    takes the same decision, so the collective is called by all or none."""
+    """After a global step: sum every layer's loads over the data-parallel ranks in one
+    all-reduce and move the biases; on a skipped step drop the loads instead. Every rank takes
+    the same decision, so the collective is called by all or none."""
     if not layers:
         return
     if skipped:
@@ -278,8 +294,8 @@ def moe_metrics(layers: list[MoE], prefix: str = "moe") -> dict[str, float]:
 
 class MoEModelMixin:
     """Model-level MoE protocol for any model whose blocks may hold ``MoE`` layers:
-    ``on_optimizer_step``, ``pop_aux_loss`` and ``metrics``. The layer list is cached (the
-    parallelism code wraps blocks, it does not add or remove MoE layers)."""
+    ``on_global_step``, ``pop_aux_loss``, ``metrics`` and ``resolve_kernels``. The layer list
+    is cached (the parallelism code wraps blocks, it does not add or remove MoE layers)."""
 
     def _moe_layers(self) -> list[MoE]:
         cached = self.__dict__.get("_moe_cache")
@@ -288,7 +304,8 @@ class MoEModelMixin:
             self.__dict__["_moe_cache"] = cached
         return cached
 
-    def on_optimizer_step(self, skipped: bool) -> None:
+    def on_global_step(self, skipped: bool) -> None:
+        """Once per global step (after all its segments): move the expert biases."""
         balance_step(self._moe_layers(), skipped)
 
     def pop_aux_loss(self) -> torch.Tensor | None:
@@ -296,3 +313,15 @@ class MoEModelMixin:
 
     def metrics(self) -> dict[str, float]:
         return moe_metrics(self._moe_layers())
+
+    def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Decide the expert kernel of every MoE layer for ``device``/``dtype`` now, before any
+        forward; one line saying which is used ("" without MoE layers)."""
+        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype)
+                          for m in self._moe_layers()})
+        if not kernels:
+            return ""
+        names = {"grouped": "grouped (torch._grouped_mm)", "loop": "loop (one matmul per expert)"}
+        dispatch = sorted({m.cfg.dispatch for m in self._moe_layers()})
+        return (f"MoE expert kernel {' + '.join(names[k] for k in kernels)} on {device.type} "
+                f"{str(dtype).removeprefix('torch.')} (dispatch = {', '.join(dispatch)})")

@@ -14,9 +14,13 @@ Two interchangeable kernels compute the experts on sorted rows:
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -42,20 +46,50 @@ def sort_by_expert(expert_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tens
     return order, counts
 
 
-@functools.cache
-def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Probe ``torch._grouped_mm`` forward and backward once per (device, dtype)."""
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` forward and backward on a small problem; False where it fails."""
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None:
         return False
     try:
-        x = torch.randn(24, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 24], device=device_type, dtype=torch.int32)
+        # Fixed values, not torch.randn: the probe must not move the global RNG stream.
+        x = torch.linspace(-1, 1, 24 * 16, device=device).view(24, 16).to(dtype)
+        w = torch.linspace(-1, 1, 2 * 16 * 16, device=device).view(2, 16, 16).to(dtype)
+        x.requires_grad_()
+        w.requires_grad_()
+        offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
         _contiguous_grad(fn(x, w, offs=offs)).sum().backward()
         return x.grad is not None and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+@functools.cache
+def grouped_mm_works(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on ``device`` in ``dtype``.
+
+    Decided once per (device, dtype) by a probe on a fresh thread. Autograd state is
+    thread-local, so the probe runs with gradients on and outside any activation-checkpointed
+    region, ``no_grad`` block, autocast or dispatch mode of the caller: the answer does not
+    depend on where the first MoE forward happens (inside a checkpointed block, whose recompute
+    would then save a different number of tensors; or an evaluation under ``no_grad``, which
+    made the probe fail and silently chose the slow kernel for the whole process).
+    """
+    device = torch.device(device)
+    answer: list[bool] = []
+
+    def run() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread too
+        answer.append(_probe(device, dtype))
+
+    thread = threading.Thread(target=run, name="kiln-grouped-mm-probe")
+    thread.start()
+    thread.join()
+    works = bool(answer and answer[0])
+    log.info("kiln: MoE expert kernel on %s/%s: %s", device, str(dtype).removeprefix("torch."),
+             "grouped (torch._grouped_mm)" if works else "loop (torch._grouped_mm unavailable)")
+    return works
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -96,6 +130,14 @@ def experts_loop(
     return torch.cat(outs, 0)
 
 
+@torch.compiler.assume_constant_result  # decided once; torch.compile traces it as a constant
+def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``grouped`` or ``loop`` for a configured ``dispatch`` (``auto``: grouped where it works)."""
+    if kind != "auto":
+        return kind
+    return "grouped" if grouped_mm_works(device, dtype) else "loop"
+
+
 def run_experts(
     kind: str, xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     counts: torch.Tensor,
@@ -109,8 +151,7 @@ def run_experts(
     if torch.is_autocast_enabled(xs.device.type):
         dtype = torch.get_autocast_dtype(xs.device.type)
     xs, w1, w3, w2 = (t.to(dtype) for t in (xs, w1, w3, w2))
-    if kind == "auto":
-        kind = "grouped" if grouped_mm_works(xs.device.type, dtype) else "loop"
+    kind = resolve_kernel(kind, xs.device, dtype)
     if kind == "grouped":
         return experts_grouped(xs, w1, w3, w2, counts)
     return experts_loop(xs, w1, w3, w2, counts)

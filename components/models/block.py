@@ -32,7 +32,8 @@ class Block(nn.Module):
     """Pre-norm residual block with optional LayerScale (CaiT, Touvron et al. 2021).
 
     x = x + s1 * attention(attention_norm(x)); x = x + s2 * feed_forward(ffn_norm(x)).
-    Names follow torchtitan so checkpoint conversion maps one-to-one.
+    Names follow torchtitan's llama3 of v0.2.x (``attention``, ``feed_forward``,
+    ``attention_norm``, ``ffn_norm``); see ``attention/causal.py`` for what 0.3.0 renamed.
     """
 
     def __init__(
@@ -89,6 +90,15 @@ def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
     for i, block in enumerate(blocks):
         depth = 2 * (i + 1) if depth_init else 2 * len(blocks)
         init_component(block, std, std / math.sqrt(depth))
+
+
+def padded_vocab(cfg: Any, vocab_size: int) -> int:
+    """The vocabulary a model config builds for a tokenizer of ``vocab_size`` ids: the config's
+    ``vocab_size`` when set, else ``vocab_size`` rounded up to ``vocab_multiple`` (GEMM-friendly
+    shapes; the extra rows are never targets, since data ids come from the tokenizer). Every
+    caller that builds a model for a tokenizer passes ``vocab_size=padded_vocab(cfg, n)``."""
+    multiple = getattr(cfg, "vocab_multiple", 1) or 1
+    return getattr(cfg, "vocab_size", 0) or -(-vocab_size // multiple) * multiple
 
 
 def resolve_sizes(family: str, cfg: Any, vocab_size: int, seq_len: int) -> tuple[int, int]:

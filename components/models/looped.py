@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.components.base import ComponentConfig, Sub, component
-from kiln.components.ffn.moe import MoE, MoEModelMixin
+from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
@@ -47,7 +47,11 @@ class LoopedConfig(ComponentConfig):
     n_recurrent: int = Field(2, ge=1, description="blocks of the looped core")
     n_coda: int = Field(1, ge=0, description="blocks after the loop (run once per forward)")
     loops: int = Field(4, ge=1, description="H: applications of the core per forward")
-    vocab_size: int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size")
+    vocab_size: int = Field(
+        0, ge=0, description="0 = the tokenizer's vocabulary size rounded up to vocab_multiple")
+    vocab_multiple: int = Field(
+        64, ge=1, description="vocab_size = 0 pads the tokenizer's size to a multiple of this; "
+        "the padded rows are never targets")
     max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
     tie_embeddings: bool = Field(False, description="share one matrix for input and output")
     logit_softcap: float = Field(0.0, ge=0, description="logits = cap*tanh(logits/cap); 0 = off")
@@ -181,6 +185,20 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             return cfg.loop_scale_init + (cfg.loop_scale_end - cfg.loop_scale_init) * self.progress
         return cfg.loop_scale_init
 
+    def value_jacobians(self) -> dict[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]:
+        """Parameters that parameterise a value, with d value / d parameter (elementwise):
+        the learned loop scale, lambda = lambda_max * sigmoid(raw). ``sign_sgd`` with
+        ``value_space`` uses it to move lambda itself by lr (the reference's lambda step)."""
+        if self.loop_scale_raw is None:
+            return {}
+        lam_max = self.cfg.loop_scale_max
+
+        def dlambda(raw: torch.Tensor) -> torch.Tensor:
+            s = torch.sigmoid(raw.float())
+            return (lam_max * s * (1 - s)).to(raw.dtype)
+
+        return {self.loop_scale_raw: dlambda}
+
     # ------------------------------------------------------------------------- forward
     @contextlib.contextmanager
     def loop_window(self, start: int, stop: int, *, slot: int = 0,
@@ -273,7 +291,6 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
 
     # ------------------------------------------------------------------- step protocol
     def on_optimizer_step(self, skipped: bool) -> None:
-        super().on_optimizer_step(skipped)  # MoE bias balancing
         if self.carry is not None:
             self.carry.commit(skipped)
         self._slot = 0
@@ -303,8 +320,7 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
         for m in modules:
             total += sum(p.numel() for p in m.parameters())
             if active:
-                total -= sum(sum(p.numel() for p in x.parameters()) - x.active_params()
-                             for x in m.modules() if isinstance(x, MoE))
+                total -= idle_expert_params(m)
         return total
 
     def num_params(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:

@@ -1,4 +1,5 @@
-"""The dense decoder-only transformer (Llama 3 family), with torchtitan's module names.
+"""The dense decoder-only transformer (Llama 3 family), with torchtitan v0.2's module names
+(``tok_embeddings``, ``layers``, ``norm``, ``output``; 0.3.0 calls the head ``lm_head``).
 
 Model protocol the trainer and the parallelism code rely on: ``forward(ids) -> logits``,
 ``blocks()``, ``init_weights()``, ``flops_per_token(seq_len)`` and ``num_params()``.
@@ -19,7 +20,7 @@ from pydantic import Field
 from torch import nn
 
 from kiln.components.base import ComponentConfig, Sub, component
-from kiln.components.ffn.moe import MoEModelMixin
+from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
@@ -33,7 +34,11 @@ from kiln.components.registry import register
 class TransformerConfig(ComponentConfig):
     dim: int = Field(256, ge=1, description="model (residual stream) width")
     n_layers: int = Field(6, ge=1, description="number of decoder blocks")
-    vocab_size: int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size")
+    vocab_size: int = Field(
+        0, ge=0, description="0 = the tokenizer's vocabulary size rounded up to vocab_multiple")
+    vocab_multiple: int = Field(
+        64, ge=1, description="vocab_size = 0 pads the tokenizer's size to a multiple of this; "
+        "the padded rows are never targets")
     max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
     tie_embeddings: bool = Field(False, description="share one matrix for input and output")
     logit_softcap: float = Field(0.0, ge=0, description="logits = cap*tanh(logits/cap); 0 = off")
@@ -100,22 +105,33 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Distinct parameters (a tied matrix counts once); optionally minus the input table."""
+    def num_params(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:
+        """Distinct parameters (a tied matrix counts once); optionally minus the input table;
+        ``active_only``: an MoE layer's routed experts count k of E (what one token uses)."""
         n = sum(p.numel() for p in self.parameters())
+        if active_only:
+            n -= idle_expert_params(self)
         return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+
+    def param_summary(self) -> dict[str, int]:
+        """For ``kiln validate``: with MoE layers, the parameters one token uses."""
+        if not self._moe_layers():
+            return {}
+        return {"active per token (MoE top-k)": self.num_params(active_only=True)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * N_matmul + 12 * sum_layers(H * Dh) * T.
 
         N_matmul is every parameter but the embedding lookup table (a tied matrix still counts,
-        as the output matmul); 6 = forward 2 + backward 4 per multiply-add. The attention term
+        as the output matmul), counting only the active experts of MoE layers (k of E routed
+        experts, the router and shared experts: the FLOPs a token really costs, as DeepSeek-V3
+        and torchtitan count them); 6 = forward 2 + backward 4 per multiply-add. The attention term
         counts QK^T and AV over the full T x T square (no causal halving), like torchtitan and
         PaLM (Chowdhery et al. 2022, appendix B), so MFU numbers are comparable with theirs.
         An attention module may define ``attention_flops_per_token(seq_len)`` for its score and
         mixing matmuls (those without parameters); otherwise 12 * n_heads * head_dim * T is used.
         """
-        n = self.num_params(exclude_embeddings=not self.tied)
+        n = self.num_params(exclude_embeddings=not self.tied, active_only=True)
         return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in self.blocks()))
 
 

@@ -5,9 +5,19 @@ pack-invariant steps rather than Adam's per-element normalisation.
 ``sign_sgd`` steps by ``lr * sign(g)`` (or of the momentum with ``momentum > 0``: signum), with
 decoupled weight decay ``p *= 1 - lr * wd`` — the same update as signing the gradient and then
 calling torch's SGD, which is what the looped-MoE reference does.
+
+A parameter that only parameterises another value (the learned loop scale ``lambda =
+lambda_max * sigmoid(raw)``) is stepped in the value's space with ``value_space = true``: the
+model names such parameters with ``value_jacobians()`` (parameter -> d value / d parameter,
+elementwise), and the step becomes ``lr * sign(g) / jacobian`` (Jacobian clamped at 1e-4), so the
+value itself moves by ``lr`` to first order, as the reference's lambda optimizer does (it sets
+the raw gradient to ``sign(g) / jac`` before SGD). Without it the raw parameter moves by ``lr``
+and lambda by only ``jac * lr`` (0.25 lr at lambda = lambda_max / 2).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
@@ -28,6 +38,11 @@ class SignSGDConfig(OptimizerConfig):
     momentum: float = Field(
         0.0, ge=0, lt=1, description="EMA of gradients whose sign is taken (0 = sign of g)"
     )
+    value_space: bool = Field(
+        True, description="for a parameter that parameterises a value (the model's "
+        "value_jacobians(), e.g. the learned loop scale), move the value by lr rather than the "
+        "raw parameter (divide the step by the Jacobian, as the looped-MoE reference)"
+    )
 
 
 @register("optimizer", "sgd", config=SGDConfig)
@@ -43,11 +58,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class SignSGD(torch.optim.Optimizer):
-    """p -= lr * sign(g) (or sign of the momentum EMA), with decoupled weight decay."""
+JAC_FLOOR = 1e-4  # the reference's clamp: a saturated parameterisation still moves
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0):
+
+class SignSGD(torch.optim.Optimizer):
+    """p -= lr * sign(g) (or sign of the momentum EMA), with decoupled weight decay; divided by
+    d value / d p for the parameters given to ``set_value_jacobians``."""
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
+                 value_space: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        self.value_space = value_space
+        self.jacobians: dict[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def set_value_jacobians(
+        self, jacobians: dict[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+    ) -> None:
+        """The model's ``value_jacobians()``; used for the parameters this optimizer trains when
+        ``value_space`` is on (a no-op otherwise)."""
+        mine = {p for g in self.param_groups for p in g["params"]}
+        self.jacobians = {p: fn for p, fn in jacobians.items() if p in mine} \
+            if self.value_space else {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -71,11 +102,17 @@ class SignSGD(torch.optim.Optimizer):
                 gs = bufs
             if wd:
                 torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_add_(ps, torch._foreach_sign(gs), alpha=-lr)
+            steps = list(torch._foreach_sign(gs))
+            for i, p in enumerate(params):
+                jac = self.jacobians.get(p)
+                if jac is not None:  # sign(g) / (d value / d p): the value moves by lr
+                    steps[i] = steps[i] / jac(ps[i]).clamp_min(JAC_FLOOR)
+            torch._foreach_add_(ps, steps, alpha=-lr)
         return loss
 
 
 @register("optimizer", "sign_sgd", config=SignSGDConfig)
 def build_sign_sgd(cfg: SignSGDConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """Sign-SGD / signum: every element moves by exactly lr per step."""
-    return SignSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return SignSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                   value_space=cfg.value_space)

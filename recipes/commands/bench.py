@@ -13,6 +13,7 @@ import torch
 
 from kiln.components.distributed import pick_device
 from kiln.components.errors import RecipeError
+from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.hooks import Hook
 from kiln.recipes.recipe import load_recipe
@@ -30,6 +31,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--loops", default="", help="looped models: peak activation memory of "
                         "one step at each H (e.g. 4,8,16), segment length K from the recipe")
+
+
+class _DataWait:
+    """Wraps the train loader: seconds the loop waited in ``next`` for each micro-batch."""
+
+    def __init__(self, loader) -> None:
+        self.loader, self.waits, self._it = loader, [], None
+
+    def __iter__(self):
+        self._it = iter(self.loader)
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        batch = next(self._it)
+        self.waits.append(time.perf_counter() - t0)
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
 
 
 class _Timer(Hook):
@@ -57,6 +78,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         timer = _Timer()
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=sink)
+            trainer.train_loader = wait = _DataWait(trainer.train_loader)
             if trainer.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             trainer.fit()
@@ -68,6 +90,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
     achieved = trainer.flops_per_token * tokens_per_s
     peak = trainer.peak_flops * trainer.world.world_size
     state = optimizer_state_bytes(trainer)
+    measured = wait.waits[warmup * trainer.plan.grad_accum:] or wait.waits
     result = {
         "recipe": recipe_path,
         "parallelism": trainer.parallel_summary,
@@ -83,6 +106,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,
         "time_to_first_step_s": first,
+        "data_wait_s_per_step": sum(measured) / len(window),
+        "data_wait_max_s": max(measured),
         "device": str(trainer.device),
         "threads": torch.get_num_threads(),
         "rank": trainer.world.rank,
@@ -133,6 +158,9 @@ def render(r: dict) -> str:
          + ", ".join(f"{k} {v / 2**20:,.3f}" for k, v in
                      r["optimizer_state_bytes_by_optimizer"].items()) + ")"),
         ("time to first step", f"{r['time_to_first_step_s']:.2f} s"),
+        ("data wait", f"{r['data_wait_s_per_step'] * 1000:.2f} ms/step "
+         f"({r['data_wait_s_per_step'] / r['step_time_s']:.1%} of a step; longest micro-batch "
+         f"{r['data_wait_max_s'] * 1000:.1f} ms)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -152,7 +180,8 @@ def bench_loops(recipe_path: str, overrides: list[str], loops: str,
     tokenizer = recipe.tokenizer.build()
     tr = recipe.training
     device = pick_device(tr.device)
-    return loop_memory(recipe.model, vocab_size=tokenizer.vocab_size, seq_len=tr.seq_len,
+    vocab = padded_vocab(recipe.model, tokenizer.vocab_size)
+    return loop_memory(recipe.model, vocab_size=vocab, seq_len=tr.seq_len,
                        batch=batch or tr.micro_batch, loops=values,
                        segment_loops=getattr(tr.step, "segment_loops", 0),
                        device=str(device), seed=tr.seed)

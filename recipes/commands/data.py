@@ -1,16 +1,24 @@
-"""``kiln data``: build or check a packed-document dataset folder.
+"""``kiln data``: build or check a dataset folder.
 
-    kiln data prepare [RECIPE] [--source stdlib|folder] [--input DIR] [--out DIR] ...
+    kiln data prepare --input PATH... --out DIR [--tokenizer TOK] [--domain NAME] ...
+    kiln data prepare [RECIPE] [--source stdlib|folder] [--out DIR] ...
     kiln data info DIR
 
-Without ``--out`` the folder goes to the cache entry a training run with the same settings
-would use, so preparing ahead of time makes the first training step start at once.
+With ``--input`` the real-corpus builder runs (``components/data/prepare.py``: parallel,
+resumable, a manifest; packed layout or ``--domain`` shards). Without it the recipe's
+``packed_documents`` source is built; without ``--out`` it goes to the cache entry a training
+run with the same settings would use, so preparing ahead makes the first step start at once.
+Either way the last line is the exact recipe override that trains on the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -21,14 +29,34 @@ from kiln.components.errors import RecipeError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     prep = sub.add_parser("prepare", help="tokenize a source into a dataset folder",
-                          description="tokenize a source into a packed-document dataset folder; "
-                          "flags override the recipe's [data] table")
+                          description="tokenize text into a packed-document dataset folder (or "
+                          "balanced_shards shards with --domain); flags override the recipe")
     prep.add_argument("recipe", nargs="?", help="recipe whose [data], [tokenizer] and "
                       "[training] seq_len/seed to use (default: built-in defaults)")
-    prep.add_argument("--source", choices=("stdlib", "folder"),
-                      help="stdlib = this machine's Python stdlib; folder = --input")
-    prep.add_argument("--input", help="folder of .txt/.jsonl files (implies --source folder)")
+    prep.add_argument("--input", nargs="+", action="extend", metavar="PATH",
+                      help="files, folders, globs, saved HF datasets, hf://datasets/owner/name "
+                      "or stdlib (.txt .jsonl .jsonl.gz .jsonl.zst .parquet .arrow); needs --out")
     prep.add_argument("--out", help="output folder (default: the data cache entry)")
+    prep.add_argument("--tokenizer", help='"byte", or a tokenizer.json / folder / '
+                      "hf://owner/repo (default: the recipe's [tokenizer])")
+    prep.add_argument("--text-field", default="text", help="JSONL field / column of the text")
+    prep.add_argument("--split", default="train", help="split of a saved DatasetDict or Hub "
+                      "dataset")
+    prep.add_argument("--config", default="", help="config (subset) of a Hub dataset")
+    prep.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16),
+                      help="tokenizer processes (0 = in this process; default: the CPU count)")
+    prep.add_argument("--domain", help="write balanced_shards shards into OUT/DOMAIN instead "
+                      "of a packed layout")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24,
+                      help="tokens per shard with --domain (whole documents; default 16M)")
+    prep.add_argument("--on-invalid-utf8", choices=("skip", "fail"), default="skip",
+                      help="skip (and count) documents that are not UTF-8, or stop at the first")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace an OUT built from other inputs or settings")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--source", choices=("stdlib", "folder"),
+                      help="without --input: stdlib = this machine's Python stdlib; folder = "
+                      "the recipe's data.source_path")
     prep.add_argument("--seq-len", type=int, help="sequence length recorded in metadata")
     prep.add_argument("--max-bytes", type=int, help="cap on source text in UTF-8 bytes")
     prep.add_argument("--seed", type=int, help="seed for the eval split and epoch orders")
@@ -38,28 +66,100 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("folder", help="a prepared dataset folder")
 
 
+def _recipe(args: argparse.Namespace) -> Any:
+    if args.recipe:
+        from kiln.recipes.recipe import load_recipe
+
+        return load_recipe(args.recipe, args.overrides)
+    if args.overrides:
+        raise RecipeError(f"overrides {' '.join(args.overrides)} need a RECIPE argument; "
+                          "without one use the flags (kiln data prepare --help)")
+    return None
+
+
+def _tokenizer(args: argparse.Namespace, recipe: Any) -> tuple[Any, list[str]]:
+    """(tokenizer, the overrides a recipe needs to use it: none when it is the recipe's).
+    Flag tokenizers are built directly (not through the registry, which imports every
+    component and torch): `prepare` stays a light process."""
+    if args.tokenizer is None and recipe is not None:
+        return recipe.tokenizer.build(), []
+    if args.tokenizer in (None, "byte"):
+        from kiln.components.data.byte_tokenizer import ByteTokenizer
+
+        return ByteTokenizer(), ["--tokenizer.type=byte"]
+    from kiln.components.data.hf_tokenizer import HuggingFaceTokenizer, HuggingFaceTokenizerConfig
+
+    path = args.tokenizer if args.tokenizer.startswith("hf://") else \
+        str(Path(args.tokenizer).expanduser().resolve())
+    tok = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(type="huggingface", path=path))
+    return tok, ["--tokenizer.type=huggingface", f"--tokenizer.path={path}"]
+
+
+def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
+    data = recipe.data if recipe is not None else None
+    pick = lambda flag, key, default: flag if flag is not None else getattr(  # noqa: E731
+        data, key, default)
+    return {"seq_len": args.seq_len or (recipe.training.seq_len if recipe else 256),
+            "seed": args.seed if args.seed is not None else (recipe.training.seed if recipe
+                                                             else 0),
+            "num_epochs": pick(args.num_epochs, "num_epochs", 4),
+            "eval_fraction": pick(args.eval_fraction, "eval_fraction", 0.02)}
+
+
+def _hint(overrides: list[str]) -> str:
+    return "train on it with: " + " ".join(shlex.quote(o) for o in overrides)
+
+
+def _prepare_inputs(args: argparse.Namespace) -> int:
+    from kiln.components.data.prepare import PrepareOptions, prepare
+
+    if not args.out:
+        raise RecipeError("--input needs --out: the folder to write the dataset into")
+    if args.workers < 0 or args.shard_tokens < 1 or (args.max_bytes or 0) < 0:
+        raise RecipeError("--workers must be >= 0, --shard-tokens and --max-bytes >= 1")
+    recipe = _recipe(args)
+    tokenizer, tok_overrides = _tokenizer(args, recipe)
+    out = str(Path(args.out).expanduser().resolve())
+    opts = PrepareOptions(
+        inputs=args.input, out=out, text_field=args.text_field, split=args.split,
+        config=args.config, on_invalid_utf8=args.on_invalid_utf8, max_bytes=args.max_bytes or 0,
+        workers=args.workers, domain=args.domain or "", shard_tokens=args.shard_tokens,
+        **_layout_settings(args, recipe))
+    t0 = time.perf_counter()
+    result = prepare(opts, tokenizer, overwrite=args.overwrite, progress=not args.no_progress)
+    took = time.perf_counter() - t0
+    totals, skipped = result.manifest["totals"], result.manifest["skipped"]
+    verb = "reused (up to date):" if result.status == "up to date" else \
+        f"{result.status} in {took:.1f} s:"
+    rate = f", {totals['bytes'] / max(took, 1e-9) / 1e6:.1f} MB/s" if result.status != \
+        "up to date" else ""
+    print(f"{verb} {result.folder}\n  {totals['docs']:,} documents, {totals['tokens']:,} tokens,"
+          f" {totals['bytes']:,} bytes of text ({totals['tokens'] / max(totals['bytes'], 1):.3f}"
+          f" tokens/byte{rate})\n  tokenizer {result.manifest['tokenizer']['source']}"
+          f"\n  skipped: {skipped['invalid_utf8']} documents with invalid UTF-8, "
+          f"{skipped['empty']} empty files")
+    if args.domain:
+        root = Path(out)
+        domains = sorted(p.name for p in root.iterdir() if (p / "shards.json").is_file())
+        data = ["--data.type=balanced_shards", f"--data.path={root}",
+                f"--data.domains={json.dumps(domains)}"]
+    else:
+        data = ["--data.type=packed_documents", f"--data.path={out}"]
+    print(_hint(data + tok_overrides))
+    return 0
+
+
 def _components(args: argparse.Namespace) -> tuple[Any, Any, int, int]:
     """(data config, tokenizer, seq_len, seed) from the recipe (if any) and the flags."""
     from kiln.components.base import default_config
 
-    if args.recipe:
-        from kiln.recipes.recipe import load_recipe
-
-        recipe = load_recipe(args.recipe, args.overrides)
-        data, tok_cfg = recipe.data, recipe.tokenizer
-        seq_len, seed = recipe.training.seq_len, recipe.training.seed
+    recipe = _recipe(args)
+    if recipe is not None:
+        data, seq_len, seed = recipe.data, recipe.training.seq_len, recipe.training.seed
     else:
-        if args.overrides:
-            raise RecipeError(f"overrides {' '.join(args.overrides)} need a RECIPE argument; "
-                              "without one use the flags (kiln data prepare --help)")
-        data, tok_cfg = default_config("dataset", "packed_documents"), default_config(
-            "tokenizer", "byte")
-        seq_len, seed = 256, 0
-    flags = {"source": args.source, "source_path": args.input, "path": args.out,
-             "max_bytes": args.max_bytes, "num_epochs": args.num_epochs,
-             "eval_fraction": args.eval_fraction}
-    if args.input and not args.source:
-        flags["source"] = "folder"
+        data, seq_len, seed = default_config("dataset", "packed_documents"), 256, 0
+    flags = {"source": args.source, "path": args.out, "max_bytes": args.max_bytes,
+             "num_epochs": args.num_epochs, "eval_fraction": args.eval_fraction}
     updates = {k: v for k, v in flags.items() if v is not None}
     if updates:
         try:
@@ -67,10 +167,11 @@ def _components(args: argparse.Namespace) -> tuple[Any, Any, int, int]:
         except ValidationError as exc:
             raise RecipeError(f"invalid data option: {exc.errors()[0]['msg']} "
                               f"({', '.join(f'{k}={v!r}' for k, v in updates.items())})") from None
-    if not hasattr(data, "path"):
-        raise RecipeError(f"data type {data.type!r} has no dataset folder to prepare")
+    if not hasattr(data, "source"):
+        raise RecipeError(f"data type {data.type!r} has no source to prepare; use --input "
+                          "(and --domain for balanced_shards)")
     seed = args.seed if args.seed is not None else seed
-    return data, tok_cfg.build(), args.seq_len or seq_len, seed
+    return data, _tokenizer(args, recipe), args.seq_len or seq_len, seed
 
 
 def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
@@ -78,7 +179,7 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
     return (
         f"{folder}\n"
         f"  {meta['total_tokens']:,} tokens in {meta['num_docs']:,} documents "
-        f"(tokenizer {meta['tokenizer']})\n"
+        f"(tokenizer {meta.get('tokenizer_source', '')} {meta['tokenizer']})\n"
         f"  train: {train['docs']:,} documents, {train['tokens']:,} tokens "
         f"({(train['tokens'] - 1) // seq_len:,} windows of {seq_len} per data epoch, "
         f"{meta['num_epochs']} orders written)\n"
@@ -87,15 +188,35 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
     )
 
 
+def _info(folder: str) -> int:
+    path = Path(folder)
+    if (path / "shards.json").is_file():
+        meta = json.loads((path / "shards.json").read_text())
+        print(f"balanced_shards domain {path.name}: {meta['shards']} shards, "
+              f"{meta['total_tokens']:,} tokens in {meta['num_docs']:,} documents "
+              f"({meta['token_dtype']}, tokenizer {meta['tokenizer_source']} "
+              f"{meta['tokenizer']})")
+        return 0
+    from kiln.components.data.packed_layout import open_layout
+
+    if not (path / "metadata.json").exists() and path.is_dir():
+        domains = sorted(p.name for p in path.iterdir() if (p / "shards.json").is_file())
+        if domains:
+            for d in domains:
+                _info(str(path / d))
+            return 0
+    layout = open_layout(path)
+    print("valid packed-document layout v1:", _summary(layout.folder, layout.meta,
+                                                        int(layout.meta["seq_len"])))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "info":
-        from kiln.components.data.packed_layout import open_layout
-
-        layout = open_layout(args.folder)
-        print("valid packed-document layout v1:", _summary(layout.folder, layout.meta,
-                                                            int(layout.meta["seq_len"])))
-        return 0
-    data, tokenizer, seq_len, seed = _components(args)
+        return _info(args.folder)
+    if args.input:
+        return _prepare_inputs(args)
+    data, (tokenizer, tok_overrides), seq_len, seed = _components(args)
     dataset = data.build(tokenizer=tokenizer, seq_len=seq_len, seed=seed)
     existed = dataset.folder.exists()
     t0 = time.perf_counter()
@@ -103,6 +224,6 @@ def run(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     verb = "reused" if existed else f"built in {took:.1f} s:"
     print(f"{verb} {_summary(folder, dataset.meta, seq_len)}")
-    if not existed and data.path:
-        print(f"train on it with --data.path={folder}")
+    if data.path:
+        print(_hint([f"--data.path={folder}", *tok_overrides]))
     return 0

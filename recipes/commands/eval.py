@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.components.errors import RecipeError
+from kiln.recipes.hooks import bits_per_byte
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
 
@@ -91,7 +92,7 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     for h in values:
         loss, n = eval_loss(model, loader, budget, h, dev, autocast)
         rows.append({"loops": h if h is not None else getattr(model, "loops", None),
-                     "loss": loss, "tokens": n})
+                     "loss": loss, "bpb": bits_per_byte(loss, dataset), "tokens": n})
     return {"checkpoint": str(ckpt), "rows": rows, **verdict([r["loss"] for r in rows])}
 
 
@@ -107,10 +108,12 @@ def verdict(losses: list[float], tol: float = TOLERANCE) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = [f"checkpoint: {result['checkpoint']}", "H_eff       loss      ppl   tokens"]
+    lines = [f"checkpoint: {result['checkpoint']}",
+             "H_eff       loss      ppl      bpb   tokens"]
     for r in result["rows"]:
         h = "-" if r["loops"] is None else str(r["loops"])
-        lines.append(f"{h:>5}  {r['loss']:9.5f}  {math.exp(min(r['loss'], 50)):7.2f}  "
+        bpb = f"{r['bpb']:7.4f}" if r.get("bpb") is not None else "      -"
+        lines.append(f"{h:>5}  {r['loss']:9.5f}  {math.exp(min(r['loss'], 50)):7.2f}  {bpb}  "
                      f"{r['tokens']:>7,}")
     if result["deeper_is_better"] is not None:
         lines.append("deeper is better: " + _why(result["rows"], result["deeper_is_better"],

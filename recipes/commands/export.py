@@ -13,7 +13,10 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (e.g. runs/NAME/checkpoints/final)")
-    parser.add_argument("out_dir", help="folder to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="folder to write (new or empty; see --force)")
+    parser.add_argument("--force", action="store_true",
+                        help="export into a non-empty folder: overwrite the export's files "
+                        "there (weights, configs, tokenizer files, recipe.toml), leave the rest")
     parser.add_argument("--format", choices=("auto", "hf", "kiln"), default="auto",
                         help="auto: Hugging Face layout when the model has one, else kiln")
     parser.add_argument("--max-shard-size", default="5GB",
@@ -27,7 +30,7 @@ def run(args) -> int:
     from kiln.recipes.saved_model import export_checkpoint
 
     folder = find_checkpoint(Path(args.checkpoint))
-    summary = export_checkpoint(folder, Path(args.out_dir), args.format,
+    summary = export_checkpoint(folder, Path(args.out_dir), args.format, force=args.force,
                                 max_shard_size=args.max_shard_size, dtype=args.dtype)
     layout = (f"Hugging Face {summary['family']}" if summary["layout"] == "hf" else "kiln")
     print(f"exported {folder} -> {args.out_dir} ({layout} layout, {summary['tensors']} "

@@ -1,32 +1,42 @@
-"""`kiln validate RECIPE...`: resolve each recipe and build its components on the meta device
-(model, optimizers and their routing, schedules, step, guards) without training or data."""
+"""`kiln validate RECIPE...`: resolve each recipe, check its batch plan and budget for the world
+size, and build its components on the meta device (model, optimizers and their routing,
+schedules, step, guards) without training or data."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import torch
 
-from kiln.components.errors import KilnError
+from kiln.components.errors import KilnError, RecipeError
+from kiln.components.models.block import padded_vocab
+from kiln.recipes import batch_plan
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipes", nargs="+", help="recipe files")
+    parser.add_argument("--world-size", type=int, default=0, metavar="N",
+                        help="check the batch plan for N processes (default: $NGPU, else 1)")
 
 
 def build_meta_model(recipe):
     tokenizer = recipe.tokenizer.build()
     with torch.device("meta"):
-        return recipe.model.build(vocab_size=tokenizer.vocab_size, seq_len=recipe.training.seq_len)
+        return recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
+                                  seq_len=recipe.training.seq_len)
 
 
-def describe(recipe) -> str:
-    """Build on meta and summarise: parameter counts, FLOPs/token, optimizer routing."""
+def describe(recipe, world_size: int = 1) -> str:
+    """Check the batch plan (what ``kiln train`` refuses is refused here too), build on meta and
+    summarise: budget, parameter counts, FLOPs/token, optimizer routing."""
+    bp = batch_plan.plan(recipe.training, world_size)
     model = build_meta_model(recipe)
     total = model.num_params()
-    lines = [f"parameters: {total:,} ({total / 1e9:.2f}B)"]
+    lines = [batch_plan.describe_budget(recipe.training, bp),
+             f"parameters: {total:,} ({total / 1e9:.2f}B)"]
     summary = getattr(model, "param_summary", None)
     if summary is not None:
         lines += [f"  {k}: {v:,}" for k, v in summary().items()]
@@ -45,11 +55,14 @@ def describe(recipe) -> str:
 
 
 def run(args) -> int:
+    world_size = args.world_size or int(os.environ.get("NGPU", "1") or 1)
+    if world_size < 1:
+        raise RecipeError(f"--world-size {world_size}: give a number of processes >= 1")
     status = 0
     for path in args.recipes:
         try:
             recipe = load_recipe(path, args.overrides)
-            text = describe(recipe)
+            text = describe(recipe, world_size)
         except KilnError as exc:
             print(f"{path}: INVALID\n  {exc}")
             status = max(status, exc.exit_code)

@@ -96,7 +96,18 @@ def test_component_contract(entry, tmp_path):
         assert not torch.equal(before, layer.weight)
         assert isinstance(opt.state_dict(), dict)
     elif kind == "tokenizer":
-        tok = _default(entry).build()
+        values = {}
+        if "path" in entry.config.model_fields:  # reads a tokenizer file: give it a small one
+            from tests.components.data import tokenizer_files as files
+
+            make = {"sentencepiece": files.sentencepiece_model,
+                    "tiktoken": files.tiktoken_ranks}.get(entry.name, files.trained_tokenizer)
+            values["path"] = str(make(tmp_path / "tok"))
+            if entry.name == "tiktoken":
+                values.update(special_tokens=["<s>", "</s>"], bos_token="<s>", eos_token="</s>")
+        if "max_bytes" in entry.config.model_fields:  # trains on first use: keep it small
+            values.update(max_bytes=200_000, vocab_size=300, cache_dir=str(tmp_path))
+        tok = _default(entry, **values).build()
         assert tok.decode(tok.encode("kiln ✓")) == "kiln ✓" and tok.vocab_size > 0
     elif kind == "step":
         assert callable(_default(entry).build())

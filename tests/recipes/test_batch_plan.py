@@ -36,3 +36,11 @@ def test_budget_by_steps_epochs_tokens():
     assert total_steps(TrainingConfig(tokens=401, seq_len=10), bp, None) == 11
     with pytest.raises(RecipeError, match="no training budget"):
         total_steps(TrainingConfig(), bp, 100)
+
+
+def test_min_steps_floors_a_derived_budget_only():
+    bp = plan(TrainingConfig(global_batch=4, micro_batch=4, seq_len=10), 1)
+    assert total_steps(TrainingConfig(tokens=401, min_steps=20), bp, None) == 20
+    assert total_steps(TrainingConfig(tokens=4000, min_steps=20), bp, None) == 100
+    assert total_steps(TrainingConfig(epochs=0.1, min_steps=20), bp, 100) == 20
+    assert total_steps(TrainingConfig(steps=7, min_steps=20), bp, None) == 7  # steps win

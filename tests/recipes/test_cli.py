@@ -58,6 +58,20 @@ def test_validate_reports_invalid_recipes(write, capsys):
     assert "INVALID" in capsys.readouterr().out
 
 
+def test_validate_checks_the_batch_plan_like_train(capsys, monkeypatch):
+    """Issue 10 item 7: validate said "ok" to a batch plan that `kiln train` refuses."""
+    monkeypatch.delenv("NGPU", raising=False)
+    args = ["validate", str(CONFIGS / "debug.toml"), "--training.global_batch=7",
+            "--training.micro_batch=2"]
+    assert main(args) == 2
+    out = capsys.readouterr().out
+    assert "INVALID" in out and "training.global_batch" in out and "training.micro_batch" in out
+    assert main(["validate", str(CONFIGS / "debug.toml"), "--world-size", "3"]) == 2
+    assert "not divisible by the world size 3" in capsys.readouterr().out
+    assert main(["validate", str(CONFIGS / "debug.toml")]) == 0
+    assert "budget: 300 steps x 2,048 tokens/step" in capsys.readouterr().out
+
+
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "kiln.recipes.cli", "show",
                           str(CONFIGS / "debug.toml"), "--training.seed=5"],

@@ -128,6 +128,66 @@ def train(recipe, *, eval_first: bool = False) -> tuple[list[float], object]:
     return record.losses, trainer
 
 
+def steps_for(family: str) -> list[str]:
+    """Every registered step; segmented BPTT only where the model loops."""
+    return [name for name in registry.names("step")
+            if name != "segmented_bptt" or is_looped(family)]
+
+
+def cases():
+    for family in discovered():
+        for step in steps_for(family):
+            for float8 in ("off", "rowwise"):
+                for ac in ac_modes():
+                    for eval_first in (False, True):
+                        yield pytest.param(family, step, float8, ac, eval_first,
+                                           id=f"{family}-{step}-f8_{float8}-{ac}-"
+                                              f"{'eval_first' if eval_first else 'train_first'}")
+
+
+_reference: dict[tuple, list[float]] = {}
+
+
+def _run(tmp_path, family, step, float8, ac, eval_first) -> list[float]:
+    from kiln.components.ffn import moe_dispatch
+
+    moe_dispatch.grouped_mm_works.cache_clear()  # decided afresh in every case
+    args = [*ac_modes()[ac], f"--parallelism.float8={float8}", f"--training.step.type={step}"]
+    if step == "segmented_bptt":
+        args.append("--training.step.segment_loops=2")
+    losses, trainer = train(recipe_for(family, tmp_path / "run", *args), eval_first=eval_first)
+    if float8 != "off":
+        assert trainer.parallel.float8_modules, "float8 converted no layer: the case is vacuous"
+    return losses
+
+
+@pytest.mark.parametrize("family, step, float8, ac, eval_first", list(cases()))
+def test_every_combination_trains(tmp_path, family, step, float8, ac, eval_first):
+    """2 optimizer steps, finite; and the same losses as the same recipe without activation
+    checkpointing and without the evaluation first (recomputation and a no_grad evaluation must
+    not change training): one reference run per (family, step, float8), which also checks that
+    two runs of one recipe agree."""
+    losses = _run(tmp_path, family, step, float8, ac, eval_first)
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
+    key = (family, step, float8)
+    if key not in _reference:
+        _reference[key] = _run(tmp_path / "ref", family, step, float8, "none", False)
+    assert losses == _reference[key]
+
+
+def test_the_matrix_covers_what_kiln_ships():
+    """Every model family of the brief, every registered model/attention/ffn, every AC mode."""
+    families = discovered()
+    names = set().union(*(_names(load_recipe(CONFIGS / f, o)) for f, o in families.values()))
+    for kind in ("model", "attention", "ffn"):
+        assert {(kind, n) for n in registry.names(kind)} <= names, kind
+    assert set(ac_modes()) == {"none", "full", "selective_every2", "selective_ops"}
+    looped = [f for f in families if is_looped(f)]
+    assert looped and all("segmented_bptt" in steps_for(f) for f in looped)
+    nova = load_recipe(CONFIGS / families["diff_layerscale"][0], families["diff_layerscale"][1])
+    assert nova.model.attention.type == "differential" and nova.model.layerscale_init > 0
+
+
 # ------------------------------------------------------------------- 2 processes, FSDP2
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
@@ -176,3 +236,64 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert spy["calls"] > 50, spy  # the spy did see the run's collectives
         assert not spy["wrong_device"], f"rank {r}: " + "\n".join(spy["wrong_device"])
         assert not spy["direct_calls"], f"rank {r}: " + "\n".join(spy["direct_calls"])
+
+
+# ---------------------------------------------- every tokenizer x every way of feeding data
+def _tokenizer_overrides(name: str, folder) -> tuple[str, ...]:
+    """A small instance of each registered tokenizer (files made in the test, offline)."""
+    from tests.components.data import tokenizer_files as files
+
+    if name == "byte":
+        return ("--tokenizer.type=byte",)
+    if name == "bpe":
+        return ("--tokenizer.type=bpe", "--tokenizer.vocab_size=300",
+                "--tokenizer.max_bytes=200000", f"--tokenizer.cache_dir={folder}")
+    pytest.importorskip({"sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}.get(
+        name, "tokenizers"))
+    make = {"sentencepiece": files.sentencepiece_model, "tiktoken": files.tiktoken_ranks}.get(
+        name, files.trained_tokenizer)
+    extra = ("--tokenizer.special_tokens=[\"<s>\", \"</s>\"]", "--tokenizer.bos_token=\"<s>\"",
+             "--tokenizer.eos_token=\"</s>\"") if name == "tiktoken" else ()
+    return (f"--tokenizer.type={name}", f"--tokenizer.path={make(folder / name)}", *extra)
+
+
+def _data_overrides(kind: str, tokenizer, folder) -> tuple[str, ...]:
+    from kiln.components.data.prepare import PrepareOptions, prepare
+    from tests.components.data.corpora import write_jsonl
+    from tests.components.data.tokenizer_files import stdlib_texts
+
+    corpus = write_jsonl(folder / "corpus.jsonl", list(stdlib_texts()[:12]))
+    if kind == "streaming_text":
+        return ("--data.type=streaming_text", f"--data.inputs=[\"{corpus}\"]",
+                "--data.eval_docs=2")
+    out = folder / "prepared"
+    if kind == "balanced_shards":
+        for domain in ("a", "b"):
+            prepare(PrepareOptions([str(corpus)], str(out), domain=domain, shard_tokens=4000),
+                    tokenizer, progress=False)
+        return ("--data.type=balanced_shards", f"--data.path={out}",
+                "--data.domains=[\"a\", \"b\"]", "--data.eval_rows=2")
+    prepare(PrepareOptions([str(corpus)], str(out), seq_len=32, eval_fraction=0.2), tokenizer,
+            progress=False)
+    return ("--data.type=packed_documents", f"--data.path={out}")
+
+
+# Every tokenizer through `prepare`; past preparing, datasets see ids only: two tokenizers (one
+# with a file, one without) cover each other way of feeding data.
+DATA_CASES = [(t, "prepared") for t in sorted(registry.names("tokenizer"))] + [
+    (t, d) for t in ("byte", "huggingface") for d in ("streaming_text", "balanced_shards")]
+
+
+@pytest.mark.parametrize("tokenizer, data", DATA_CASES)
+def test_every_tokenizer_with_every_dataset(tmp_path, tokenizer, data):
+    file, overrides = FAMILIES["dense"]
+    tok_args = _tokenizer_overrides(tokenizer, tmp_path)
+    probe = load_recipe(CONFIGS / file, [*TINY, *overrides, *tok_args]).tokenizer.build()
+    keep = tuple(o for o in TINY if not o.startswith("--data."))
+    recipe = load_recipe(CONFIGS / file, [*keep, *overrides, *tok_args,
+                                          *_data_overrides(data, probe, tmp_path),
+                                          f"--run.folder={tmp_path / 'run'}"])
+    losses, trainer = train(recipe)
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
+    vocab, model_vocab = trainer.tokenizer.vocab_size, trainer.model.vocab_size
+    assert model_vocab % 64 == 0 and vocab <= model_vocab < vocab + 64  # padded, never smaller

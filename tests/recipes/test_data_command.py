@@ -19,15 +19,18 @@ def texts(tmp_path):
 
 def test_prepare_from_a_folder_then_reuse(tmp_path, texts, capsys):
     out = tmp_path / "data"
-    args = ["data", "prepare", "--input", str(texts), "--out", str(out), "--seed", "5"]
+    args = ["data", "prepare", "--input", str(texts), "--out", str(out), "--seed", "5",
+            "--workers", "0", "--no-progress"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     meta = json.loads((out / "metadata.json").read_text())
     assert "built in" in printed and str(out) in printed
-    assert f"{meta['total_tokens']:,} tokens in 13 documents" in printed
-    assert meta["seed"] == 5 and meta["source"].startswith("folder:")
+    assert f"13 documents, {meta['total_tokens']:,} tokens" in printed
+    assert meta["seed"] == 5 and meta["source"].startswith("inputs:")
+    assert printed.splitlines()[-1] == (f"train on it with: --data.type=packed_documents "
+                                        f"--data.path={out} --tokenizer.type=byte")
     assert main(args) == 0
-    assert capsys.readouterr().out.startswith("reused")
+    assert capsys.readouterr().out.startswith("reused (up to date)")
     assert main(["data", "info", str(out)]) == 0
     assert "valid packed-document layout" in capsys.readouterr().out
 
@@ -56,14 +59,16 @@ def test_prepare_from_a_recipe_with_overrides(tmp_path, texts, write, capsys):
                  "--data.num_epochs=2"]) == 0
     meta = json.loads((out / "metadata.json").read_text())
     assert (meta["seed"], meta["seq_len"], meta["num_epochs"]) == (7, 16, 2)
+    assert capsys.readouterr().out.splitlines()[-1] == f"train on it with: --data.path={out}"
 
 
 def test_corrupt_folder_exits_1(tmp_path, texts, capsys):
     out = tmp_path / "data"
-    assert main(["data", "prepare", "--input", str(texts), "--out", str(out)]) == 0
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--workers",
+                 "0"]) == 0
     (out / "tokens.bin").write_bytes(b"\0\0")
     capsys.readouterr()
-    assert main(["data", "prepare", "--input", str(texts), "--out", str(out)]) == 1
+    assert main(["data", "info", str(out)]) == 1
     err = capsys.readouterr().err
     assert "tokens.bin" in err and "kiln data prepare" in err and str(out) in err
     assert main(["data", "info", str(tmp_path / "missing")]) == 1
@@ -74,3 +79,52 @@ def test_bad_options_exit_2(texts, capsys):
     assert "max_bytes" in capsys.readouterr().err
     assert main(["data", "prepare", "--data.max_bytes=10"]) == 2
     assert "need a RECIPE" in capsys.readouterr().err
+
+
+def test_train_a_tokenizer_then_prepare_parquet_and_shards(tmp_path, capsys):
+    from tests.components.data.corpora import DOCS, write_jsonl, write_parquet
+
+    texts = tmp_path / "texts"
+    write_jsonl(texts / "a.jsonl")
+    tok = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--input", str(texts), "stdlib", "--max-bytes",
+                 "300000", "--vocab-size", "300", "--out", str(tok)]) == 0
+    printed = capsys.readouterr().out
+    assert "byte-level BPE of 300 entries" in printed and (tok / "tokenizer.json").is_file()
+    assert printed.splitlines()[-1] == (f"use it with: --tokenizer.type=huggingface "
+                                        f"--tokenizer.path={tok}")
+    assert main(["tokenizer", "train", "--input", str(texts), "--vocab-size", "300",
+                 "--out", str(tok)]) == 1  # never overwrites
+    assert "already exists" in capsys.readouterr().err
+    src = write_parquet(tmp_path / "c.parquet")
+    out = tmp_path / "pq"
+    assert main(["data", "prepare", "--input", str(src), "--out", str(out), "--tokenizer",
+                 str(tok), "--workers", "0", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(DOCS)} documents" in printed and printed.splitlines()[-1] == (
+        f"train on it with: --data.type=packed_documents --data.path={out} "
+        f"--tokenizer.type=huggingface --tokenizer.path={tok}")
+    for domain in ("a", "b"):
+        assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "sh"),
+                     "--domain", domain, "--shard-tokens", "2000", "--workers", "0",
+                     "--no-progress"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("train on it with: --data.type=balanced_shards "
+                    f"--data.path={tmp_path / 'sh'} '--data.domains=[\"a\", \"b\"]' "
+                    "--tokenizer.type=byte")
+    assert main(["data", "info", str(tmp_path / "sh")]) == 0
+    assert "balanced_shards domain b" in capsys.readouterr().out
+
+
+def test_prepare_errors_exit_with_one_message(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    assert main(["data", "prepare", "--input", str(bad), "--out", str(tmp_path / "o"),
+                 "--workers", "0", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl:1: no 'text' field" in err and "Traceback" not in err
+    assert main(["data", "prepare", "--input", str(bad)]) == 2
+    assert "--input needs --out" in capsys.readouterr().err
+    assert main(["data", "prepare", "--input", str(bad), "--out", str(tmp_path / "o"),
+                 "--tokenizer", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -33,7 +33,13 @@ def test_10b_recipe_is_the_reference_configuration():
         "muon", 6e-3, "adamw8bit", 2e-4)
     for o in opts.values():
         assert (o.schedule.type, o.schedule.warmup_steps) == ("warmup_cosine", 4000)
-    assert r.training.steps == 130000
+    # Issue 10 item 10: the reference trains max(130k, ceil(200e9 / tokens_per_step)) steps.
+    from kiln.recipes import batch_plan
+
+    bp = batch_plan.plan(r.training, world_size=8)
+    assert bp.tokens_per_step == 6 * 8 * 8 * 2048
+    assert batch_plan.total_steps(r.training, bp, None) == max(130_000, -(-200e9 // 786_432)) \
+        == 254_314
 
 
 def test_10b_parameters_and_routing_on_meta():

@@ -166,3 +166,36 @@ def test_tied_differential_transformer_under_fsdp2_matches_one_process():
     res = nova_dist.results()["tied"]
     assert res["tied_after_fsdp2"] and res["is_dtensor"]  # one sharded matrix, still shared
     assert res["param_diff"] < 1e-5  # 3 AdamW steps, 2 ranks x 2 rows vs 1 process x 4 rows
+
+
+def _multihead_diffattn_pairing(attn, x: torch.Tensor) -> torch.Tensor:
+    """unilm's explicit-softmax multihead_diffattn.py: the 2*Hk kv sub-heads repeated n_rep
+    times, so query sub-head j (= 2i + c) meets kv sub-head j // n_rep."""
+    b, t, _ = x.shape
+    h, hk, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    d, rep = hd // 2, h // hk
+    q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
+    q, k = attn.position(q.view(b, t, 2 * h, d), k.view(b, t, 2 * hk, d))
+    q = q.transpose(1, 2)  # (B, 2H, T, d)
+    k = k.transpose(1, 2).repeat_interleave(rep, dim=1)  # (B, 2H, T, d)
+    v = v.view(b, t, hk, hd).transpose(1, 2).repeat_interleave(rep, dim=1)  # (B, H, T, 2d)
+    mask = torch.full((t, t), float("-inf")).triu(1)
+    maps = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d) + mask, -1).view(b, h, 2, t, t)
+    lam = attn.lambda_value().view(1, h, 1, 1)
+    out = (maps[:, :, 0] - lam * maps[:, :, 1]) @ v
+    out = attn.head_norm(out) * (1 - attn.lambda_init)
+    return attn.wo(out.transpose(1, 2).reshape(b, t, h * hd))
+
+
+def test_gqa_pairs_heads_as_the_flash_implementation_not_multihead_diffattn():
+    """Issue 10 item 11: the docstring claimed the explicit-softmax layout; under GQA kiln pairs
+    as the official flash code (tested against _direct above), which differs."""
+    from kiln.components.attention import differential
+
+    assert "multihead_flashdiff" in differential.__doc__
+    x = torch.randn(2, T, DIM)
+    gqa, mha = _attn(n_kv_heads=2), _attn()
+    with torch.no_grad():
+        assert not torch.allclose(gqa(x), _multihead_diffattn_pairing(gqa, x), atol=1e-4)
+        torch.testing.assert_close(mha(x), _multihead_diffattn_pairing(mha, x), atol=2e-5,
+                                   rtol=1e-4)

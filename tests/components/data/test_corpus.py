@@ -44,7 +44,7 @@ def test_bad_jsonl_line_is_a_data_error(tmp_path, line):
 def test_missing_or_empty_folder(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         folder_corpus(tmp_path / "nope", 100)
-    with pytest.raises(DataError, match="no .txt or .jsonl"):
+    with pytest.raises(DataError, match="holds no .txt"):
         folder_corpus(tmp_path, 100)
     with pytest.raises(DataError, match="needs source_path"):
         open_corpus("folder", "", 100, False)

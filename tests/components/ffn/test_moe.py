@@ -102,15 +102,15 @@ def test_bias_moves_toward_balance_and_stays_on_skipped_steps():
     assert m.expert_bias.abs().sum() == 0 and m.tokens_per_expert.sum() == 0
     for _ in range(60):
         m(x)
-        m.on_optimizer_step(skipped=False)
+        m.on_global_step(skipped=False)
     assert m.expert_bias[0] < 0 and abs(float(m.expert_bias.sum())) < 1e-5  # re-centred
     for _ in range(2):  # the sign update oscillates around balance: check two phases
         final = load()
         assert final.max() / final.mean() < 1.25, final
-        m.on_optimizer_step(skipped=False)
+        m.on_global_step(skipped=False)
     before = m.expert_bias.clone()
     m(x)
-    m.on_optimizer_step(skipped=True)
+    m.on_global_step(skipped=True)
     torch.testing.assert_close(m.expert_bias, before)
 
 
@@ -135,7 +135,7 @@ def test_capacity_drops_assignments_and_reports_them():
     y = m(x)
     # Capacity ceil(1.0 * 32 / 4) = 8: the first 8 tokens (stable order) get expert 0.
     assert (y[0, 8:] == 0).all() and (y[0, :8] != 0).any()
-    m.on_optimizer_step(skipped=False)
+    m.on_global_step(skipped=False)
     metrics = moe_metrics([m])
     assert metrics["moe/layer0/dropped"] == pytest.approx(24 / 32)
     assert metrics["moe/layer0/max_load"] == pytest.approx(4.0)
@@ -179,7 +179,7 @@ def test_model_mixin_collects_layers():
     model.train()
     x = torch.randn(1, 4, 16)
     model.b(model.a(x))
-    model.on_optimizer_step(skipped=False)
+    model.on_global_step(skipped=False)
     assert model.a.expert_bias.abs().sum() > 0
     assert "moe/max_load" in model.metrics() and model.pop_aux_loss() is None
 
@@ -202,7 +202,91 @@ def test_a_transformer_recipe_can_use_moe_ffns():
     aux = model.pop_aux_loss()
     assert aux is not None and model.pop_aux_loss() is None  # popped once per forward
     (loss + aux).backward()
-    model.on_optimizer_step(skipped=False)
+    model.on_global_step(skipped=False)
     layers = [b.feed_forward for b in model.blocks()]
     assert all(m.expert_bias.abs().sum() > 0 for m in layers)
     assert {"moe/layer0/max_load", "moe/layer1/entropy"} <= set(model.metrics())
+
+
+class _ScaledMoE(torch.nn.Module):
+    """MoE followed by a LayerScale-like multiply: something after the MoE saves tensors."""
+
+    def __init__(self, m: MoE) -> None:
+        super().__init__()
+        self.moe, self.scale = m, torch.nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, x):
+        return self.moe(x) * self.scale
+
+
+@pytest.mark.parametrize("op_level", [False, True], ids=["full", "op_level"])
+def test_checkpointed_moe_with_aux_loss_trains_micro_batches(op_level):
+    """Issue 10 item 1: the first MoE forward inside a checkpointed region ran the _grouped_mm
+    probe there (recompute saved a different number of tensors), and the recompute registered
+    the aux loss again (the next micro-batch backpropagated through a freed graph)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from kiln.components.ffn import moe_dispatch
+    from kiln.parallelisms.activation_checkpoint import save_list
+
+    kwargs = {"use_reentrant": False}
+    if op_level:
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                 save_list())
+    grads = []
+    for wrapped in (False, True):
+        moe_dispatch.grouped_mm_works.cache_clear()  # the first call happens in the region
+        net = _ScaledMoE(make(n_experts=4, aux_loss_coeff=0.1))
+        torch.manual_seed(3)
+        for _ in range(2):  # two micro-batches
+            x = torch.randn(2, 6, 16, requires_grad=True)
+            y = checkpoint(net, x, **kwargs) if wrapped else net(x)
+            registered = net.moe.aux_loss
+            (y.square().mean() + registered).backward()
+            assert net.moe.aux_loss is registered  # the recompute did not add another copy
+            net.moe.aux_loss = None  # what pop_aux_loss does
+        grads.append([p.grad for p in net.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
+
+
+def test_kernel_probe_ignores_no_grad_and_keeps_the_rng():
+    """An evaluation first (under no_grad) made the probe fail and chose the loop kernel for
+    the rest of the process; and the probe drew from the global RNG."""
+    from kiln.components.ffn import moe_dispatch
+
+    moe_dispatch.grouped_mm_works.cache_clear()
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        assert moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
+    assert torch.equal(state, torch.get_rng_state())
+    model = MoEModelMixinModel()
+    line = model.resolve_kernels(torch.device("cpu"), torch.float32)
+    assert line == "MoE expert kernel grouped (torch._grouped_mm) on cpu float32 (dispatch = auto)"
+    model.layers[1].cfg = model.layers[1].cfg.model_copy(update={"dispatch": "loop"})
+    assert "grouped (torch._grouped_mm) + loop (one matmul per expert)" in model.resolve_kernels(
+        torch.device("cpu"), torch.float32)
+    assert MoEModelMixinModel(n=0).resolve_kernels(torch.device("cpu"), torch.float32) == ""
+
+
+class MoEModelMixinModel(MoEModelMixin, torch.nn.Module):
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([make() for _ in range(n)])
+
+
+def test_renormalize_is_documented_as_it_behaves():
+    """Issue 10 item 11: the field said the gates sum to 1, but top_k = 1 keeps the score."""
+    from kiln.components.ffn.moe import MoEConfig
+
+    text = MoEConfig.model_fields["renormalize"].description
+    assert "top_k > 1" in text and "top_k = 1" in text
+    x = torch.randn(10, 16)
+    one = make(n_experts=4, top_k=1, renormalize=True, score="sigmoid")
+    idx, gates, scores = one.route(x)
+    torch.testing.assert_close(gates, scores.gather(-1, idx))  # not 1
+    two = make(n_experts=4, top_k=2, renormalize=True, score="sigmoid")
+    torch.testing.assert_close(two.route(x)[1].sum(-1), torch.ones(10))

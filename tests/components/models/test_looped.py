@@ -222,7 +222,7 @@ def test_moe_inside_the_loop_counts_active_parameters_and_balances():
     m(ids())
     moe = m.layers["1"].feed_forward
     assert moe.tokens_per_expert.sum() == 3 * 2 * T  # the recurrent block routes every loop
-    m.on_optimizer_step(False)
+    m.on_global_step(False)
     assert moe.expert_bias.abs().sum() > 0 and "moe/max_load" in m.metrics()
 
 

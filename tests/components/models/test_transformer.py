@@ -111,6 +111,22 @@ def test_flops_per_token_formula():
     assert m.flops_per_token(100) == 6 * n_matmul + 12 * 2 * 4 * 8 * 100
 
 
+def test_flops_per_token_counts_active_experts_only():
+    """Issue 10 item 8: MFU of an MoE transformer counted every expert, not the k active."""
+    c = _cfg()
+    c.ffn = default_config("ffn", "moe", n_experts=8, top_k=2, hidden_dim=16,
+                           n_shared_experts=1)
+    torch.manual_seed(0)
+    m = c.build(vocab_size=V, seq_len=T)
+    per_expert = 3 * 32 * 16
+    idle = 2 * 6 * per_expert  # 2 layers x (8 - 2) routed experts
+    assert m.num_params() - m.num_params(active_only=True) == idle
+    n_active = m.num_params(exclude_embeddings=True) - idle
+    assert m.flops_per_token(100) == 6 * n_active + 12 * 2 * 4 * 8 * 100
+    assert m.param_summary() == {"active per token (MoE top-k)": m.num_params() - idle}
+    assert _model().param_summary() == {}
+
+
 def test_llama3_debug_shape_matches_torchtitan():
     """torchtitan's llama3 debug model: dim 256, 6 layers, 16 heads, hidden 768, vocab 2048."""
     cfg = default_config("model", "transformer", dim=256, n_layers=6)

@@ -68,3 +68,54 @@ def test_dcp_round_trip(tmp_path, name, values):
         return _build(name, list(model.parameters()), lr=1e-2, **values)
 
     assert dcp_round_trip(make_opt, tmp_path) == 0.0
+
+
+def _looped_with_lambda(init: float):
+    from kiln.components.optimizers.common import ParamRule
+    from kiln.recipes.optimizer_set import OptimizerSet
+
+    c = default_config("model", "looped", dim=16, loops=2, loop_scale="learned",
+                       loop_scale_init=init, loop_scale_max=1.0)
+    c.attention.n_heads = 2
+    model = c.build(vocab_size=20, seq_len=8)
+
+    def opts(**values):
+        tables = {
+            "main": default_config("optimizer", "adamw", params=ParamRule(rest=True)),
+            "lam": default_config("optimizer", "sign_sgd", lr=1e-3, weight_decay=0.1,
+                                  params=ParamRule(include=["loop_scale_raw"]), **values),
+        }
+        return OptimizerSet(model, tables, total_steps=10).optimizers["lam"]
+
+    return model, opts
+
+
+@pytest.mark.parametrize("init", [0.5, 0.9])
+def test_sign_sgd_moves_the_loop_scale_itself_by_lr(init):
+    """Issue 10 item 4: the reference compensates the Jacobian of lambda = max * sigmoid(raw)
+    (raw.grad <- sign(g) / jac, then SGD), so lambda moves by lr; kiln moved raw by lr."""
+    model, opts = _looped_with_lambda(init)
+    raw = model.loop_scale_raw
+    start = raw.detach().clone()
+    sig = torch.sigmoid(start)
+    jac = sig * (1 - sig)
+    for value_space, moved in ((True, 1e-3), (False, 1e-3 * float(jac))):
+        with torch.no_grad():
+            raw.copy_(start)
+        before = model.loop_scale().item()
+        opt = opts(value_space=value_space)
+        raw.grad = torch.tensor([-2.5])  # lambda should grow
+        opt.step()
+        grown = model.loop_scale().item() - before
+        decay = 1e-3 * 0.1 * float(start) * float(jac)  # decoupled decay on raw, in lambda
+        assert grown == pytest.approx(moved - decay, rel=1e-2), value_space  # first order
+    # exactly the reference's update: raw.grad = sign(g) / jac, then SGD with L2 decay
+    ref = torch.nn.Parameter(start.clone())
+    ref.grad = torch.tensor([-2.5]).sign() / jac.clamp_min(1e-4)
+    torch.optim.SGD([ref], lr=1e-3, weight_decay=0.1).step()
+    with torch.no_grad():
+        raw.copy_(start)
+    opt = opts()
+    raw.grad = torch.tensor([-2.5])
+    opt.step()
+    torch.testing.assert_close(raw.detach(), ref.detach())

@@ -34,3 +34,17 @@ def test_no_decay_phase_holds_the_peak():
     s = _sched(warmup_fraction=0.1, decay_fraction=0.0)
     assert s.warmup == 10
     assert s(99) == 1.0 and s(10) == 1.0
+
+
+def test_decay_starts_no_earlier_than_the_end_of_warmup():
+    """Issue 10 item 5: with warmup + decay longer than the run, the decay began inside the
+    warmup and the LR jumped from the peak to 78% at the end of the warmup. The reference
+    starts the decay at max(T - D, W)."""
+    s = _sched(total=100, warmup_steps=60, decay_fraction=0.5, min_lr_ratio=0.0)
+    values = [s(k) for k in range(100)]
+    assert values[59] == 1.0 and s.decay_start == 60 and s.decay == 40
+    assert values[60] == pytest.approx(1 - 1 / 40)
+    assert max(abs(b - a) for a, b in zip(values, values[1:], strict=False)) <= 1 / 40 + 1e-12
+    assert values[99] == pytest.approx(0.0)
+    whole = _sched(total=10, warmup_steps=10, decay_fraction=0.5)  # warmup is the whole run
+    assert [whole(k) for k in range(10)] == pytest.approx([(k + 1) / 10 for k in range(10)])

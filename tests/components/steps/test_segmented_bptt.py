@@ -105,9 +105,28 @@ def test_a_skipped_segment_ends_the_global_step():
     assert result.metrics["segments_done"] == 2.0
     assert guard.commits == [(0, 0, False), (0, 1, True)]
     assert counter.calls == {"main": 1}
-    # Segment 0 moved the MoE bias; the skipped segment's loads were dropped.
-    assert moe.expert_bias.abs().sum() > 0 and moe.tokens_per_expert.sum() == 0
+    # As the reference: a global step with a skipped segment leaves the MoE bias alone (segment
+    # 0's loads are dropped too, not applied before the skip).
+    assert moe.expert_bias.abs().sum() == 0 and moe.tokens_per_expert.sum() == 0
     assert model.carry.state == {}  # the final state was never reached: no carry
+
+
+def test_moe_bias_moves_once_per_global_step_from_every_segments_loads():
+    """Issue 10 item 3: the bias moved once per segment (ceil(H/K) times a step)."""
+    c = model_cfg(loops=4, n_prelude=0, n_coda=0, n_recurrent=1)
+    c.ffn = default_config("ffn", "moe", n_experts=4, top_k=1, hidden_dim=16)
+    torch.manual_seed(0)
+    model = c.build(vocab_size=V, seq_len=T).train()
+    moe = model.layers["0"].feed_forward
+    applied = []
+    real = moe.apply_load
+    moe.apply_load = lambda load: (applied.append(load.clone()), real(load))
+    trainer = StubTrainer(model)
+    trainer.run(step("segmented_bptt", segment_loops=1), batches())  # 4 segments, 2 micro
+    assert len(applied) == 1  # one move per global step
+    assert applied[0].sum() == 4 * 2 * 2 * T  # 4 loops x 2 micro-batches x (2 x T) tokens
+    expected = 1e-3 * torch.sign(applied[0].mean() - applied[0])
+    torch.testing.assert_close(moe.expert_bias, expected - expected.mean())
 
 
 def test_non_looped_model_is_refused():

@@ -42,5 +42,5 @@ class StubTrainer(Trainer):
         if set_progress is not None:
             set_progress(self.progress.step, self.total_steps)
         result = step_fn(self, micro_batches)
-        self.progress.step += 1
+        self.end_step(result)
         return result

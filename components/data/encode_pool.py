@@ -1,0 +1,81 @@
+"""Batched tokenisation in worker processes, results in submission order, bounded in flight.
+
+Each worker process receives the tokenizer once (pickled) and encodes whole batches of texts
+with ``encode_batch``; it returns one concatenated id array plus per-document token and UTF-8
+byte counts, so little crosses the process boundary. At most ``2 * workers`` batches are in
+flight, which bounds memory whatever the corpus size. ``workers = 0`` encodes in this process
+(the ``tokenizers`` library then uses its own threads).
+
+Worker processes are spawned (not forked: the parent may hold torch's or the tokenizer's
+thread pools) and each runs one tokenizer thread, so N workers use N cores.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Any
+
+import numpy as np
+
+_TOKENIZER: Any = None  # the worker's tokenizer, set once by _init
+
+
+@dataclass
+class Encoded:
+    """A batch of documents, tokenised: ids back to back plus per-document counts."""
+
+    ids: np.ndarray  # (sum(lengths),) uint16 | uint32, no BOS/EOS
+    lengths: np.ndarray  # (docs,) int64 tokens per document
+    nbytes: np.ndarray  # (docs,) int64 UTF-8 bytes per document
+
+
+def encode(tokenizer: Any, texts: list[str], dtype: np.dtype) -> Encoded:
+    arrays = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    ids = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+    nbytes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64,
+                         count=len(texts))
+    return Encoded(ids, lengths, nbytes)
+
+
+def _init(blob: bytes) -> None:
+    global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _TOKENIZER = pickle.loads(blob)
+
+
+def _encode_in_worker(texts: list[str], dtype: str) -> Encoded:
+    return encode(_TOKENIZER, texts, np.dtype(dtype))
+
+
+def encode_batches(tokenizer: Any, batches: Iterable[tuple[Any, list[str]]], *, workers: int,
+                   dtype: np.dtype) -> Iterator[tuple[Any, Encoded]]:
+    """``(tag, Encoded)`` for each ``(tag, texts)`` batch, in order."""
+    if workers <= 0:
+        for tag, texts in batches:
+            yield tag, encode(tokenizer, texts, dtype)
+        return
+    blob = pickle.dumps(tokenizer)
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init,
+                               initargs=(blob,))
+    pending: deque[tuple[Any, Future]] = deque()
+    try:
+        for tag, texts in batches:
+            pending.append((tag, pool.submit(_encode_in_worker, texts, np.dtype(dtype).name)))
+            if len(pending) >= 2 * workers:
+                tag0, fut = pending.popleft()
+                yield tag0, fut.result()
+        while pending:
+            tag0, fut = pending.popleft()
+            yield tag0, fut.result()
+    finally:
+        for _, fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)

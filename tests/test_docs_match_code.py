@@ -1,0 +1,71 @@
+"""The README's inline option settings name real options and valid values (docs are code: a
+value the recipe loader would reject is a bug in the README)."""
+
+from __future__ import annotations
+
+import re
+import typing
+
+from pydantic import BaseModel
+
+from kiln.components import registry
+from kiln.recipes import schema
+from tests.conftest import REPO
+
+SETTING = re.compile(r"`([a-z_][a-z0-9_.]*) = ([^`]+)`")
+
+
+def _config_classes() -> list[type[BaseModel]]:
+    """Every recipe table and registered component config, and the configs nested in them."""
+    todo = [schema.Recipe, *(e.config for e in registry.entries())]
+    seen: list[type[BaseModel]] = []
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        for field in cls.model_fields.values():
+            for arg in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    todo.append(arg)
+    return seen
+
+
+def _fields() -> dict[str, set[str] | None]:
+    """Field name -> its allowed string values (None: free, some class takes any value)."""
+    seen: dict[str, list[set[str] | None]] = {}
+    for cls in _config_classes():
+        for name, field in cls.model_fields.items():
+            ann = field.annotation
+            literal = typing.get_origin(ann) is typing.Literal
+            seen.setdefault(name, []).append(set(typing.get_args(ann)) if literal else None)
+    return {name: None if None in kinds else set().union(*kinds)
+            for name, kinds in seen.items()}
+
+
+def readme_settings() -> list[tuple[str, str]]:
+    return SETTING.findall((REPO / "README.md").read_text(encoding="utf-8"))
+
+
+def test_readme_settings_name_real_options_and_valid_values():
+    fields = _fields()
+    found = readme_settings()
+    assert len(found) >= 5
+    bad = []
+    for key, value in found:
+        name = key.rsplit(".", 1)[-1]
+        if name not in fields:
+            bad.append(f"`{key} = {value}`: no option {name!r} (see `kiln list`)")
+            continue
+        choices = fields[name]
+        values = value.strip('"').split("|") if "|" in value or value.startswith('"') else []
+        for v in values:
+            if choices is not None and "<" not in v and v not in choices:
+                bad.append(f"`{key} = {value}`: {v!r} is not one of {sorted(choices)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_catches_an_invalid_value():
+    fields = _fields()
+    assert "paper" not in fields["lambda_mode"] and "reparam" in fields["lambda_mode"]
+    assert fields["activation_checkpoint"] == {"none", "full", "selective"}
