@@ -15,6 +15,7 @@ from kiln.checkpointing.hf_layout import to_hf as rope_permute
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.components.distributed import World
 from kiln.components.errors import CheckpointError
+from kiln.components.models.block import padded_vocab
 from kiln.components.positions.rope import RoPE, RoPEConfig
 from kiln.recipes.cli import main
 from kiln.recipes.recipe import load_recipe, render_recipe
@@ -30,7 +31,8 @@ TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
 def checkpoint(tmp_path, *overrides, tiny=TINY):
     recipe = load_recipe(CONFIGS / "debug.toml", [*tiny, *overrides])
     torch.manual_seed(0)
-    model = recipe.model.build(vocab_size=258, seq_len=16)
+    # the byte tokenizer's 258 ids, padded as every build site pads them (load_model does)
+    model = recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=16)
     state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(model.parameters())},
                      recipe_toml=render_recipe(recipe))
     state.train_loader = None
