@@ -10,7 +10,12 @@ from typing import Any
 import tomli_w
 
 from kiln.checkpointing import hf_config, hf_import
-from kiln.components import registry
+from kiln.components.data.hf_tokenizer import (
+    TOKENIZER_FILE,
+    HuggingFaceTokenizer,
+    HuggingFaceTokenizerConfig,
+)
+from kiln.components.errors import CheckpointError, RecipeError
 from kiln.recipes.loader import Layered
 from kiln.recipes.recipe import load_recipe, to_dict, write_text_atomic
 from kiln.recipes.resolve import build_config
@@ -59,8 +64,48 @@ def load_pretrained(trainer) -> None:
     trainer.print(f"kiln: initial weights from {spec} ({n} tensors)")
 
 
-def has_tokenizer(name: str) -> bool:
-    return name in registry.names("tokenizer")
+def _config_ids(config: dict[str, Any], key: str) -> list[int]:
+    """config.json's ``bos_token_id`` / ``eos_token_id``: one id, a list (Llama 3.1) or none."""
+    value = config.get(f"{key}_token_id")
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def tokenizer_table(source: str, folder: Path, config: dict[str, Any],
+                    model_vocab: int) -> tuple[dict[str, Any], str]:
+    """The ``[tokenizer]`` table for a model from ``source`` (read from its local ``folder``)
+    and a note for the user ("" if none). With a tokenizer.json there: the ``huggingface``
+    tokenizer on the same source, its BOS / EOS pinned to config.json's ids where the
+    tokenizer's own config picks other tokens; else the byte tokenizer."""
+    if not (folder / TOKENIZER_FILE).is_file():
+        return {"type": "byte"}, (
+            f"{source} has no {TOKENIZER_FILE}; the recipe uses the byte tokenizer (ids 0-257 "
+            "of the model's vocabulary): set [tokenizer] for real text")
+    table: dict[str, Any] = {"type": "huggingface", "path": source}
+    try:
+        own = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(path=str(folder)))
+    except RecipeError:  # e.g. no BOS/EOS it can name: config.json's ids name them below
+        own = None
+    for key in ("bos", "eos"):
+        want = _config_ids(config, key)
+        if want and (own is None or getattr(own, f"{key}_id") not in want):
+            if own is None:
+                from tokenizers import Tokenizer
+
+                text = Tokenizer.from_file(str(folder / TOKENIZER_FILE)).id_to_token(want[0])
+            else:
+                text = own.id_to_token(want[0])
+            if text is None:
+                raise CheckpointError(f"{source}: config.json {key}_token_id = {want[0]} is not "
+                                      f"an id of its {TOKENIZER_FILE}")
+            table[f"{key}_token"] = text
+    local = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(
+        path=str(folder), **{k: v for k, v in table.items() if k.endswith("_token")}))
+    if local.vocab_size > model_vocab:
+        raise CheckpointError(
+            f"{source}: its {TOKENIZER_FILE} has {local.vocab_size} ids, more than the model's "
+            f"vocab_size ({model_vocab}); the checkpoint and its tokenizer do not belong together")
+    return table, ""
 
 
 def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str, ...] = (),
@@ -73,15 +118,7 @@ def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str
     limits = [config.get("max_position_embeddings") or DEFAULT_SEQ_LEN, window or DEFAULT_SEQ_LEN]
     seq_len = seq_len or min(DEFAULT_SEQ_LEN, *limits)
     hf_config.check_context(config, source, seq_len)
-    tokenizer_note = ""
-    if has_tokenizer("huggingface") and (folder / "tokenizer.json").is_file():
-        tokenizer = {"type": "huggingface", "path": source}
-    else:
-        tokenizer = {"type": "byte"}
-        tokenizer_note = (f"{source} has no tokenizer.json" if has_tokenizer("huggingface") else
-                          "this kiln has no Hugging Face tokenizer")
-        tokenizer_note += "; the recipe uses the byte tokenizer (ids 0-257 of the model's "\
-                          "vocabulary): set [tokenizer] for real text"
+    tokenizer, tokenizer_note = tokenizer_table(source, folder, config, model["vocab_size"])
     checkpoint: dict[str, Any] = {"init_from": source}
     if ignore:
         checkpoint["init_from_ignore"] = list(ignore)

@@ -85,7 +85,12 @@ def test_bad_config_is_one_error_naming_the_field(tmp_path, capsys):
 
 
 def test_hub_source_through_an_offline_cache(tmp_path, offline_cache, capsys):  # noqa: F811
-    save_tiny(tmp_path / "hf", "qwen3")
+    from tests.components.data.tokenizer_files import trained_tokenizer
+
+    save_tiny(tmp_path / "hf", "qwen3", vocab_size=448, bos_token_id=0, eos_token_id=1)
+    trained_tokenizer(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((tmp_path / "tok" / name).read_bytes())
     api = FolderApi(offline_cache)
     api.create_repo("me/tiny")
     api.upload_folder(repo_id="me/tiny", folder_path=str(tmp_path / "hf"), path_in_repo=".")
@@ -94,8 +99,50 @@ def test_hub_source_through_an_offline_cache(tmp_path, offline_cache, capsys):  
             capsys.readouterr().err
         recipe = load_recipe(tmp_path / "r.toml", [*TRAIN, f"--run.folder={tmp_path / 'run'}"])
         assert recipe.checkpoint.init_from == spec and recipe.model.attention.qk_norm
+        assert (recipe.tokenizer.type, recipe.tokenizer.path) == ("huggingface", spec)
+        assert recipe.tokenizer.build().vocab_size == 400  # from the cache, offline
     text = io.StringIO()
     Trainer(recipe, out=text)._start_from_pretrained()
     assert f"initial weights from hf://me/tiny@{COMMIT}" in text.getvalue()
     with pytest.raises(CheckpointError, match="cannot fetch"):
         hub.download_model("hf://me/absent")
+
+
+def test_the_tokenizer_travels_from_import_through_training_to_the_export(tmp_path, capsys):
+    """A source with a tokenizer.json: the recipe trains with it (config.json's BOS/EOS pinned
+    where its tokenizer config names others), the export carries it, and transformers loads
+    tokenizer and model back with kiln's ids and logits."""
+    import transformers  # a dev dependency (pyproject.toml): this test never skips
+
+    from tests.components.data.tokenizer_files import trained_tokenizer
+
+    # the test tokenizer: 400 ids, BOS <|bos|> = 0, EOS <|eos|> = 1, pad 2; config.json says
+    # EOS is 2: the recipe pins it
+    save_tiny(tmp_path / "hf", "llama", vocab_size=448, bos_token_id=0, eos_token_id=2)
+    trained_tokenizer(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((tmp_path / "tok" / name).read_bytes())
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "r.toml")]) == 0
+    assert "tokenizer huggingface" in capsys.readouterr().out
+    recipe = load_recipe(tmp_path / "r.toml", [*TRAIN, f"--run.folder={tmp_path / 'run'}"])
+    tok = recipe.tokenizer
+    assert (tok.type, tok.path, tok.bos_token, tok.eos_token) == (
+        "huggingface", str(tmp_path / "hf"), "", "<|pad|>")
+    trainer = Trainer(recipe, out=io.StringIO())
+    trainer.fit()
+    assert (trainer.tokenizer.vocab_size, trainer.tokenizer.eos_id) == (400, 2)
+    assert trainer.model.vocab_size == 448  # the checkpoint's, not the tokenizer's padded
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "import os\nprint(os.getcwd())\n"
+    ids_ = trainer.tokenizer.encode(text)
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids_[1:]
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (0, 2)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.tensor([ids_[:16]])  # the model's context is training.seq_len here
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, trainer.model.eval()(x), rtol=0, atol=1e-5)
