@@ -64,12 +64,13 @@ def _padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              sampling: Sampling = Sampling(), eos_id: int | None = None, use_cache: bool = True,
-             loops: int | None = None, pad_id: int = 0,
+             loops: int | None = None, pad_id: int = 0, vocab_size: int | None = None,
              on_tokens: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
              ) -> list[list[int]]:
     """New tokens per prompt (a row stops after EOS, which it keeps). ``on_tokens(ids (B,),
     live (B,) bool)`` sees every step's tokens (those of finished rows are not live);
-    ``loops`` is a looped model's loop count."""
+    ``loops`` is a looped model's loop count; ``vocab_size`` (the tokenizer's) keeps sampling
+    off the padding rows of a model whose vocabulary was rounded up (``vocab_multiple``)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one non-empty prompt")
     device = next(model.parameters()).device
@@ -80,13 +81,14 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
         if len({len(p) for p in prompts}) > 1:  # padding needs the cache's attention mask
             return [generate(model, [p], max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_id=eos_id, use_cache=use_cache, loops=loops, pad_id=pad_id,
-                             on_tokens=None)[0] for p in prompts]
-        step = lambda new: model(torch.cat([ids, *new], 1), **kwargs)[:, -1]  # noqa: E731
+                             vocab_size=vocab_size, on_tokens=None)[0] for p in prompts]
+        step = lambda new: model(  # noqa: E731
+            torch.cat([ids, *new], 1), **kwargs)[:, -1, :vocab_size]
         return _loop(step, ids, max_new_tokens, sampling, eos_id, on_tokens)
     with kv_cache.attach(model, len(prompts), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
             session.begin(valid if not new else torch.ones_like(new[-1], dtype=torch.bool))
-            logits = model(ids if not new else new[-1], **kwargs)[:, -1]  # (B, V)
+            logits = model(ids if not new else new[-1], **kwargs)[:, -1, :vocab_size]  # (B, V)
             session.end()
             return logits
 

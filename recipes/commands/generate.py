@@ -103,7 +103,7 @@ def run(args) -> int:
         sys.stdout.write(prompts[0])
     outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
-                    on_tokens=stream)
+                    vocab_size=tokenizer.vocab_size, on_tokens=stream)
     if stream is not None:
         rest = tokenizer.decode(outs[0])[stream.shown:]  # whatever the stream held back
         sys.stdout.write(rest + "\n")

@@ -74,7 +74,7 @@ def test_kiln_generate_streams_one_prompt_and_batches_several(tmp_path, capsys):
     _, tokenizer, model = load_model(folder, min_seq_len=40)
     ids = tokenizer.encode("def ", bos=True, eos=False)
     want = generate(model, [ids], max_new_tokens=6, sampling=Sampling(0.8, seed=1),
-                    eos_id=tokenizer.eos_id)[0]
+                    eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)[0]
     assert main(["generate", str(folder.parent), "--prompt", "def ", "--max-new-tokens", "6",
                  "--seed", "1"]) == 0
     assert capsys.readouterr().out == "def " + tokenizer.decode(want) + "\n"
@@ -87,6 +87,35 @@ def test_kiln_generate_streams_one_prompt_and_batches_several(tmp_path, capsys):
     assert "past the trained context" in capsys.readouterr().err
     assert main(["generate", str(folder), "--prompt", "x", "--loops", "2"]) == 2
     assert "only looped models take --loops" in capsys.readouterr().err
+
+
+def test_sampling_stays_inside_the_tokenizers_vocabulary(tmp_path):
+    folder, _ = checkpoint(tmp_path)
+    _, tokenizer, model = load_model(folder)
+    assert model.vocab_size == 320 > tokenizer.vocab_size == 258  # padded to vocab_multiple
+    with torch.no_grad():
+        model.output.weight[258:] += 100.0  # the padding rows would win every draw
+    hot = Sampling(temperature=5.0, seed=0)
+    assert max(generate(model, [[256, 1]], max_new_tokens=10, sampling=hot)[0]) >= 258
+    for use_cache in (True, False):
+        out = generate(model, [[256, 1], [3]], max_new_tokens=10, sampling=hot,
+                       vocab_size=tokenizer.vocab_size, use_cache=use_cache)
+        assert max(max(row) for row in out) < 258
+
+
+def test_looped_cache_equals_no_cache_at_each_loop_count(tmp_path):
+    """--loops h: the cached path (one cache slot per loop) gives the uncached tokens for an
+    early exit and the full loop count (every family's default: test_combinations)."""
+    tiny = [a for a in TINY if "n_layers" not in a]
+    folder, _ = checkpoint(tmp_path, "--model.type=looped", "--model.loops=3",
+                           "--model.attention.type=differential", tiny=tiny)
+    _, _, model = load_model(folder, min_seq_len=32)
+    prompts = [[256, 5, 9, 100, 7], [256, 40]]
+    for loops in (1, 3):
+        cached = generate(model, prompts, max_new_tokens=8, sampling=GREEDY, loops=loops)
+        plain = generate(model, prompts, max_new_tokens=8, sampling=GREEDY, loops=loops,
+                         use_cache=False)
+        assert cached == plain, loops
 
 
 def test_kiln_generate_on_a_looped_model(tmp_path, capsys):
