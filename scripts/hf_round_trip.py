@@ -4,8 +4,9 @@
 
 1. save a random tiny model with transformers (scripts/tiny_hf_model.py),
 2. ``kiln import`` it, 3. train ``--steps`` steps from it with ./run_train.sh,
-4. ``kiln export`` the final checkpoint, 5. load the export with transformers and compare its
-logits and greedy generation with the kiln model's. Exits 1 if they disagree.
+4. ``kiln export`` the final checkpoint, 5. load the export (model and tokenizer) with
+transformers and compare its logits, token ids and greedy generation with kiln's. Exits 1 if
+they disagree.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> int:
     from kiln.recipes.generate import Sampling, generate
     from kiln.recipes.saved_model import load_model
 
-    _, _, model = load_model(find_checkpoint(work / "run"))
+    _, tokenizer, model = load_model(find_checkpoint(work / "run"))
     model.eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "export", dtype=torch.float32)
     start = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)
@@ -54,14 +55,20 @@ def main() -> int:
     with torch.no_grad():
         diff = (hf.eval()(ids).logits - model(ids)).abs().max().item()
         moved = (start.eval()(ids).logits - model(ids)).abs().max().item()
-    prompt = [256, *b"def "]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(work / "export")
+    prompt = tokenizer.encode("def ", bos=True)
+    same_ids = [hf_tok.bos_token_id, *hf_tok("def ", add_special_tokens=False)["input_ids"]]
     ours = generate(model, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0))[0]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                         # the mask explicitly: BOS is id 0, which it would take for padding
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     print(f"max |logits(transformers, export) - logits(kiln)| = {diff:.3g}")
     print(f"max |logits after training - logits of the imported model| = {moved:.3g}")
     print(f"greedy generation, 32 tokens: {'identical' if ours == theirs else 'DIFFERENT'}")
-    return 0 if diff < 1e-4 and ours == theirs and moved > 0 else 1
+    print(f"tokenizer ({type(tokenizer).__name__}, {tokenizer.vocab_size} ids) in the export: "
+          f"{'same ids' if same_ids == prompt else 'DIFFERENT ids'} for 'def '")
+    return 0 if diff < 1e-4 and ours == theirs and moved > 0 and same_ids == prompt else 1
 
 
 if __name__ == "__main__":
