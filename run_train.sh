@@ -10,6 +10,9 @@ NGPU=${NGPU:-1}
 if [ "$NGPU" -le 1 ]; then
     exec python -m kiln.recipes.cli train "$@"
 fi
-exec torchrun --standalone --nnodes=1 --nproc-per-node="$NGPU" \
+# One intra-op thread per process unless told otherwise (torchrun's default, without its banner).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun with kiln's error reporting: one message and kiln's exit status whichever rank failed
+exec python -m kiln.recipes.launch --standalone --nnodes=1 --nproc-per-node="$NGPU" \
     --local-ranks-filter="${LOG_RANK:-0}" \
     -m kiln.recipes.cli train "$@"

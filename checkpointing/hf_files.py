@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from kiln.checkpointing.hf_layout import Part, from_hf, to_hf
+from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -170,7 +170,7 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
                     to_hf(rows, part.heads).contiguous().clone()
             row0 += part.rows
         for i in [i for i, got in pending.items() if len(got) == len(files[i])]:
-            save_file(pending.pop(i), str(folder / names[i]), metadata={"format": "pt"})
+            save_safetensors(pending.pop(i), folder / names[i], {"format": "pt"})
     if pending:
         raise CheckpointError(f"export: tensors missing from {sorted(pending)}")
     return {"metadata": {"total_size": sum(e[2] for e in entries)},

@@ -118,8 +118,8 @@ class CheckpointManager:
                 layout.write_atomic(tmp / RECIPE, recipe_toml)
         writer = FileSystemWriter(str(tmp), sync_files=True)
         if not self.async_save:
-            with storage.quiet_dcp():
-                dcp.save(tensors, storage_writer=writer, no_dist=not self.world.distributed)
+            storage.quiet_dcp()
+            dcp.save(tensors, storage_writer=writer, no_dist=not self.world.distributed)
             distributed.barrier()
             if self.world.is_main:
                 self._publish(tmp, step, seal)
@@ -127,9 +127,9 @@ class CheckpointManager:
             self.last_saved_step = step
             return self.root / name
 
-        with storage.quiet_dcp():
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._pg,
-                                    no_dist=not self.world.distributed)
+        storage.quiet_dcp()
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._pg,
+                                no_dist=not self.world.distributed)
         marker = self.root / f"{layout.TMP_PREFIX}{name}.done.{self.world.rank}"
         future.add_done_callback(lambda f: _write_marker(marker, f))
         pending: dict[str, Any] = {"future": future, "step": step}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -162,3 +163,16 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group, device=group_device(group))
     return box[0]
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 / TP shard), without importing DTensor: an object of
+    a class from a module nobody imported cannot exist, and single-process runs skip importing
+    torch.distributed.tensor (about 1 s on a small CPU; time to first step)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if is_dtensor(t) else t

@@ -1,7 +1,8 @@
 """kiln's one exception hierarchy: every message says what is wrong, what is valid and what to do.
 
 The command line prints ``KilnError`` messages without a traceback; ``RecipeError`` (a bad
-recipe or command line) exits with status 2, the others with status 1.
+recipe or command line), ``CheckpointError`` and ``TrainingAborted`` exit with status 2, the
+others with status 1.
 
 A leaf module: every package may import it and it imports nothing of kiln.
 """
@@ -27,6 +28,8 @@ class DataError(KilnError):
 
 class CheckpointError(KilnError):
     """A missing, corrupt, tampered or incompatible checkpoint."""
+
+    exit_code = 2
 
 
 class TrainingAborted(KilnError):

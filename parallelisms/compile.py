@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kiln.components.errors import KilnError
+from kiln.components.torchao_import import quiet_compile
 from kiln.parallelisms.blocks import model_blocks
 from kiln.parallelisms.config import ParallelismConfig
 
@@ -48,6 +49,7 @@ def apply_compile(model: nn.Module, cfg: ParallelismConfig, device: torch.device
     if not cfg.compile:
         return ""
     check_toolchain(device)
+    quiet_compile()
     blocks = model_blocks(model)
     for block in blocks:
         block.compile(fullgraph=cfg.compile_fullgraph)
@@ -59,4 +61,5 @@ def compile_loss(fn: Callable, cfg: ParallelismConfig, device: torch.device) -> 
     if not cfg.compile_loss:
         return fn
     check_toolchain(device)
+    quiet_compile()
     return torch.compile(fn, fullgraph=cfg.compile_fullgraph)

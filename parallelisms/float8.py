@@ -12,6 +12,7 @@ torchao is imported lazily: its import logs warnings about optional CUDA extensi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 
@@ -46,10 +47,27 @@ def float8_filter(cfg: ParallelismConfig) -> Callable[[nn.Module, str], bool]:
     return keep
 
 
-def float8_support(device: torch.device) -> str | None:
-    """None if ``device`` can run float8 matmuls; else why not."""
-    if device.type != "cuda":
-        return None  # CPU runs torch._scaled_mm (slowly): fine for tests
+@functools.lru_cache(maxsize=1)
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes row-wise scales (torch 2.11 asserts
+    per-tensor scales on CPU; 2.13 takes both): probed once on a 16 x 16 product."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def float8_support(device: torch.device, recipe: str = "tensorwise") -> str | None:
+    """None if ``device`` can run float8 matmuls with ``recipe``'s scaling; else why not."""
+    if device.type != "cuda":  # CPU runs torch._scaled_mm (slowly): fine for tests
+        if recipe != "tensorwise" and not cpu_rowwise_scaled_mm():
+            return (f"this torch ({torch.__version__}) has no row-wise scaled matmul on CPU "
+                    "(torch >= 2.13 has; GPUs have it)")
+        return None
     cap = torch.cuda.get_device_capability(device)
     if cap < FP8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
@@ -79,7 +97,7 @@ def apply_float8(
     """
     if cfg.float8 == "off":
         return [], ""
-    problem = float8_support(device)
+    problem = float8_support(device, cfg.float8)
     if problem is not None:
         if not cfg.float8_fallback:
             raise KilnError(

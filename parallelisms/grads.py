@@ -13,22 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from kiln.components import distributed
+from kiln.components.distributed import is_dtensor
 
 
 @contextlib.contextmanager
 def grad_sync_context(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
     """Around one micro-batch's backward: FSDP2 syncs gradients only on the last one."""
-    if isinstance(model, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDPModule exists
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
         model.set_requires_gradient_sync(is_last_microbatch)
     yield
 
@@ -89,9 +90,9 @@ def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.T
         if p.grad is None:
             continue
         g = p.grad
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else "plain"
+        key = (g.device_mesh, g.placements) if is_dtensor(g) else "plain"
         groups[key].append(g)
-        device = device or (g.device if not isinstance(g, DTensor) else g.to_local().device)
+        device = device or (g.device if not is_dtensor(g) else g.to_local().device)
     if device is None:
         return torch.zeros(())
     parts = []
@@ -117,7 +118,7 @@ def clip_grad_norm(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # no host sync: multiply by <= 1
     locals_ = defaultdict(list)
     for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
         locals_[(g.device, g.dtype)].append(g)
     for (dev, _), grads in locals_.items():
         torch._foreach_mul_(grads, coef.to(dev))

@@ -20,12 +20,16 @@ Two methods, chosen by ``parallelism.init_mode``:
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from kiln.components.distributed import is_dtensor
 from kiln.components.errors import KilnError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _dtensor_params(model: nn.Module) -> dict[int, tuple[DTensor, list[tuple[nn.Module, str]]]]:
@@ -33,7 +37,7 @@ def _dtensor_params(model: nn.Module) -> dict[int, tuple[DTensor, list[tuple[nn.
     found: dict[int, tuple[DTensor, list[tuple[nn.Module, str]]]] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 found.setdefault(id(p), (p, []))[1].append((module, name))
     return found
 
@@ -57,6 +61,8 @@ def _init_replica(model: nn.Module, params: dict, device: torch.device, seed: in
         for module, name in owners:
             module._parameters[name] = full
         swapped.append((p, owners, full))
+    from torch.distributed.tensor import distribute_tensor
+
     try:
         torch.manual_seed(seed)
         _init_weights(model)
@@ -72,6 +78,8 @@ def _init_replica(model: nn.Module, params: dict, device: torch.device, seed: in
 
 def _shard_index(p: DTensor) -> int:
     """Which shard of ``p`` this rank holds (replicas share an index)."""
+    from torch.distributed.tensor import Shard
+
     index = 0
     for dim, placement in enumerate(p.placements):
         if isinstance(placement, Shard):

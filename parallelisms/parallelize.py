@@ -13,20 +13,20 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
 from kiln.parallelisms.compile import apply_compile
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.float8 import apply_float8, float8_post_optimizer_step
-from kiln.parallelisms.fsdp import apply_fsdp, fsdp_summary
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
-from kiln.parallelisms.mesh import build_mesh, fsdp_mesh
+
+if TYPE_CHECKING:  # FSDP2 and the mesh are imported when used: single-process runs skip them
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class WorldLike(Protocol):
@@ -114,6 +114,9 @@ def parallelize(
     if note:
         plan.notes.append(note)
     if fsdp:
+        from kiln.parallelisms.fsdp import fsdp_summary
+        from kiln.parallelisms.mesh import build_mesh
+
         plan.mesh = mesh or build_mesh(cfg, world.world_size, world.device.type)
         plan.parts.append(fsdp_summary(cfg, plan.mesh))
     elif world.world_size > 1:
@@ -134,5 +137,8 @@ def parallelize(
     compiled = apply_compile(model, cfg, world.device)
     plan.parts += [text for text in (compiled, checkpointed) if text]
     if fsdp:
+        from kiln.parallelisms.fsdp import apply_fsdp
+        from kiln.parallelisms.mesh import fsdp_mesh
+
         apply_fsdp(model, cfg, fsdp_mesh(plan.mesh))
     return plan

@@ -10,9 +10,11 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 from kiln.components.errors import KilnError
 from kiln.components.registry import RegistryError
+from kiln.recipes import launch
 from kiln.recipes.loader import parse_override
 
 # name -> (module, one-line help)
@@ -82,16 +84,45 @@ def main(argv: list[str] | None = None) -> int:
             parse_override(arg)  # syntax errors before any work
         return int(module.run(args) or 0)
     except KilnError as exc:
-        print(f"kiln {name}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(name, exc.exit_code, str(exc))
     except RegistryError as exc:
-        print(f"kiln {name}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(name, 2, str(exc))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `kiln show ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception:
+        if not _under_torchrun():
+            raise
+        # A bug, or a consequence of another rank's error (a peer left a collective): the
+        # launcher decides which to show (kiln.recipes.launch).
+        if not launch.write_report({"kind": "exception", "traceback": traceback.format_exc()}):
+            raise
+        _exit_now(1)
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _fail(name: str, status: int, message: str) -> int:
+    """Print kiln's one-message error (or hand it to ``kiln.recipes.launch``); exit status."""
+    report = {"kind": "kiln", "prefix": f"kiln {name}", "exit_code": status, "message": message}
+    if not (_under_torchrun() and launch.write_report(report)):
+        print(f"kiln {name}: error: {message}", file=sys.stderr)
+    if _under_torchrun():
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """Leave a torchrun worker at once: an orderly exit tears down gloo connections that peers
+    may still use and can abort ("terminate called without an active exception"), turning
+    kiln's exit status into SIGABRT."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

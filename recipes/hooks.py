@@ -4,6 +4,7 @@ packages add their own hooks. A hook overrides any of the three methods."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -75,17 +76,19 @@ class LogHook(Hook):
 
 
 class ProgressHook(Hook):
-    """A tqdm bar on the main rank: steps, loss, tokens/s, ETA."""
+    """A tqdm bar on the main rank: steps, loss, tokens/s, ETA. Only on a terminal: in a file or
+    a pipe its redraws would be carriage-return frames in the log, where the log lines every
+    ``run.log_interval`` steps already show the progress."""
 
     def __init__(self):
         self.bar = None
 
     def on_train_start(self, trainer) -> None:
-        if trainer.world.is_main and trainer.recipe.run.progress_bar:
+        if trainer.world.is_main and trainer.recipe.run.progress_bar and _on_terminal(trainer):
             from tqdm import tqdm
 
             self.bar = tqdm(total=trainer.total_steps, initial=trainer.progress.step,
-                            unit="step", dynamic_ncols=True, leave=True)
+                            unit="step", dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def on_step_end(self, trainer, result) -> None:
         if self.bar is not None:
@@ -96,6 +99,11 @@ class ProgressHook(Hook):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _on_terminal(trainer) -> bool:
+    """The bar goes to stderr, the log lines to ``trainer.out``: both must be terminals."""
+    return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stderr, trainer.out))
 
 
 class EvalHook(Hook):

@@ -21,7 +21,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     if path.is_dir():
         path = _recipe_in_folder(path)
-    layers = load_layers(path, list(overrides))
+    layers = load_layers(path, list(overrides), exclusive=Recipe.exclusive_tables)
     take_notes()
     recipe = build_config(Recipe, layers.data, "", layers)
     for note in take_notes():

@@ -7,6 +7,7 @@ set the key, the valid keys and a did-you-mean.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any
@@ -54,6 +55,13 @@ def _nested_config(annotation: Any) -> type[Config] | None:
     for c in candidates:
         if isinstance(c, type) and issubclass(c, Config) and not issubclass(c, ComponentConfig):
             return c
+    return None
+
+
+def _nested_list(annotation: Any) -> type[Config] | None:
+    """The item config of a ``list[SomeConfig]`` field (e.g. ``no_decay`` rules)."""
+    if typing.get_origin(annotation) is list:
+        return _nested_config(typing.get_args(annotation)[0])
     return None
 
 
@@ -113,6 +121,7 @@ def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) ->
         sub = prefix + key
         kind, container = _kind_of(info.annotation, info.metadata)
         nested = _nested_config(info.annotation)
+        item = _nested_list(info.annotation)
         if kind and container == "dict" and isinstance(value, dict):
             values[key] = {k: _component(kind, v, f"{sub}.{k}", layers) for k, v in value.items()}
         elif kind and container == "list" and isinstance(value, list):
@@ -121,6 +130,11 @@ def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) ->
             values[key] = _component(kind, value, sub, layers, default_type(info))
         elif nested is not None and isinstance(value, dict):
             values[key] = build_config(nested, value, sub, layers)
+        elif item is not None and isinstance(value, dict):  # one table for a list of them
+            values[key] = [build_config(item, value, sub, layers)]
+        elif item is not None and isinstance(value, list):
+            values[key] = [build_config(item, v, f"{sub}[{i}]", layers)
+                           for i, v in enumerate(value)]
         else:
             values[key] = value
     try:
@@ -136,18 +150,39 @@ def _explain(exc: ValidationError, cls: type[BaseModel], prefix: str, layers: La
     for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err["loc"])
         key = prefix + loc
-        if err["type"] == "missing":
+        reason = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a model-level validator: the table, then its reason
+            table = prefix.rstrip(".")
+            where = f"[{table}]: " if table else ""
+            lines.append(f"{_blame(reason, cls, prefix, layers)}: {where}{reason}")
+        elif err["type"] == "missing":
             field = cls.model_fields.get(str(err["loc"][0]))
             desc = f" ({field.description})" if field is not None and field.description else ""
             lines.append(f"{layers.source(prefix.rstrip('.'))}: missing required key {key}{desc}")
         else:
-            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            field = cls.model_fields.get(str(err["loc"][0]))
             want = _type_name(field.annotation) if field is not None else ""
             hint = f" (expected {want})" if want else ""
             lines.append(
-                f"{layers.source(key)}: {key} = {err.get('input')!r}: {err['msg']}{hint}"
+                f"{layers.source(key)}: {key} = {_short(err.get('input'))}: {reason}{hint}"
             )
     return "\n".join(lines)
+
+
+def _blame(reason: str, cls: type[BaseModel], prefix: str, layers: Layered) -> str:
+    """The file that last set a key the reason names (a model-level check spans several keys),
+    else the file of the table."""
+    named = [f"{prefix}{key}" for key in _keys(cls) if re.search(rf"\b{re.escape(key)}\b", reason)]
+    set_keys = [k for k in named if layers.layer(k) >= 0]
+    if set_keys:
+        return layers.source(max(set_keys, key=layers.layer))
+    return layers.source(prefix.rstrip("."))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value as written in the message, cut short (a table's repr can be a page long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _type_name(annotation: Any) -> str:

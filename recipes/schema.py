@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,7 +32,9 @@ class RunConfig(Config):
     folder: str = Field("", description="run folder; default: runs/<name>")
     log_interval: int = Field(10, ge=1, description="console / JSONL / TensorBoard every N steps")
     tensorboard: bool = Field(True, description="write TensorBoard scalars under the run folder")
-    progress_bar: bool = Field(True, description="tqdm progress bar on rank 0")
+    progress_bar: bool = Field(
+        True, description="tqdm progress bar on rank 0, when stdout and stderr are terminals"
+    )
     wandb: WandbConfig | None = Field(
         None, description="log to Weights & Biases too: a table with at least project (needs "
         "`pip install wandb`)"
@@ -62,6 +64,10 @@ class TrainingConfig(Config):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
     threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="chunked cross-entropy: the LM head and the loss run this many "
+        "tokens at a time, so the micro-batch's full logits never exist (0 = unchunked)",
+    )
     context_warmup: ContextWarmupConfig = Field(
         default_factory=ContextWarmupConfig,
         description="grow the sequence length from `start` to seq_len over `steps` steps",
@@ -83,6 +89,10 @@ class EvalConfig(Config):
 
 class Recipe(Config):
     """A kiln recipe: the components of one training run and their settings."""
+
+    # Top-level tables of which a recipe uses one: a file that writes one of them replaces the
+    # others inherited through `extends` (recipes/loader.py).
+    exclusive_tables: ClassVar[tuple[tuple[str, ...], ...]] = (("optimizer", "optimizers"),)
 
     description: str = Field("", description="free text shown by `kiln show`")
     run: RunConfig = Field(default_factory=RunConfig)
@@ -107,7 +117,7 @@ class Recipe(Config):
     @model_validator(mode="after")
     def _one_optimizer_table(self) -> Recipe:
         if self.optimizer is not None and self.optimizers:
-            raise ValueError("set either [optimizer] or [optimizers.NAME] tables, not both")
+            raise ValueError("both [optimizer] and [optimizers.NAME] tables are set; use one")
         if self.optimizer is None and not self.optimizers:
             self.optimizer = default_config("optimizer", "adamw")
         return self

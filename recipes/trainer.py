@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.components import distributed
-from kiln.components.errors import TrainingAborted
+from kiln.components.errors import RecipeError, TrainingAborted
+from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
@@ -44,28 +47,32 @@ class Progress:
 
 class Trainer:
     cross_entropy = staticmethod(F.cross_entropy)  # _parallelize may compile it (compile_loss)
+    chunk_loss = staticmethod(chunk_loss_sum)  # per chunk of training.loss_chunk_tokens; likewise
 
     def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
                  checkpoints: bool = True, out=None):
         self.recipe = recipe
         self.out = out or sys.stdout
         tr = recipe.training
+        self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
+        phase = _Phases(self.startup_s)
         self.world = distributed.init(tr.device, recipe.parallelism.backend)
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
+        # The run folder gets its recipe.toml when the first step is done (``fit``): a run that
+        # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
         self.plan = batch_plan.plan(tr, self.world.world_size)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
         self.stop_requested = False
+        self.data_wait_s = 0.0  # time the loop spent waiting for input batches, in total
 
         torch.manual_seed(tr.seed)
+        phase("process group, run folder")
         self.tokenizer = recipe.tokenizer.build()
         self.dataset = recipe.data.build(tokenizer=self.tokenizer, seq_len=tr.seq_len, seed=tr.seed)
         if self.world.is_main:
@@ -79,9 +86,11 @@ class Trainer:
         )
         self.total_steps = batch_plan.total_steps(
             tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
-
+        phase("data")
         self.model = self._build_model()
+        phase("model build")
         self.parallel_summary = self._parallelize()
+        phase("parallelize")
         self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
@@ -98,6 +107,7 @@ class Trainer:
             self.hooks.append(self._checkpoint_hook())
         self.hooks += [LogHook(), EvalHook(), ProgressHook()]
         self.hooks += hooks or []
+        phase("optimizers, hooks")
 
     # ----------------------------------------------------------------------------- building
     def _build_model(self) -> torch.nn.Module:
@@ -111,12 +121,16 @@ class Trainer:
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
-            from kiln.components.errors import RecipeError
-
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
                 f"vocabulary ({self.tokenizer.vocab_size}); raise it or set 0 to use the "
                 "tokenizer's (rounded up to model.vocab_multiple)"
+            )
+        if tr.loss_chunk_tokens and "head" not in inspect.signature(model.forward).parameters:
+            raise RecipeError(
+                f"training.loss_chunk_tokens = {tr.loss_chunk_tokens} needs a model whose "
+                f"forward takes head= (docs/design.md); {type(model).__name__} does not: set "
+                "training.loss_chunk_tokens = 0"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
 
@@ -143,6 +157,7 @@ class Trainer:
             details.append(check_identical_init(self.model))
         if pcfg.compile_loss:
             self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
+            self.chunk_loss = compile_loss(chunk_loss_sum, pcfg, self.device)
         for line in details:
             self.print(f"parallelism: {line}")
         kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
@@ -194,10 +209,17 @@ class Trainer:
         self.optimizers.zero_grad()
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast)."""
-        with self.autocast:
-            logits = self.model(batch["input_ids"])  # (B, T, V)
-        loss = self.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); chunked
+        through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
+        chunk = self.recipe.training.loss_chunk_tokens
+        if chunk:
+            with self.autocast:
+                loss = self.model(batch["input_ids"],
+                                  head=LossHead(batch["labels"], chunk, self.chunk_loss))
+        else:
+            with self.autocast:
+                logits = self.model(batch["input_ids"])  # (B, T, V)
+            loss = self.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
         aux = pop_aux() if pop_aux is not None else None
         # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.
@@ -274,6 +296,7 @@ class Trainer:
             from tqdm import tqdm
 
             tqdm.write(text, file=self.out)  # keeps the progress bar intact
+            self.out.flush()  # line by line also into a file or a pipe (`tail -f` a log)
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> Progress:
@@ -286,19 +309,32 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.on_train_start(self)
+            if self.progress.step >= self.total_steps:
+                self.print(f"kiln: {self.recipe.run.name} already finished: step "
+                           f"{self.progress.step} of {self.total_steps} in {self.run_dir}; nothing "
+                           "to do (raise training.steps to continue it, or give another "
+                           "--run.folder to start over)")
+                return self.progress
             self._start_from_pretrained()
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
             warmup = self.recipe.training.context_warmup
+            started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
+                waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
+                self.data_wait_s += time.perf_counter() - waited
                 self.seq_len = context_length(self.progress.step, self.plan.seq_len, warmup)
                 if self.seq_len < self.plan.seq_len:
                     micro = [truncate(b, self.seq_len) for b in micro]
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
                 result = self.step_fn(self, micro)
+                if self.world.is_main and not started:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
+                started = True
                 self.end_step(result)
                 for hook in self.hooks:
                     hook.on_step_end(self, result)
@@ -308,7 +344,22 @@ class Trainer:
             for hook in self.hooks:
                 hook.close(self)
             self.metrics.close()
+            close_loader = getattr(self.train_loader, "close", None)  # e.g. a read-ahead thread
+            if close_loader is not None:
+                close_loader()
         return self.progress
+
+
+class _Phases:
+    """``phase(name)`` records the seconds since the previous call under ``name``."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.last = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = self.into.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def peak_rss_bytes() -> int:

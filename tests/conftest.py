@@ -28,8 +28,26 @@ def write(tmp_path):
     return _write
 
 
-@pytest.fixture(autouse=True)
-def _kiln_cache(tmp_path_factory, monkeypatch):
-    """Prepared datasets go to one session-wide temp cache, never the user's home."""
-    cache = tmp_path_factory.getbasetemp() / "kiln-cache"
-    monkeypatch.setenv("KILN_CACHE", str(cache))
+# Everything a test (or a process it starts) might write under the user's home or cache goes
+# to the session's temp folder instead: kiln's data cache, Hugging Face, pip and torch caches.
+# Set once for the session before any module- or class-scoped fixture runs (pytest runs
+# session-scoped autouse fixtures first), so no fixture can prepare data in the real cache.
+# tests/test_isolation.py checks it.
+ISOLATED = {
+    "KILN_CACHE": "kiln-cache",
+    "HF_HOME": "hf-home",
+    "HF_HUB_CACHE": "hf-home/hub",
+    "XDG_CACHE_HOME": "xdg-cache",
+    "TORCH_HOME": "torch-home",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_caches(tmp_path_factory):
+    """Point every cache at the session's temp folder (shared by all tests: a dataset is
+    prepared once per session)."""
+    root = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as mp:
+        for var, sub in ISOLATED.items():
+            mp.setenv(var, str(root / sub))
+        yield root

@@ -32,6 +32,7 @@ import torch
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
+from kiln.components.data.prefetch import Prefetcher
 from kiln.components.data.shard_source import FolderSource, HubSource, Shard
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.registry import register
@@ -59,6 +60,14 @@ class BalancedShardsConfig(ComponentConfig):
     )
     shuffle: bool = Field(True, description="seeded random shard order and row order")
     refresh: bool = Field(True, description="list the domain again before each new shard")
+    prefetch: int = Field(
+        4, ge=0, description="train micro-batches read (and Hub shards downloaded) ahead in a "
+        "background thread; 0 = in the training thread",
+    )
+    pin_memory: bool = Field(
+        True, description="prefetched batches in page-locked memory when CUDA is available "
+        "(asynchronous host-to-GPU copies)",
+    )
 
 
 def _rng(seed: int, *keys: str | int) -> np.random.Generator:
@@ -229,7 +238,9 @@ class BalancedLoader:
     """Micro-batches ``{"input_ids", "labels"}`` (int64 (micro_batch, seq_len)) of one rank.
 
     ``train`` runs forever and resumes from ``state_dict``; ``eval`` is one pass over the held-out
-    rows each time it is iterated.
+    rows each time it is iterated. ``train`` batches are made ``prefetch`` micro-batches ahead
+    in a background thread (``prefetch.Prefetcher``); the position and stream states reported by
+    ``state_dict`` are those after the last batch handed out, not after the read-ahead.
     """
 
     steps_per_epoch = None  # endless stream: the recipe sets training.steps or tokens
@@ -250,6 +261,9 @@ class BalancedLoader:
         self.domains = list(ds.cfg.domains)
         self.streams = {d: DomainStream(ds, d) for d in self.domains}
         self._pos = 0
+        self._prefetcher: Prefetcher | None = None
+        self._ahead = 0  # the next position the prefetch thread makes
+        self._streams_state: dict[str, Any] | None = None  # after the last batch handed out
         if split == "eval" and not ds.cfg.eval_rows:
             raise DataError("data.eval_rows = 0: balanced_shards has no eval split; set "
                             "eval_rows > 0 or eval.interval = 0")
@@ -290,24 +304,51 @@ class BalancedLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        batch = self._batch(self._pos)
-        self._pos += 1
+        if not self.ds.cfg.prefetch:
+            batch = self._batch(self._pos)
+            self._pos += 1
+            return batch
+        if self._prefetcher is None:
+            self._ahead = self._pos
+            self._streams_state = self._stream_states()
+            pin = self.ds.cfg.pin_memory and torch.cuda.is_available()
+            self._prefetcher = Prefetcher(self._produce, self.ds.cfg.prefetch, pin)
+        batch, (self._pos, self._streams_state) = self._prefetcher.get()
         return batch
+
+    def _produce(self) -> tuple[dict[str, torch.Tensor], tuple[int, dict[str, Any]]]:
+        """In the prefetch thread: the next batch and the loader state right after it."""
+        batch = self._batch(self._ahead)
+        self._ahead += 1
+        return batch, (self._ahead, self._stream_states())
+
+    def _stream_states(self) -> dict[str, Any]:
+        return {d: s.state_dict() for d, s in self.streams.items()}
+
+    def close(self) -> None:
+        """Stop the read-ahead; the streams go back to where the handed-out batches left them."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+            for d, s in (self._streams_state or {}).items():
+                self.streams[d].load_state_dict(s)
 
     def skip_steps(self, n: int) -> None:
         """Jump ``n`` global steps ahead (e.g. past the data that caused a loss spike)."""
         if n < 0:
             raise ValueError(f"skip_steps needs n >= 0, got {n}")
+        self.close()
         self._pos += n * self.micro_per_step
 
     def state_dict(self) -> dict[str, Any]:
         step, micro = divmod(self._pos, self.micro_per_step)
+        streams = self._streams_state if self._prefetcher is not None else self._stream_states()
         return {"step": step, "micro": micro, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "micro_batch": self.micro_batch,
-                "world_size": self.world_size, "domains": self.domains,
-                "streams": {d: s.state_dict() for d, s in self.streams.items()}}
+                "world_size": self.world_size, "domains": self.domains, "streams": streams}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
         for key in ("seq_len", "global_batch", "domains"):
             if state[key] != getattr(self, key):
                 raise DataError(f"the data cursor was saved with {key} = {state[key]}, this "

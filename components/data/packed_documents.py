@@ -56,7 +56,10 @@ class PackedDocumentsConfig(ComponentConfig):
     )
     cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
     num_workers: int = Field(0, ge=0, description="loader worker processes (0 = in the trainer)")
-    pin_memory: bool = Field(False, description="pin batches for faster host-to-GPU copies")
+    pin_memory: bool = Field(
+        True, description="batches in page-locked memory when CUDA is available (asynchronous "
+        "host-to-GPU copies; ignored on CPU)",
+    )
     prefetch: int = Field(2, ge=1, description="micro-batches each worker loads ahead")
 
 

@@ -26,9 +26,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.distributed import is_dtensor
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
@@ -37,6 +37,7 @@ from kiln.components.models.block import (
     init_component,
     resolve_sizes,
 )
+from kiln.components.models.lm_head import HeadFn, logits
 from kiln.components.models.looped_carry import Carry, LoopWindow
 from kiln.components.registry import register
 
@@ -162,7 +163,9 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             w = self.adapter.weight
             eye = torch.eye(self.dim, device=w.device, dtype=w.dtype)
             full = torch.cat([eye, eye], 1)
-            if isinstance(w, DTensor):  # sharded meta init: each rank writes its own slice
+            if is_dtensor(w):  # sharded meta init: each rank writes its own slice
+                from torch.distributed.tensor import distribute_tensor
+
                 full = distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None)
             w.copy_(full)
         if self.loop_scale_raw is not None:
@@ -215,8 +218,10 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
         finally:
             self._window = None
 
-    def forward(self, input_ids: torch.Tensor, *, loops: int | None = None) -> torch.Tensor:
-        """(B, T) -> logits (B, T, V); ``loops`` = H_eff for evaluation (early exit)."""
+    def forward(self, input_ids: torch.Tensor, *, loops: int | None = None,
+                head: HeadFn | None = None) -> torch.Tensor:
+        """(B, T) -> logits (B, T, V); ``loops`` = H_eff for evaluation (early exit); with
+        ``head``, ``head(hidden, weight, softcap)`` instead (the chunked loss, ``lm_head``)."""
         if loops is not None and not 1 <= loops <= self.loops:
             raise ValueError(f"loops must be in [1, {self.loops}], got {loops}")
         e = self.tok_embeddings(input_ids)  # (B, T, dim)
@@ -241,11 +246,10 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             self.carry.stage(slot, s, input_ids)
         for i in self.coda_ids:
             s = self.layers[i](s)
-        logits = self.output(self.norm(s))  # (B, T, V)
-        if self.cfg.logit_softcap:
-            cap = self.cfg.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+        s = self.norm(s)
+        if head is not None:
+            return head(s, self.output.weight, self.cfg.logit_softcap)
+        return logits(s, self.output, self.cfg.logit_softcap)  # (B, T, V)
 
     def _draw_loops(self) -> int:
         """H for this training forward: the same on every rank (seeded by step and slot)."""

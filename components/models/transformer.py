@@ -28,6 +28,7 @@ from kiln.components.models.block import (
     init_component,
     resolve_sizes,
 )
+from kiln.components.models.lm_head import HeadFn, logits
 from kiln.components.registry import register
 
 
@@ -95,15 +96,16 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
             out_std = self.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+    def forward(self, input_ids: torch.Tensor, *, head: HeadFn | None = None) -> torch.Tensor:
+        """(B, T) -> logits (B, T, V); with ``head``, ``head(hidden, weight, softcap)`` instead
+        (the trainer's chunked loss, ``lm_head``)."""
         h = self.tok_embeddings(input_ids)  # (B, T, dim)
         for block in self.layers.values():
             h = block(h)
-        logits = self.output(self.norm(h))  # (B, T, V)
-        if self.logit_softcap:
-            cap = self.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+        h = self.norm(h)
+        if head is not None:
+            return head(h, self.output.weight, self.logit_softcap)
+        return logits(h, self.output, self.logit_softcap)  # (B, T, V)
 
     def num_params(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:
         """Distinct parameters (a tied matrix counts once); optionally minus the input table;

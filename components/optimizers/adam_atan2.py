@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor
 
+from kiln.components.distributed import local_tensor
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
 
@@ -34,7 +34,7 @@ class AdamATan2Config(OptimizerConfig):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # Every operation here is elementwise, so FSDP2 shards are updated through their local views.
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 class AdamATan2(torch.optim.Optimizer):

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
-from kiln.components.torchao_import import import_torchao
+from kiln.components.torchao_import import import_torchao, quiet_compile
 
 
 class AdamW8bitConfig(OptimizerConfig):
@@ -47,6 +47,7 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
 
         @torch.no_grad()
         def step(self, closure=None):
+            quiet_compile()  # torchao compiles the step on first use
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
                     group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)

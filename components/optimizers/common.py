@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kiln.components.base import ComponentConfig, Config, Sub, component
 from kiln.components.optimizers.memory import optimizer_state_bytes  # noqa: F401  (kiln bench)
@@ -44,11 +44,19 @@ class OptimizerConfig(ComponentConfig):
         default_factory=lambda: ParamRule(rest=True),
         description="which parameters this optimizer trains",
     )
-    no_decay: ParamRule | None = Field(
-        None, description="parameters of this optimizer exempt from weight decay (e.g. ndim=[1])"
+    no_decay: list[ParamRule] = Field(
+        default_factory=lambda: [ParamRule(ndim=[1]), ParamRule(modules=["Embedding"])],
+        description="rules (any may match) for parameters exempt from weight decay; default: "
+        "1-D (norms, biases) and embeddings; [] decays everything",
     )
     schedule: Sub("schedule") = component("schedule", "warmup_cosine", "LR schedule")
     step_every: Literal["segment", "global"] = Field(
         "segment",
         description="with segmented steps: step after every segment, or on the last one only",
     )
+
+    @field_validator("no_decay", mode="before")
+    @classmethod
+    def _one_rule_is_a_list(cls, value: Any) -> Any:
+        """``no_decay = { ndim = [1] }`` (one table) means a list of that one rule."""
+        return [value] if isinstance(value, (dict, ParamRule)) else value

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from kiln.components.distributed import is_dtensor
 
 
 def tensor_bytes(t: torch.Tensor, seen: set[tuple[int, int]] | None = None) -> int:
     """Bytes held by ``t``: a DTensor's local shard, a tensor subclass's inner tensors (e.g.
     torchao's 8-bit codes and scales), a plain tensor's elements. ``seen`` de-duplicates tensors
     shared between parameters (e.g. a quantisation map)."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return tensor_bytes(t.to_local(), seen)
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()

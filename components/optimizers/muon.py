@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kiln.components.distributed import is_dtensor, local_tensor
 from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig, ParamRule
 from kiln.components.optimizers.orthogonalize import (
@@ -131,7 +131,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 def _orthogonalize(params, updates, ns: dict, owner_turn: int):
@@ -141,7 +141,7 @@ def _orthogonalize(params, updates, ns: dict, owner_turn: int):
     for i, p in enumerate(params):
         if p.ndim == 2 and is_row_sharded(p):
             key = ("sharded", tuple(p.shape), id(p.device_mesh.get_group()))
-        elif not isinstance(p, DTensor) or (
+        elif not is_dtensor(p) or (
             p.ndim == 3 and is_row_sharded(p)  # whole experts per rank: NS is local
         ):
             key = ("local", tuple(updates[i].shape[-2:]), updates[i].dtype)
@@ -162,6 +162,8 @@ def _orthogonalize(params, updates, ns: dict, owner_turn: int):
             sizes = [updates[i].numel() // (key[1][0] * key[1][1]) for i in ids]
             res = [f.view(updates[i].shape) for f, i in zip(flat.split(sizes), ids, strict=True)]
         else:  # other layouts (TP, HSDP): gather the full matrix, then keep this rank's part
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
             p = params[ids[0]]
             full = DTensor.from_local(updates[ids[0]], p.device_mesh, p.placements,
                                       shape=p.shape, stride=p.stride()).full_tensor()

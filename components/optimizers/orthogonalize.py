@@ -21,9 +21,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from kiln.components import distributed
+from kiln.components.distributed import is_dtensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -69,9 +69,12 @@ def chunk_rows(rows: int, world: int) -> list[int]:
 
 def is_row_sharded(t: torch.Tensor) -> bool:
     """A DTensor sharded on dim 0 of a 1-D mesh: the FSDP2 layout the owner path handles."""
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor import Shard
+
     return (
-        isinstance(t, DTensor)
-        and t.device_mesh.ndim == 1
+        t.device_mesh.ndim == 1
         and len(t.placements) == 1
         and t.placements[0] == Shard(0)
     )

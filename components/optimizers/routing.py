@@ -83,8 +83,7 @@ def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Rou
     routes = {name: Route(name) for name in tables}
     for n, p in params:
         opt_name = chosen[n][0]
-        rule = tables[opt_name].no_decay
-        exempt = rule is not None and matches(rule, n, p, owners.get(n, ""))
+        exempt = any(matches(rule, n, p, owners.get(n, "")) for rule in tables[opt_name].no_decay)
         (routes[opt_name].no_decay if exempt else routes[opt_name].decay).append((n, p))
     for opt_name, r in routes.items():  # optimizers that accept only some parameters say so
         check = getattr(tables[opt_name], "check_params", None)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor
 
+from kiln.components.distributed import local_tensor
 from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
@@ -55,7 +55,7 @@ def build_sgd(cfg: SGDConfig, groups: list[dict]) -> torch.optim.Optimizer:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 JAC_FLOOR = 1e-4  # the reference's clamp: a saturated parameterisation still moves

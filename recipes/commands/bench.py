@@ -33,64 +33,55 @@ def add_arguments(parser) -> None:
                         "one step at each H (e.g. 4,8,16), segment length K from the recipe")
 
 
-class _DataWait:
-    """Wraps the train loader: seconds the loop waited in ``next`` for each micro-batch."""
-
-    def __init__(self, loader) -> None:
-        self.loader, self.waits, self._it = loader, [], None
-
-    def __iter__(self):
-        self._it = iter(self.loader)
-        return self
-
-    def __next__(self):
-        t0 = time.perf_counter()
-        batch = next(self._it)
-        self.waits.append(time.perf_counter() - t0)
-        return batch
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
 class _Timer(Hook):
-    """A hook recording when each step ends."""
+    """A hook recording when each step ends and the trainer's data wait by then."""
 
     def __init__(self):
         self.ends: list[float] = []
+        self.waits: list[float] = []
+
+    def on_train_start(self, trainer) -> None:
+        self.fit_start = time.perf_counter()
 
     def on_step_end(self, trainer, result) -> None:
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+        self.waits.append(trainer.data_wait_s)
 
 
 def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
     start = time.perf_counter()
+    startup = {"interpreter, imports": _age_at(start)}
     from kiln.recipes.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         total = warmup + steps
+        startup["interpreter, imports"] += time.perf_counter() - start
+        mark = time.perf_counter()
         recipe = load_recipe(recipe_path, [
             *overrides, *_BENCH_OVERRIDES, f"--training.steps={total}", f"--run.folder={tmp}",
             "--run.log_interval=1000000",
         ])
+        startup["recipe"] = time.perf_counter() - mark
         timer = _Timer()
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=sink)
-            trainer.train_loader = wait = _DataWait(trainer.train_loader)
+            startup.update(trainer.startup_s)
             if trainer.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             trainer.fit()
     ends = timer.ends
+    startup["first step"] = ends[0] - timer.fit_start
     first = ends[0] - start + _age_at(start)
     window = ends[warmup:] if warmup < len(ends) else ends
     step_time = (window[-1] - (ends[warmup - 1] if warmup else start)) / len(window)
+    waits = timer.waits
+    data_wait = (waits[-1] - (waits[warmup - 1] if warmup else 0.0)) / len(window)
     tokens_per_s = trainer.plan.tokens_per_step / step_time
     achieved = trainer.flops_per_token * tokens_per_s
     peak = trainer.peak_flops * trainer.world.world_size
     state = optimizer_state_bytes(trainer)
-    measured = wait.waits[warmup * trainer.plan.grad_accum:] or wait.waits
     result = {
         "recipe": recipe_path,
         "parallelism": trainer.parallel_summary,
@@ -98,6 +89,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "tokens_per_step": trainer.plan.tokens_per_step,
         "tokens_per_second": tokens_per_s,
         "step_time_s": step_time,
+        "data_wait_s": data_wait,
+        "data_wait_fraction": data_wait / step_time,
         "flops_per_token": trainer.flops_per_token,
         "achieved_flops": achieved,
         "peak_flops": peak,
@@ -106,8 +99,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,
         "time_to_first_step_s": first,
-        "data_wait_s_per_step": sum(measured) / len(window),
-        "data_wait_max_s": max(measured),
+        "startup_s": startup,
         "device": str(trainer.device),
         "threads": torch.get_num_threads(),
         "rank": trainer.world.rank,
@@ -157,10 +149,11 @@ def render(r: dict) -> str:
         ("optimizer state", f"{r['optimizer_state_bytes'] / 2**20:,.2f} MiB ("
          + ", ".join(f"{k} {v / 2**20:,.3f}" for k, v in
                      r["optimizer_state_bytes_by_optimizer"].items()) + ")"),
-        ("time to first step", f"{r['time_to_first_step_s']:.2f} s"),
-        ("data wait", f"{r['data_wait_s_per_step'] * 1000:.2f} ms/step "
-         f"({r['data_wait_s_per_step'] / r['step_time_s']:.1%} of a step; longest micro-batch "
-         f"{r['data_wait_max_s'] * 1000:.1f} ms)"),
+        ("data wait", f"{r['data_wait_s'] * 1000:.2f} ms/step "
+         f"({r['data_wait_fraction']:.2%} of the step)"),
+        ("time to first step", f"{r['time_to_first_step_s']:.2f} s (process start to the end "
+         "of step 1):"),
+        *((f"  {name}", f"{secs:.2f} s") for name, secs in r["startup_s"].items()),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

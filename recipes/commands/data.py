@@ -106,8 +106,12 @@ def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
             "eval_fraction": pick(args.eval_fraction, "eval_fraction", 0.02)}
 
 
-def _hint(overrides: list[str]) -> str:
-    return "train on it with: " + " ".join(shlex.quote(o) for o in overrides)
+def _hint(args: argparse.Namespace, overrides: list[str]) -> str:
+    """The command that trains on what was built: the recipe (and overrides) it was prepared
+    with, or the default recipe, plus ``overrides``."""
+    recipe = getattr(args, "recipe", None) or "train_configs/debug.toml"
+    words = ["./run_train.sh", recipe, *getattr(args, "overrides", []), *overrides]
+    return "train on it: " + " ".join(shlex.quote(str(w)) for w in words)
 
 
 def _prepare_inputs(args: argparse.Namespace) -> int:
@@ -145,7 +149,7 @@ def _prepare_inputs(args: argparse.Namespace) -> int:
                 f"--data.domains={json.dumps(domains)}"]
     else:
         data = ["--data.type=packed_documents", f"--data.path={out}"]
-    print(_hint(data + tok_overrides))
+    print(_hint(args, data + tok_overrides))
     return 0
 
 
@@ -224,6 +228,6 @@ def run(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     verb = "reused" if existed else f"built in {took:.1f} s:"
     print(f"{verb} {_summary(folder, dataset.meta, seq_len)}")
-    if data.path:
-        print(_hint([f"--data.path={folder}", *tok_overrides]))
+    print(_hint(args, [f"--data.path={folder}", *tok_overrides]))
     return 0
+

@@ -3,6 +3,10 @@ its fields with types and defaults."""
 
 from __future__ import annotations
 
+import json
+import re
+
+from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from kiln.components import registry
@@ -16,12 +20,25 @@ def add_arguments(parser) -> None:
 def _default(info) -> str:
     if info.default_factory is not None:
         value = info.default_factory()
-        return getattr(value, "type", None) or repr(value)
+        return getattr(value, "type", None) or _inline(value)
     return "required" if info.default is PydanticUndefined else repr(info.default)
 
 
+def _inline(value) -> str:
+    """A config default as a TOML-ish inline table of its non-default keys:
+    ``{ ndim = [1] }``, a list of them for list fields."""
+    if isinstance(value, list) and all(isinstance(v, BaseModel) for v in value):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if isinstance(value, BaseModel):
+        keys = value.model_dump(exclude_defaults=True)
+        if not keys:
+            return "{}"
+        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in keys.items()) + " }"
+    return repr(value)
+
+
 def _type(info) -> str:
-    text = str(info.annotation).replace("typing.", "").replace("kiln.components.base.", "")
+    text = re.sub(r"\b(?:typing|kiln\.[\w.]+)\.", "", str(info.annotation))
     return getattr(info.annotation, "__name__", text) if "[" not in text else text
 
 

@@ -29,6 +29,16 @@ def build_meta_model(recipe):
                                   seq_len=recipe.training.seq_len)
 
 
+def human_count(n: int) -> str:
+    """3,476,224 -> "3.48M"; 7,902,000,000 -> "7.90B" (three significant digits)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995:  # 999,999 prints as 1.00M, not 1000K
+            value = n / scale
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f}{unit}"
+    return str(n)
+
+
 def describe(recipe, world_size: int = 1) -> str:
     """Check the batch plan (what ``kiln train`` refuses is refused here too), build on meta and
     summarise: budget, parameter counts, FLOPs/token, optimizer routing."""
@@ -36,7 +46,7 @@ def describe(recipe, world_size: int = 1) -> str:
     model = build_meta_model(recipe)
     total = model.num_params()
     lines = [batch_plan.describe_budget(recipe.training, bp),
-             f"parameters: {total:,} ({total / 1e9:.2f}B)"]
+             f"parameters: {total:,} ({human_count(total)})"]
     summary = getattr(model, "param_summary", None)
     if summary is not None:
         lines += [f"  {k}: {v:,}" for k, v in summary().items()]

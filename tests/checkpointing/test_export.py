@@ -58,6 +58,15 @@ def test_kiln_layout_round_trips_the_weights(tmp_path):
         export(folder, tmp_path / "hf", fmt="hf")
 
 
+def test_exported_and_checkpoint_files_share_one_file_mode(tmp_path):
+    """safetensors writes its files 0600; kiln gives them the mode of every other file."""
+    folder, _ = checkpoint(tmp_path)
+    export(folder, tmp_path / "out")
+    for where in (tmp_path / "out", folder):
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in where.iterdir() if p.is_file()}
+        assert len(set(modes.values())) == 1, modes
+
+
 def test_llama_layout_names_and_config(tmp_path):
     folder, model = checkpoint(tmp_path, "--model.attention.n_kv_heads=2",
                                "--model.tie_embeddings=false")

@@ -9,7 +9,7 @@ from tests.conftest import CONFIGS
 from tests.recipes.test_trainer import TINY
 
 KEYS = ("tokens_per_second", "step_time_s", "mfu", "peak_memory_bytes", "time_to_first_step_s",
-        "data_wait_s_per_step", "data_wait_max_s")
+        "data_wait_s", "data_wait_fraction", "startup_s")
 
 
 def test_bench_json_and_table(capsys):
@@ -23,8 +23,13 @@ def test_bench_json_and_table(capsys):
     assert result["optimizer_state_bytes"] == sum(result["optimizer_state_bytes_by_optimizer"]
                                                   .values()) > 0
     assert result["parallelism"] == "single process"
-    assert 0 <= result["data_wait_s_per_step"] < result["step_time_s"]
+    phases = result["startup_s"]
+    assert list(phases) == ["interpreter, imports", "recipe", "process group, run folder", "data",
+                            "model build", "parallelize", "optimizers, hooks", "first step"]
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= result["time_to_first_step_s"] + 1e-3
+    assert 0 <= result["data_wait_s"] < result["step_time_s"]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "tokens/s" in table and "time to first step" in table and "MFU" in table
-    assert "data wait" in table
+    assert "data wait" in table and "model build" in table

@@ -6,7 +6,9 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 The families cover every registered model, attention and feed-forward component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
-blocks, and 2 gloo processes under FSDP2 (also the device check of every collective).
+blocks, and 2 gloo processes under FSDP2 (also the device check of every collective). The
+chunked loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and
+in every FSDP2 run.
 """
 
 from __future__ import annotations
@@ -234,6 +236,17 @@ def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+CHUNK = "--training.loss_chunk_tokens=24"  # 64 tokens per micro-batch: 3 chunks, one short
+
+
+@pytest.mark.parametrize("family", list(discovered()))
+def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
+    plain, _ = train(recipe_for(family, tmp_path / "plain"))
+    chunked, _ = train(recipe_for(family, tmp_path / "chunked", CHUNK))
+    assert abs(chunked[0] - plain[0]) < 1e-6, family  # the same weights: the same loss
+    assert chunked == pytest.approx(plain, rel=1e-5), family
+
+
 # ------------------------------------------------------------------- 2 processes, FSDP2
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
@@ -247,7 +260,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     try:
         for family in families:  # FSDP2 (the default with 2 processes)
             recipe = recipe_for(family, f"{folder}/{family}", "--parallelism.fsdp=on",
-                                "--training.init_check=true")
+                                "--training.init_check=true", CHUNK)
             results[family], _ = train(recipe, eval_first=True)
         # Replicated (gradient all-reduce), checkpoint saved, then resumed one step further:
         # every other collective kiln makes (verify on load, preemption flag, eval, MoE loads).

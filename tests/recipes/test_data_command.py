@@ -27,8 +27,9 @@ def test_prepare_from_a_folder_then_reuse(tmp_path, texts, capsys):
     assert "built in" in printed and str(out) in printed
     assert f"13 documents, {meta['total_tokens']:,} tokens" in printed
     assert meta["seed"] == 5 and meta["source"].startswith("inputs:")
-    assert printed.splitlines()[-1] == (f"train on it with: --data.type=packed_documents "
-                                        f"--data.path={out} --tokenizer.type=byte")
+    assert printed.splitlines()[-1] == (f"train on it: ./run_train.sh train_configs/debug.toml "
+                                        f"--data.type=packed_documents --data.path={out} "
+                                        "--tokenizer.type=byte")
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("reused (up to date)")
     assert main(["data", "info", str(out)]) == 0
@@ -40,6 +41,7 @@ def test_prepare_default_goes_to_the_cache(tmp_path, monkeypatch, capsys):
     assert main(["data", "prepare", "--max-bytes", "30000", "--seq-len", "64"]) == 0
     printed = capsys.readouterr().out
     assert str(tmp_path / "cache" / "packed" / "stdlib-") in printed
+    assert "train on it: ./run_train.sh train_configs/debug.toml --data.path=" in printed
     assert "windows of 64" in printed
 
 
@@ -57,9 +59,10 @@ def test_prepare_from_a_recipe_with_overrides(tmp_path, texts, write, capsys):
     out = tmp_path / "from_recipe"
     assert main(["data", "prepare", str(recipe), "--out", str(out),
                  "--data.num_epochs=2"]) == 0
+    hint = f"train on it: ./run_train.sh {recipe} --data.num_epochs=2 --data.path={out}"
+    assert capsys.readouterr().out.splitlines()[-1] == hint
     meta = json.loads((out / "metadata.json").read_text())
     assert (meta["seed"], meta["seq_len"], meta["num_epochs"]) == (7, 16, 2)
-    assert capsys.readouterr().out.splitlines()[-1] == f"train on it with: --data.path={out}"
 
 
 def test_corrupt_folder_exits_1(tmp_path, texts, capsys):
@@ -102,14 +105,16 @@ def test_train_a_tokenizer_then_prepare_parquet_and_shards(tmp_path, capsys):
                  str(tok), "--workers", "0", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert f"{len(DOCS)} documents" in printed and printed.splitlines()[-1] == (
-        f"train on it with: --data.type=packed_documents --data.path={out} "
+        f"train on it: ./run_train.sh train_configs/debug.toml --data.type=packed_documents "
+        f"--data.path={out} "
         f"--tokenizer.type=huggingface --tokenizer.path={tok}")
     for domain in ("a", "b"):
         assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "sh"),
                      "--domain", domain, "--shard-tokens", "2000", "--workers", "0",
                      "--no-progress"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last == ("train on it with: --data.type=balanced_shards "
+    assert last == ("train on it: ./run_train.sh train_configs/debug.toml "
+                    "--data.type=balanced_shards "
                     f"--data.path={tmp_path / 'sh'} '--data.domains=[\"a\", \"b\"]' "
                     "--tokenizer.type=byte")
     assert main(["data", "info", str(tmp_path / "sh")]) == 0

@@ -102,3 +102,82 @@ def test_switching_type_in_a_higher_layer_drops_foreign_keys(write):
     assert recipe.optimizer.schedule.type == "wsd"
     assert recipe.optimizer.schedule.warmup_steps == 3
     assert recipe.optimizer.schedule.min_lr_ratio == 0.2
+
+
+DEBUG_MULTI = """
+    extends = "{base}"
+    [optimizers.muon]
+    type = "muon"
+    lr = 0.02
+    params = {{ ndim = [2], exclude = ["tok_embeddings.*", "output.*"] }}
+    [optimizers.adamw]
+    type = "adamw"
+    params = {{ rest = true }}
+"""
+
+
+def test_a_child_switching_to_named_optimizers_replaces_the_inherited_table(write):
+    from tests.conftest import CONFIGS
+
+    child = write("multi.toml", DEBUG_MULTI.format(base=CONFIGS / "debug.toml"))
+    recipe = load_recipe(child)
+    assert recipe.optimizer is None and sorted(recipe.optimizers) == ["adamw", "muon"]
+    # ... and back: a grandchild with [optimizer] replaces the named optimizers.
+    back = write("back.toml", 'extends = "multi.toml"\n[optimizer]\nlr = 1e-3\n')
+    recipe = load_recipe(back)
+    assert recipe.optimizers == {} and recipe.optimizer.type == "adamw"
+    assert recipe.optimizer.lr == 1e-3 and recipe.optimizer.weight_decay == 0.0  # not debug's
+
+
+def test_both_optimizer_tables_in_one_file_or_on_the_command_line_is_an_error(write):
+    both = write("both.toml", '[optimizer]\nlr = 1e-3\n[optimizers.a]\ntype = "adamw"\n')
+    with pytest.raises(RecipeError) as info:
+        load_recipe(both)
+    msg = str(info.value)
+    assert msg.startswith("[optimizer] (") and "[optimizers.a] (" in msg and "{" not in msg
+    one = write("one.toml", "[optimizer]\nlr = 1e-3\n")
+    with pytest.raises(RecipeError, match=r"\[optimizers.x\] \(command line\)"):
+        load_recipe(one, ["--optimizers.x.lr=1"])
+
+
+def test_remove_drops_inherited_tables_and_keys(write):
+    write("base.toml", """
+        [guards.spike]
+        type = "spike_guard"
+        [eval]
+        interval = 7
+        tokens = 99
+    """)
+    child = write("child.toml", 'extends = "base.toml"\nremove = ["guards.spike", "eval.tokens"]\n')
+    recipe = load_recipe(child)
+    assert recipe.guards == {} and recipe.eval.interval == 7 and recipe.eval.tokens == 65536
+    layers = load_layers(child)
+    assert "guards.spike" not in layers.sources and "guards.spike.type" not in layers.sources
+
+
+@pytest.mark.parametrize("text,match", [
+    ('remove = ["eval.token"]', "did you mean 'eval.tokens'"),
+    ('remove = "eval"', "must be a list of dotted paths"),
+])
+def test_remove_errors_name_the_file(write, text, match):
+    write("base.toml", "[eval]\ntokens = 99\n")
+    child = write("child.toml", f'extends = "base.toml"\n{text}\n')
+    with pytest.raises(RecipeError, match=match) as info:
+        load_recipe(child)
+    assert str(info.value).startswith("child.toml") or "child.toml:" in str(info.value)
+
+
+def test_model_level_errors_name_the_table_and_the_file_that_set_the_key(write):
+    write("base.toml", '[model.ffn]\ntype = "moe"\nn_experts = 4\ntop_k = 2\n')
+    child = write("child.toml", 'extends = "base.toml"\n[model.ffn]\ntop_k = 8\n')
+    with pytest.raises(RecipeError) as info:
+        load_recipe(child)
+    msg = str(info.value)
+    assert msg.endswith("child.toml: [model.ffn]: top_k (8) exceeds n_experts (4)"), msg
+
+
+def test_an_unknown_section_on_the_command_line_is_blamed_on_the_command_line(write):
+    path = write("r.toml", "[training]\nsteps = 3\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, ["--trainig.steps=5"])
+    assert str(info.value).startswith("command line: unknown key trainig (did you mean")

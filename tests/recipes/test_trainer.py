@@ -82,3 +82,39 @@ def test_context_warmup_trains_shorter_sequences_first(tmp_path):
             if "tokens_seen" in json.loads(x)]
     # 4 sequences per step at lengths 8, 24 (8 + 1/2 * 24, rounded up to 8), then 32, 32.
     assert seen == [32, 128, 256, 384]
+
+
+def _fit(recipe) -> str:
+    import io
+
+    out = io.StringIO()
+    Trainer(recipe, out=out).fit()
+    return out.getvalue()
+
+
+def test_rerunning_a_finished_run_says_so_and_adds_nothing(tmp_path):
+    args = [*TINY, "--checkpoint.enable=true", "--training.steps=2", "--eval.interval=0",
+            f"--run.folder={tmp_path / 'r'}"]
+    _fit(load_recipe(CONFIGS / "debug.toml", args))
+    metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
+    assert metrics.count("eval/loss") == 1
+    again = _fit(load_recipe(CONFIGS / "debug.toml", args))
+    assert "already finished: step 2 of 2" in again and "eval" not in again
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics  # no second eval/loss
+
+
+def test_a_run_that_fails_before_step_1_leaves_no_folder_and_keeps_an_earlier_run(tmp_path):
+    from kiln.components.errors import CheckpointError, DataError
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(DataError):
+        _fit(load_recipe(CONFIGS / "debug.toml", [*TINY, f"--run.folder={fresh}",
+                                                  f"--data.path={tmp_path / 'missing'}"]))
+    assert not fresh.exists()
+    args = [*TINY, "--checkpoint.enable=true", "--training.steps=2", f"--run.folder={tmp_path}/r"]
+    _fit(load_recipe(CONFIGS / "debug.toml", args))
+    before = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="training.seed"):  # refused on resume
+        _fit(load_recipe(CONFIGS / "debug.toml", [*args, "--training.seed=1"]))
+    after = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    assert after == before  # the earlier run's recipe.toml, metrics and checkpoints untouched

@@ -223,3 +223,40 @@ def test_hub_source_online_lists_the_repo_tree(root, tmp_path, monkeypatch):
     assert listed == ["data/code", "data/math", "data/web"]
     assert tags(next(hub.loader("train", micro_batch=6, global_batch=6))) == tags(
         next(dataset(root).loader("train", micro_batch=6, global_batch=6)))
+
+
+def test_prefetch_thread_gives_the_same_batches_and_reports_the_consumed_state(root):
+    sync = dataset(root, prefetch=0).loader("train", micro_batch=2, global_batch=6)
+    ahead = dataset(root, prefetch=4).loader("train", micro_batch=2, global_batch=6)
+    for _ in range(23):  # past the first shards (20 rows): the thread has read further
+        assert tags(next(ahead)) == tags(next(sync))
+    assert ahead._ahead > ahead._pos
+    assert ahead.state_dict() == sync.state_dict()
+    ahead.skip_steps(2)  # stops the thread, rewinds the streams to what was handed out
+    sync.skip_steps(2)
+    assert ahead._prefetcher is None and ahead.state_dict() == sync.state_dict()
+    assert [tags(next(ahead)) for _ in range(9)] == [tags(next(sync)) for _ in range(9)]
+    ahead.close()
+
+
+def test_prefetch_reads_in_the_background_and_raises_its_errors_in_the_trainer(root):
+    import threading
+
+    ds = dataset(root, prefetch=2)
+    readers = set()
+    fetch = ds.source.fetch
+
+    def spy(name):
+        readers.add(threading.current_thread().name)
+        return fetch(name)
+
+    ds.source.fetch = spy
+    loader = ds.loader("train", micro_batch=3, global_batch=3)
+    next(loader)
+    assert readers == {"kiln-prefetch"}
+    loader.close()
+    for d in DOMAINS:  # every shard unreadable from now on
+        for f in (root / d).glob("*.npy"):
+            f.write_bytes(b"not an array")
+    with pytest.raises(DataError, match="not a readable .npy array"):
+        next(ds.loader("train", micro_batch=3, global_batch=3))

@@ -132,3 +132,19 @@ def test_routing_table_lists_counts_and_sizes():
     adamw = next(line for line in lines if line.startswith("adamw"))
     # 16*8 + 16*8 embedding/head + 8 + 8 + 8 + 8 norms, bias, scale = 288 elements
     assert adamw.split()[:6] == ["adamw", "adamw8bit", "6", "288", "0.0002", "2/4"]
+
+
+def test_by_default_norms_biases_and_embeddings_are_not_decayed():
+    routes = route(Tiny(), {"main": default_config("optimizer", "adamw")})
+    assert _names(routes["main"].no_decay) == [
+        "norm.bias", "norm.weight", "scale", "tok_embeddings.weight", "wq.bias"]
+    assert _names(routes["main"].decay) == ["output.weight", "wq.weight"]
+    tied = route(Tiny(tie=True), {"main": default_config("optimizer", "adamw")})
+    assert "tok_embeddings.weight" in _names(tied["main"].no_decay)  # the tied head too
+
+
+def test_an_empty_no_decay_list_decays_everything_and_one_table_is_a_list():
+    everything = default_config("optimizer", "adamw", no_decay=[])
+    assert route(Tiny(), {"main": everything})["main"].no_decay == []
+    one = default_config("optimizer", "adamw", no_decay={"ndim": [1]})
+    assert one.no_decay == [ParamRule(ndim=[1])]

@@ -25,7 +25,8 @@ class StubTrainer(Trainer):
         self.world = World(rank, world_size, rank, self.device)
         self.parallel = ParallelPlan(model=model, world_size=world_size,
                                      replicated=world_size > 1)
-        self.recipe = SimpleNamespace(training=SimpleNamespace(grad_clip=grad_clip))
+        self.recipe = SimpleNamespace(training=SimpleNamespace(grad_clip=grad_clip,
+                                                             loss_chunk_tokens=0))
         tables = optimizers or {"main": default_config("optimizer", "adamw", lr=1e-3)}
         self.total_steps = total_steps
         self.optimizers = OptimizerSet(model, tables, total_steps)
