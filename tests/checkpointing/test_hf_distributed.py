@@ -52,12 +52,12 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         if rank == 0:
             torch.save(full, tmp_path / "full.pt")
         written = []
-        save = hf_files.save_file
-        hf_files.save_file = lambda tensors, path, metadata=None: (
-            written.append(Path(path).name), save(tensors, path, metadata=metadata))
+        save = hf_files.save_safetensors
+        hf_files.save_safetensors = lambda tensors, path, metadata: (
+            written.append(Path(path).name), save(tensors, path, metadata))
         export(model, None, tmp_path / "two", model_table={}, recipe_file=None,
                max_shard_size=SHARD, rank=rank, world_size=2)
-        hf_files.save_file = save
+        hf_files.save_safetensors = save
         results["written"] = written
     finally:
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
