@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpointing import layout, resume
+from kiln.checkpointing import resume
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.checkpointing.preemption import Preemption
 from kiln.components import distributed
@@ -29,10 +29,11 @@ class CheckpointHook:
     """A trainer hook (``on_train_start``, ``on_step_end``, ``on_train_end``, ``close``).
 
     ``recipe_diff(folder)`` diffs a checkpoint's recipe against the run's (resume check);
-    ``export(checkpoint, out_dir)`` writes an export (Hub upload of the final model)."""
+    ``export(out_dir)`` writes the trainer's model as an export (called on every rank: each
+    writes its share), for ``export_at_end`` and the Hub upload of the final model."""
 
     def __init__(self, trainer, *, recipe_diff: Callable[[Path], Any],
-                 export: Callable[[Path, Path], Any] | None = None, hub_api=None) -> None:
+                 export: Callable[[Path], Any] | None = None, hub_api=None) -> None:
         self.recipe_diff = recipe_diff
         self.export = export
         self.cfg = cfg = trainer.recipe.checkpoint
@@ -124,9 +125,13 @@ class CheckpointHook:
             if self.manager.last_saved_step != step:
                 self.manager.save(trainer, extra={"loss": self._last_loss})
             self.manager.mark_final(step)
-            if self.hub is not None and self.cfg.hub_upload in ("export", "both") \
-                    and self.export is not None:
-                self._upload_export(trainer, step)
+            upload = bool(self.cfg.hub_repo) and self.cfg.hub_upload in ("export", "both")
+            if (self.cfg.export_at_end or upload) and self.export is not None:
+                out = Path(trainer.run_dir) / "export"
+                self.export(out)
+                trainer.print(f"kiln: exported the final model to {out}")
+                if upload and self.hub is not None:
+                    self.hub.upload_export(out)
 
     def close(self, trainer) -> None:
         """Also after an exception (e.g. a guard abort): finish an in-flight async save of an
@@ -138,8 +143,3 @@ class CheckpointHook:
         finally:
             if self.preemption is not None:
                 self.preemption.uninstall()
-
-    def _upload_export(self, trainer, step: int) -> None:
-        out = Path(trainer.run_dir) / "export"
-        self.export(self.root / layout.step_name(step), out)
-        self.hub.upload_export(out)

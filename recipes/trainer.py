@@ -27,7 +27,7 @@ from kiln.recipes.flops import peak_flops
 from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.recipe import render_recipe, write_text_atomic
+from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
 
 
@@ -100,7 +100,8 @@ class Trainer:
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
         )
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
-                                     enabled=self.world.is_main)
+                                     enabled=self.world.is_main, wandb=recipe.run.wandb,
+                                     run_name=recipe.run.name, config=to_dict(recipe))
         self.hooks: list[Hook] = []
         if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
             self.hooks.append(self._checkpoint_hook())
@@ -168,12 +169,20 @@ class Trainer:
         from kiln.checkpointing.hook import CheckpointHook
         from kiln.recipes.diff import diff
         from kiln.recipes.recipe import load_recipe
-        from kiln.recipes.saved_model import export_checkpoint
+        from kiln.recipes.saved_model import export_trainer_model
 
         return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
                                                                     self.recipe),
-                              # the run's own export folder: a rerun rewrites the export files
-                              export=functools.partial(export_checkpoint, force=True))
+                              export=lambda out: export_trainer_model(self, out))
+
+    def _start_from_pretrained(self) -> None:
+        """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
+        if not self.recipe.checkpoint.init_from or any(
+                getattr(h, "resumed_from", None) is not None for h in self.hooks):
+            return
+        from kiln.recipes.pretrained import load_pretrained
+
+        load_pretrained(self)
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
@@ -306,6 +315,7 @@ class Trainer:
                            "to do (raise training.steps to continue it, or give another "
                            "--run.folder to start over)")
                 return self.progress
+            self._start_from_pretrained()
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
