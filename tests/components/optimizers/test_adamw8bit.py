@@ -69,3 +69,24 @@ def test_fsdp2_state_round_trips_through_dcp():
     res = nova_dist.results()["adamw8bit"]
     assert res["dcp_round_trip"] == 0.0
     assert res["state_is_dtensor_of"] == "OptimState8bit"  # a DTensor wrapping the 8-bit state
+
+
+@pytest.mark.parametrize("shape, block", [
+    ((258, 128), 128), ((65, 128), 128), ((3, 4096), 256), ((6, 1408), 128), ((258, 32), 32),
+    ((4, 16, 384), 192),  # an expert stack: rows of 16 x 384
+    ((64,), None), ((40, 100), None), ((2, 4099), None),  # 1-D, < 4096, no divisor >= 32
+])
+def test_blocks_never_cross_a_row_so_every_dim0_sharding_holds_the_same_blocks(shape, block):
+    from kiln.components.optimizers.adamw8bit import state_layout
+
+    assert state_layout(torch.empty(shape), 256) == block
+
+
+def test_a_matrix_whose_rows_are_shorter_than_a_block_is_still_8bit():
+    emb = torch.nn.Parameter(torch.randn(258, 128))  # torchao alone: 8-bit on 1 process only
+    opt = default_config("optimizer", "adamw8bit", lr=1e-2).build(
+        [{"params": [emb], "lr": 1e-2, "peak_lr": 1e-2}])
+    emb.grad = torch.randn_like(emb)
+    opt.step()
+    state = opt.state[emb]["exp_avg"]
+    assert type(state).__name__ == "OptimState8bit" and state.block_size == 128
