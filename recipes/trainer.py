@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
@@ -80,9 +81,13 @@ class Trainer:
         distributed.barrier()
         if not self.world.is_main:
             self.dataset.prepare()
+        # This rank's share of each global batch: rows [data_rank * per_rank, ...) (ranks that
+        # split one model, e.g. tensor parallel, would share a data rank). Checkpoints map the
+        # per-row state (carry) and the data cursor by these rows on a layout change.
+        self.data_rank, self.data_ranks = self.world.rank, self.world.world_size
         self.train_loader = self.dataset.loader(
             "train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
-            rank=self.world.rank, world_size=self.world.world_size,
+            rank=self.data_rank, world_size=self.data_ranks,
         )
         self.total_steps = batch_plan.total_steps(
             tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
@@ -164,6 +169,23 @@ class Trainer:
         if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
             self.print(f"model: {line}")
         return self.parallel.summary
+
+    @property
+    def layout(self) -> dict:
+        """How the run is spread over processes (saved with every checkpoint; a resume on
+        another layout reports the change and maps per-row state by ``rows``)."""
+        mesh = self.parallel.mesh
+        names = (mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]) if mesh else []
+        per_rank = self.plan.global_batch // self.data_ranks
+        return {
+            "world_size": self.world.world_size,
+            "mesh": {name: mesh.size(i) for i, name in enumerate(names)},
+            "fsdp": self.parallel.fsdp,
+            "global_batch": self.plan.global_batch,
+            "micro_batch": self.plan.micro_batch,
+            "grad_accum": self.plan.grad_accum,
+            "rows": [self.data_rank * per_rank, (self.data_rank + 1) * per_rank],
+        }
 
     def _checkpoint_hook(self) -> Hook:
         from kiln.checkpointing.hook import CheckpointHook
@@ -330,6 +352,9 @@ class Trainer:
                     micro = [truncate(b, self.seq_len) for b in micro]
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
+                # Every generator from (seed, step): the same on all ranks and for any layout,
+                # so a resume on other processes needs no RNG mapping.
+                seed_step(self.recipe.training.seed, self.progress.step)
                 result = self.step_fn(self, micro)
                 if self.world.is_main and not started:
                     self.run_dir.mkdir(parents=True, exist_ok=True)
