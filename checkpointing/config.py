@@ -42,6 +42,10 @@ class CheckpointConfig(Config):
     export_max_shard_size: str = Field(
         "5GB", description="largest safetensors file of an export; more files get an index"
     )
+    strict_resume: bool = Field(
+        False, description="when the snapshot resume picks is corrupt, stop with an error "
+        "instead of moving it to checkpoints/corrupt/ and resuming from the newest valid one"
+    )
     weights_only: bool = Field(
         False, description="resume weights only: fresh optimizer, schedule and guard history"
     )
