@@ -2,9 +2,10 @@
 
 Per recipe family: the uninterrupted 2-process run, a 2-process run cut after k steps (resumed
 on 1 process by the test), the continuation of the test's 1-process cut (1 -> 2), and an HSDP
-(2 x 1) run cut after k then continued as FSDP 2. Plus the 8-bit AdamW state case: the same
-training on 2 ranks as on one process, its state saved through DCP, and the one-process save
-loaded here (dequantised states written out for the test to compare).
+(2 x 1) run cut after k then continued as FSDP 2. Plus, for every optimizer kiln ships (8-bit
+AdamW's quantised state included): the same training on 2 ranks as on one process, its state
+saved through DCP, and the one-process save loaded here (states written out, dequantised, for
+the test to compare).
 """
 
 from __future__ import annotations
@@ -32,28 +33,34 @@ WORLD = 2
 # 8-bit: uneven rows (33 + 32) of 128, 32-element rows (the tiny Nova embedding), uneven 2 + 1
 # rows of 4096 (blocks of 256); fp32: a 1-D tensor
 SHAPES = [(65, 128), (258, 32), (3, 4096), (64,)]
+# Every optimizer kiln ships, with the options that give it state to reshard.
+OPTIMIZERS = {
+    "adamw": {}, "adamw8bit": {}, "adam_atan2": {"ema": 0.9}, "muon": {},
+    "sgd": {"momentum": 0.9}, "sign_sgd": {"momentum": 0.9},
+}
 
 
 class Params(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, shapes) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         self.ps = nn.ParameterList(nn.Parameter(torch.randn(s, generator=gen) * 0.1)
-                                   for s in SHAPES)
+                                   for s in SHAPES if s in shapes)
 
 
-def adamw8bit(shard: bool):
+def optimizer(name: str, shard: bool):
+    """A model of SHAPES (Muon: its matrices) and ``name``'s optimizer over it."""
     from kiln.components.base import default_config
 
-    model = Params()
+    model = Params([s for s in SHAPES if name != "muon" or len(s) == 2])
     if shard:
         fully_shard(model)
-    cfg = default_config("optimizer", "adamw8bit", lr=1e-2, weight_decay=0.1)
+    cfg = default_config("optimizer", name, lr=1e-2, weight_decay=0.1, **OPTIMIZERS[name])
     return model, cfg.build([{"params": list(model.parameters()), "lr": cfg.lr,
                               "peak_lr": cfg.lr}])
 
 
-def train_8bit(model, opt, steps: int, seed: int = 1) -> None:
+def train_steps(model, opt, steps: int, seed: int = 1) -> None:
     """Fixed full-size gradients, so one process and two compute the same update."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -65,13 +72,15 @@ def train_8bit(model, opt, steps: int, seed: int = 1) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def dump_8bit(model, opt, path: Path | None) -> None:
-    """Every moment, dequantised and whole, plus the weights (rank 0 writes)."""
+def dump_state(model, opt, path: Path | None) -> None:
+    """Every state tensor, dequantised and whole, plus the weights (rank 0 writes)."""
     out = {}
     for i, p in enumerate(model.parameters()):
         out[f"{i}.param"] = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        for k in ("exp_avg", "exp_avg_sq"):
-            t = opt.state[p][k]
+        for k, t in sorted(opt.state[p].items()):
+            if not isinstance(t, torch.Tensor):
+                out[f"{i}.{k}"] = torch.tensor(float(t))
+                continue
             local = t.to_local() if isinstance(t, DTensor) else t
             is8bit = type(local).__name__ == "OptimState8bit"
             value = local.dequantize() if is8bit else local
@@ -84,21 +93,28 @@ def dump_8bit(model, opt, path: Path | None) -> None:
         save_file({k: v.contiguous() for k, v in out.items()}, str(path))
 
 
-def load_8bit(model, opt, folder: Path, no_dist: bool) -> None:
+def save_state(model, opt, folder: Path, no_dist: bool) -> None:
+    dcp.save({"o": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder),
+             no_dist=no_dist)
+
+
+def load_state(model, opt, folder: Path, no_dist: bool) -> None:
     sd = {"o": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=str(folder), no_dist=no_dist)
     set_optimizer_state_dict(model, opt, sd["o"])
 
 
-def case_8bit(tmp: Path, rank: int) -> None:
-    model, opt = adamw8bit(shard=True)
-    train_8bit(model, opt, 2)
-    dump_8bit(model, opt, tmp / "8bit_two.safetensors" if rank == 0 else None)
-    dcp.save({"o": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp / "8bit_two"))
-    model, opt = adamw8bit(shard=True)
-    train_8bit(model, opt, 1, seed=7)  # other state, then overwritten by the load
-    load_8bit(model, opt, tmp / "8bit_one", no_dist=False)
-    dump_8bit(model, opt, tmp / "8bit_one_on_two.safetensors" if rank == 0 else None)
+def case_optimizers(tmp: Path, rank: int) -> None:
+    """Per optimizer: trained on 2 ranks (dumped, saved), then the 1-process save loaded."""
+    for name in OPTIMIZERS:
+        model, opt = optimizer(name, shard=True)
+        train_steps(model, opt, 2)
+        dump_state(model, opt, tmp / f"{name}_two.safetensors" if rank == 0 else None)
+        save_state(model, opt, tmp / f"{name}_two", no_dist=False)
+        model, opt = optimizer(name, shard=True)
+        train_steps(model, opt, 1, seed=7)  # other state, then overwritten by the load
+        load_state(model, opt, tmp / f"{name}_one", no_dist=False)
+        dump_state(model, opt, tmp / f"{name}_one_on_two.safetensors" if rank == 0 else None)
 
 
 def case_runs(tmp: Path, rank: int) -> None:
@@ -129,7 +145,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        case_8bit(Path(tmp), rank)
+        case_optimizers(Path(tmp), rank)
         case_runs(Path(tmp), rank)
     finally:
         distributed.shutdown(together=sys.exc_info()[0] is None)
