@@ -6,13 +6,15 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 The families cover every registered model, attention and feed-forward component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
-blocks, and 2 gloo processes under FSDP2 (also the device check of every collective). The
-chunked loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and
-in every FSDP2 run.
+blocks, and 2 gloo processes under FSDP2 (also the device check of every collective), each
+family's 2-process checkpoint then resumed on one process (elastic resume). The chunked loss
+(``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
+FSDP2 run.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -117,13 +119,13 @@ class Record:
         pass
 
 
-def train(recipe, *, eval_first: bool = False) -> tuple[list[float], object]:
+def train(recipe, *, eval_first: bool = False, out=None) -> tuple[list[float], object]:
     from kiln.recipes.hooks import evaluate
     from kiln.recipes.trainer import Trainer
 
     record = Record()
     with open(os.devnull, "w") as sink:
-        trainer = Trainer(recipe, hooks=[record], out=sink)
+        trainer = Trainer(recipe, hooks=[record], out=out or sink)
         if eval_first:
             assert math.isfinite(evaluate(trainer, recipe.eval.tokens))
         trainer.fit()
@@ -248,6 +250,10 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
 
 
 # ------------------------------------------------------------------- 2 processes, FSDP2
+FSDP2_SAVED = ("--parallelism.fsdp=on", "--training.init_check=true", CHUNK,
+               "--checkpoint.enable=true")
+
+
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
     from tests.collective_spy import CollectiveSpy
@@ -258,9 +264,8 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     spy = CollectiveSpy().install()
     results: dict = {}
     try:
-        for family in families:  # FSDP2 (the default with 2 processes)
-            recipe = recipe_for(family, f"{folder}/{family}", "--parallelism.fsdp=on",
-                                "--training.init_check=true", CHUNK)
+        for family in families:  # FSDP2 (the default with 2 processes), saved at the end
+            recipe = recipe_for(family, f"{folder}/{family}", *FSDP2_SAVED)
             results[family], _ = train(recipe, eval_first=True)
         # Replicated (gradient all-reduce), checkpoint saved, then resumed one step further:
         # every other collective kiln makes (verify on load, preemption flag, eval, MoE loads).
@@ -289,6 +294,13 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (family, losses)
         assert ranks[1][family] == losses, f"{family}: ranks disagree"
     assert len(ranks[0]["replicated"]) == STEPS and len(ranks[0]["resumed"]) == 1
+    for family in families:  # elastic resume: each family's FSDP2 checkpoint, on 1 process
+        out = io.StringIO()
+        losses, _ = train(recipe_for(family, tmp_path / family, *FSDP2_SAVED,
+                                     f"--training.steps={STEPS + 1}"), out=out)
+        assert len(losses) == 1 and math.isfinite(losses[0]), (family, losses)
+        assert "layout: 2 processes, dp_replicate=1 x dp_shard=2, FSDP -> 1 process" \
+            in out.getvalue(), (family, out.getvalue())
     for r, res in enumerate(ranks):
         spy = res["spy"]
         assert res["world_device"] == "cpu"
