@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpointing import resume
+from kiln.checkpointing import layout, resume
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.checkpointing.preemption import Preemption
 from kiln.components import distributed
