@@ -26,7 +26,6 @@ import functools
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor, Shard
 
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
@@ -62,6 +61,8 @@ def state_layout(p: torch.Tensor, block_size: int) -> int | None:
 
 def _row_sharded(p: torch.Tensor) -> bool:
     """Plain, replicated, or sharded along dim 0 only (FSDP2 / HSDP): local rows are whole."""
+    from torch.distributed.tensor import DTensor, Shard  # not at import: recipes load lightly
+
     if not isinstance(p, DTensor):
         return True
     return all(not isinstance(pl, Shard) or pl.dim == 0 for pl in p.placements)
@@ -77,6 +78,8 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
         quantisation blocks (``state_layout``)."""
 
         def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            from torch.distributed.tensor import DTensor
+
             if not _row_sharded(p):  # other layouts (e.g. tensor parallel): torchao's own rule
                 return super()._new_buffer(p, signed)
             local = p.to_local() if isinstance(p, DTensor) else p
