@@ -26,6 +26,26 @@ class CheckpointConfig(Config):
         description='"auto" (newest complete checkpoint of this run), "off", a checkpoint or '
         'run folder, or "hf://OWNER/REPO[/step_XXXXXXX]" to download one from the Hub',
     )
+    init_from: str = Field(
+        "", description='initial weights of a fresh run: a Hugging Face model folder or '
+        '"hf://OWNER/NAME[@REVISION]" (config.json + safetensors; see `kiln import`); a run '
+        "that resumes its own checkpoint ignores it"
+    )
+    init_from_ignore: list[str] = Field(
+        default_factory=list, description="config.json fields to accept although kiln does not "
+        "know them (only for fields that do not change the computation)"
+    )
+    export_at_end: bool = Field(
+        False, description="after the last step write <run folder>/export (Hugging Face layout "
+        "when the model has one; every rank writes its share of the files)"
+    )
+    export_max_shard_size: str = Field(
+        "5GB", description="largest safetensors file of an export; more files get an index"
+    )
+    strict_resume: bool = Field(
+        False, description="when the snapshot resume picks is corrupt, stop with an error "
+        "instead of moving it to checkpoints/corrupt/ and resuming from the newest valid one"
+    )
     weights_only: bool = Field(
         False, description="resume weights only: fresh optimizer, schedule and guard history"
     )

@@ -4,12 +4,19 @@ Policy (the ``[checkpoint]`` table): save every ``interval`` steps and at the en
 ``keep_last`` snapshots plus ``final``; resume per ``resume``; on SIGTERM/SIGINT save at the next
 step boundary and stop (the trainer then returns normally, so the process exits 0).
 
+Unattended recovery: when the run's own newest snapshot fails verification (a hash mismatch,
+a missing file), ``resume = "auto"`` moves it to ``checkpoints/corrupt/``, warns (console,
+metrics, ``RECOVERED.json`` in the run folder) and takes the next newest; ``strict_resume``
+stops instead, and when no valid snapshot is left the error lists what was tried.
+
 The hook sits below the trainer: what needs the recipes package (diffing the checkpoint's recipe
 against the current one, exporting a checkpoint) is passed in by the trainer.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +25,9 @@ from kiln.checkpointing import layout, resume
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.checkpointing.preemption import Preemption
 from kiln.components import distributed
+from kiln.components.errors import CheckpointError
+
+RECOVERED = "RECOVERED.json"  # in the run folder: every unattended recovery, appended
 
 
 def checkpoint_root(recipe) -> Path:
@@ -29,10 +39,11 @@ class CheckpointHook:
     """A trainer hook (``on_train_start``, ``on_step_end``, ``on_train_end``, ``close``).
 
     ``recipe_diff(folder)`` diffs a checkpoint's recipe against the run's (resume check);
-    ``export(checkpoint, out_dir)`` writes an export (Hub upload of the final model)."""
+    ``export(out_dir)`` writes the trainer's model as an export (called on every rank: each
+    writes its share), for ``export_at_end`` and the Hub upload of the final model."""
 
     def __init__(self, trainer, *, recipe_diff: Callable[[Path], Any],
-                 export: Callable[[Path, Path], Any] | None = None, hub_api=None) -> None:
+                 export: Callable[[Path], Any] | None = None, hub_api=None) -> None:
         self.recipe_diff = recipe_diff
         self.export = export
         self.cfg = cfg = trainer.recipe.checkpoint
@@ -59,6 +70,10 @@ class CheckpointHook:
             self.preemption.install()
         cfg = self.cfg
         source = self._resolve(trainer)
+        verified = False
+        if source is not None and not source.explicit:  # the run's own newest snapshot
+            source = self._newest_valid(trainer, source)
+            verified = not source.explicit
         if source is None:
             return
         weights_only = cfg.weights_only and source.explicit
@@ -74,7 +89,7 @@ class CheckpointHook:
                               f"{self.root / 'abandoned'}")
         distributed.barrier()
         loaded = self.manager.load(trainer, source.folder, weights_only=weights_only,
-                                   from_ema=cfg.from_ema and weights_only)
+                                   from_ema=cfg.from_ema and weights_only, verified=verified)
         self.resumed_from = source.folder
         if weights_only:
             trainer.print(f"kiln: started from the weights of {source.folder} (step "
@@ -83,9 +98,72 @@ class CheckpointHook:
         else:
             self.manager.last_saved_step = loaded.step
             trainer.print(f"kiln: resumed from {source.folder} at step {loaded.step}")
+            if loaded.mapping:
+                trainer.print("kiln: resumed on a different layout:\n  "
+                              + "\n  ".join(loaded.mapping))
         if source.explicit and cfg.skip_data_steps:
             trainer.train_loader.skip_steps(cfg.skip_data_steps)
             trainer.print(f"kiln: skipped {cfg.skip_data_steps} steps of data")
+
+    def _newest_valid(self, trainer, source: resume.Source) -> resume.Source:
+        """Unattended recovery: while the run's newest snapshot fails verification, move it to
+        ``checkpoints/corrupt/`` and take the next (``strict_resume``: stop instead)."""
+        tried: list[dict[str, str]] = []
+        while source is not None and not source.explicit:
+            error = self.manager.verify(source.folder)
+            if error is None:
+                break
+            if self.cfg.strict_resume:
+                raise CheckpointError(
+                    f"{error}\ncheckpoint.strict_resume = true, so kiln stops instead of moving "
+                    f"it to {self.root / resume.CORRUPT} and resuming from an older snapshot; "
+                    "set strict_resume = false to recover automatically, or point "
+                    "checkpoint.resume at the snapshot to use"
+                )
+            moved = resume.quarantine(self.root, source.folder) if trainer.world.is_main \
+                else None
+            tried.append({"checkpoint": source.folder.name, "error": error,
+                          "moved_to": str(distributed.broadcast_object(moved))})
+            trainer.print(f"kiln: WARNING: checkpoint {source.folder.name} is corrupt: {error}\n"
+                          f"kiln: WARNING: moved it to {tried[-1]['moved_to']}")
+            distributed.barrier()  # every rank sees the moved folder before resolving again
+            source = self._resolve(trainer)
+        if not tried:
+            return source
+        if source is None:
+            raise CheckpointError(
+                f"{self.root}: no valid checkpoint left to resume from; tried (newest first):\n  "
+                + "\n  ".join(f"{t['checkpoint']}: {t['error']} (moved to {t['moved_to']})"
+                               for t in tried)
+                + "\nInspect them there; to start this run from scratch set "
+                "checkpoint.resume = \"off\" (or use another run folder)"
+            )
+        self._report_recovery(trainer, source, tried)
+        return source
+
+    def _report_recovery(self, trainer, source: resume.Source, tried: list[dict]) -> None:
+        """Loud: console, metrics and RECOVERED.json in the run folder (appended per event)."""
+        step = layout.step_of(source.folder.name)
+        trainer.print(
+            f"kiln: WARNING: RECOVERED from {len(tried)} corrupt snapshot(s): resuming from "
+            f"{source.folder.name} (step {step}), the newest valid one. Details: "
+            f"{Path(trainer.run_dir) / RECOVERED}; checkpoint.strict_resume = true stops "
+            "instead."
+        )
+        if not trainer.world.is_main:
+            return
+        trainer.metrics.log(step or 0, {"checkpoint/recovered": 1.0,
+                                        "checkpoint/corrupt_snapshots": float(len(tried))})
+        path = Path(trainer.run_dir) / RECOVERED
+        events = []
+        if path.is_file():
+            try:
+                events = json.loads(path.read_text(encoding="utf-8")).get("events", [])
+            except (ValueError, AttributeError):
+                events = []  # an unreadable record is replaced, not fatal
+        events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "resumed_from": source.folder.name, "step": step, "corrupt": tried})
+        layout.write_json(path, {"events": events})
 
     def _resolve(self, trainer) -> resume.Source | None:
         download = None
@@ -124,9 +202,13 @@ class CheckpointHook:
             if self.manager.last_saved_step != step:
                 self.manager.save(trainer, extra={"loss": self._last_loss})
             self.manager.mark_final(step)
-            if self.hub is not None and self.cfg.hub_upload in ("export", "both") \
-                    and self.export is not None:
-                self._upload_export(trainer, step)
+            upload = bool(self.cfg.hub_repo) and self.cfg.hub_upload in ("export", "both")
+            if (self.cfg.export_at_end or upload) and self.export is not None:
+                out = Path(trainer.run_dir) / "export"
+                self.export(out)
+                trainer.print(f"kiln: exported the final model to {out}")
+                if upload and self.hub is not None:
+                    self.hub.upload_export(out)
 
     def close(self, trainer) -> None:
         """Also after an exception (e.g. a guard abort): finish an in-flight async save of an
@@ -138,8 +220,3 @@ class CheckpointHook:
         finally:
             if self.preemption is not None:
                 self.preemption.uninstall()
-
-    def _upload_export(self, trainer, step: int) -> None:
-        out = Path(trainer.run_dir) / "export"
-        self.export(self.root / layout.step_name(step), out)
-        self.hub.upload_export(out)

@@ -144,3 +144,30 @@ def download(spec: str, api=None, token_env: str = "HF_TOKEN") -> Path:
     if not (root / name).is_dir():
         raise CheckpointError(f"{spec}: {name} was not found in hf://{repo_id}")
     return root / name
+
+
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "merges.txt",
+               "vocab.txt"]
+
+
+def parse_model_spec(spec: str) -> tuple[str, str | None]:
+    """``hf://OWNER/NAME[@REVISION]`` -> (repo id, revision or None)."""
+    body, _, rev = spec.removeprefix("hf://").strip("/").partition("@")
+    parts = body.split("/")
+    if len(parts) != 2 or not all(parts) or (_ and not rev):
+        raise CheckpointError(f"{spec!r}: expected hf://OWNER/NAME or hf://OWNER/NAME@REVISION")
+    return body, rev or None
+
+
+def download_model(spec: str, api=None, token_env: str = "HF_TOKEN") -> Path:
+    """Fetch a model repository's config, safetensors and tokenizer files (no pickles) into the
+    Hugging Face cache; return the local snapshot folder. Works offline from a populated cache
+    (``HF_HUB_OFFLINE=1``)."""
+    api = api if api is not None else make_api(token_env)
+    repo_id, revision = parse_model_spec(spec)
+    try:
+        return Path(api.snapshot_download(repo_id, revision=revision,
+                                          allow_patterns=MODEL_FILES))
+    except Exception as exc:  # network, auth, missing repo or revision, incomplete cache
+        raise CheckpointError(f"{spec}: cannot fetch the model ({type(exc).__name__}: {exc})"
+                              ) from None

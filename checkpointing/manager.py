@@ -3,12 +3,15 @@
 The manager works on a *train state*: any object with ``model``, ``optimizers`` (an
 ``OptimizerSet`` or a dict name -> optimizer), ``progress`` (``state_dict``/``load_state_dict``),
 ``guards`` (dict), ``world`` (``kiln.components.distributed.World``) and optionally
-``recipe_toml`` (the resolved recipe's text, copied into every snapshot) and ``train_loader``
-(``state_dict``/``load_state_dict``). The trainer is one; tests use small ones.
+``recipe_toml`` (the resolved recipe's text, copied into every snapshot), ``train_loader``
+(``state_dict``/``load_state_dict``) and ``layout`` (a JSON dict: ``world_size``, ``mesh``,
+``fsdp``, ``global_batch``, ``micro_batch``, ``grad_accum`` and this rank's global-batch
+``rows``). The trainer is one; tests use small ones.
 
 Model and optimizers go through ``get_state_dict``/``set_state_dict`` so plain and FSDP2-sharded
 models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
-model's carry, the loader cursor) goes into the rank's safetensors file.
+model's carry, the loader cursor) goes into the rank's safetensors file; on the same layout each
+rank reads its own file back, on another layout ``remap`` assembles it by global batch row.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kiln.checkpointing import layout, payload, rng, storage
+from kiln.checkpointing import layout, payload, remap, rng, storage
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError
 
 STATE = "state.json"
+QKV_ROWS = "kv_grouped"  # row order of a fused wqkv (causal.split_fused_rows), since v0.2
 RECIPE = "recipe.toml"
 
 
@@ -58,6 +62,7 @@ class Loaded:
     step: int
     weights_only: bool
     saved_world_size: int
+    mapping: list[str] = field(default_factory=list)  # how a changed layout was mapped
 
 
 class CheckpointManager:
@@ -94,11 +99,13 @@ class CheckpointManager:
         pay = payload.capture(step, state.model, state.guards)
         carry_tensors, pay_header = payload.split(pay)
         loader = getattr(state, "train_loader", None)
+        state_layout = getattr(state, "layout", None)
         header = {
             "rank": self.world.rank, "world_size": self.world.world_size, "rng": rng_info,
             "payload": pay_header,
             "loader": storage.to_json(loader.state_dict(), "loader") if loader is not None
             and hasattr(loader, "state_dict") else None,
+            "batch": remap.batch_header(state_layout),
         }
         storage.save_rank_file(rank_file(tmp, self.world.rank), {**rng_tensors, **carry_tensors},
                                header)
@@ -108,6 +115,9 @@ class CheckpointManager:
             "format": layout.FORMAT, "step": step, "tokens": int(state.progress.tokens),
             "world_size": self.world.world_size, "progress": state.progress.state_dict(),
             "optimizers": sorted(optimizers_of(state)), "json_state": rest,
+            "layout": storage.to_json({k: v for k, v in (state_layout or {}).items()
+                                       if k != "rows"}, "layout"),
+            "qkv_rows": QKV_ROWS,
         }
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
@@ -199,24 +209,21 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------ loading
     def load(self, state, folder: Path, *, weights_only: bool = False,
-             from_ema: bool = False) -> Loaded:
-        """Restore ``state`` from a checkpoint folder; validates before changing anything."""
+             from_ema: bool = False, verified: bool = False) -> Loaded:
+        """Restore ``state`` from a checkpoint folder; validates before changing anything.
+        ``verified``: the caller has just checked the folder's hashes (``verify``)."""
         folder = Path(folder)
-        self._verify_everywhere(folder)
+        if not verified:
+            error = self.verify(folder)
+            if error is not None:
+                raise CheckpointError(error)
         meta = read_state(folder)
+        _check_qkv_rows(folder, meta, state.model)
         saved_ws = meta["world_size"]
-        if not weights_only and saved_ws != self.world.world_size:
-            raise CheckpointError(
-                f"{folder}: saved by {saved_ws} processes, this run has "
-                f"{self.world.world_size}. Per-rank RNG and data cursors cannot be mapped exactly; "
-                f"run with {saved_ws} processes, or set checkpoint.weights_only = true to start "
-                "a fresh schedule from these weights"
-            )
         step = int(meta["step"])
-        ranked = None
+        ranked, mapping = None, []
         if not weights_only:
-            tensors, header = storage.load_rank_file(rank_file(folder, self.world.rank))
-            ranked = _check_rank_state(folder, tensors, header, step, state)
+            ranked, mapping = self._rank_state(folder, meta, state)
 
         with_optim = not weights_only or from_ema
         current = self._app_state(state, with_optim=with_optim)
@@ -251,24 +258,45 @@ class CheckpointManager:
         loader = getattr(state, "train_loader", None)
         if loader is not None and loader_state is not None:
             loader.load_state_dict(loader_state)
-        rng.restore(rng_tensors, rng_info, where=str(folder))
-        return Loaded(folder, step, False, saved_ws)
+        if rng_tensors is not None:  # same layout: each rank's generators exactly as saved
+            rng.restore(rng_tensors, rng_info, where=str(folder))
+        return Loaded(folder, step, False, saved_ws, mapping)
 
-    def _verify_everywhere(self, folder: Path) -> None:
-        """Rank 0 hashes the folder; every rank raises if it failed."""
+    def _rank_state(self, folder: Path, meta: dict, state) -> tuple[tuple, list[str]]:
+        """(rng tensors, rng info, payload, loader cursor) of this rank, and how it was mapped
+        (empty on the same layout: the rank's own file, exactly)."""
+        step, saved_ws = int(meta["step"]), meta["world_size"]
+        layout_now = getattr(state, "layout", None)
+        target = remap.rows_of(layout_now)
+        notes = remap.describe_change(meta.get("layout"), layout_now)
+        if saved_ws == self.world.world_size:
+            tensors, header = storage.load_rank_file(rank_file(folder, self.world.rank))
+            remap.check_header(header, str(rank_file(folder, self.world.rank)))
+            if remap.rows_of(header.get("batch")) == target:  # same rows: own file, exactly
+                return _check_rank_state(folder, tensors, header, step, state), notes
+        if target is None:
+            raise CheckpointError(
+                f"{folder}: saved by {saved_ws} processes, this run has {self.world.world_size}, "
+                "and this train state does not say which global batch rows it trains (layout), "
+                f"so per-rank state cannot be mapped; run with {saved_ws} processes"
+            )
+        files = [rank_file(folder, r) for r in range(saved_ws)]
+        mapped = remap.map_rank_state(folder, files, step, target, set(state.guards))
+        _check_payload_fits(folder, str(folder), mapped.payload, mapped.loader, step, state)
+        notes += [*mapped.notes, "RNG: not carried over; every step derives it from "
+                  "(training.seed, step)"]
+        return (None, None, mapped.payload, mapped.loader), notes
+
+    def verify(self, folder: Path) -> str | None:
+        """Rank 0 hashes the folder against its manifest; every rank gets the same verdict
+        (None = valid, else the error message)."""
         error = None
         if self.world.is_main:
             try:
                 layout.verify(folder, hashes=True)
             except CheckpointError as exc:
-                error = exc
-        if self.world.distributed:
-            flag = torch.tensor([1.0 if error else 0.0])
-            distributed.all_reduce_(flag, "max")
-            if flag.item() and error is None:
-                raise CheckpointError(f"{folder}: rank 0 found the checkpoint invalid (see rank 0)")
-        if error is not None:
-            raise error
+                error = str(exc)
+        return distributed.broadcast_object(error) if self.world.distributed else error
 
     # -------------------------------------------------------------------- model + optimizers
     def _app_state(self, state, *, with_optim: bool) -> dict[str, Any]:
@@ -306,7 +334,9 @@ def read_state(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / STATE}: unreadable ({exc})") from exc
     required = {"format", "step", "tokens", "world_size", "progress", "optimizers", "json_state"}
-    if not isinstance(meta, dict) or set(meta) != required or meta["format"] != layout.FORMAT \
+    optional = {"layout", "qkv_rows"}
+    if not isinstance(meta, dict) or not required <= set(meta) <= required | optional \
+            or meta["format"] != layout.FORMAT \
             or type(meta["step"]) is not int or type(meta["world_size"]) is not int \
             or not isinstance(meta["json_state"], dict) or not isinstance(meta["progress"], dict) \
             or meta["progress"].get("step") != meta["step"]:
@@ -314,15 +344,35 @@ def read_state(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def _check_qkv_rows(folder: Path, meta: dict, model: torch.nn.Module) -> None:
+    """A fused ``wqkv`` saved before its rows were grouped per kv head (v0.1: [q; k; v]) would
+    load with its rows permuted: refuse it (models without ``wqkv`` are unaffected)."""
+    if meta.get("qkv_rows") == QKV_ROWS:
+        return
+    if any(name.endswith("wqkv.weight") for name, _ in model.named_parameters()):
+        raise CheckpointError(
+            f"{folder}: saved by a kiln whose fused wqkv rows were [q; k; v]; this kiln groups "
+            "them per kv head (tensor parallelism shards them). Export it with the kiln that "
+            "wrote it (`kiln export`: the Hugging Face layout, for dense Llama-shaped models) "
+            "and start from that export with checkpoint.init_from, or start afresh")
+
+
 def _check_rank_state(folder: Path, tensors: dict, header: dict, step: int, state):
     where = str(rank_file(folder, header.get("rank", -1)))
-    if set(header) != {"rank", "world_size", "rng", "payload", "loader"}:
-        raise CheckpointError(f"{where}: malformed rank state header {sorted(header)}")
     rng_tensors = {k: v for k, v in tensors.items() if k.startswith(rng.PREFIX)}
     other = {k: v for k, v in tensors.items() if not k.startswith(rng.PREFIX)}
     rng._validate(rng_tensors, header["rng"], where)
     pay = payload.join(other, header["payload"], where)
     pay = payload.validate(pay, expected_step=step, guard_names=set(state.guards), where=where)
+    if header["rank"] != state.world.rank or header["world_size"] != state.world.world_size:
+        raise CheckpointError(f"{where}: written for rank {header['rank']} of "
+                              f"{header['world_size']}, read by rank {state.world.rank}")
+    _check_payload_fits(folder, where, pay, header["loader"], step, state)
+    return rng_tensors, header["rng"], pay, header["loader"]
+
+
+def _check_payload_fits(folder: Path, where: str, pay: dict, loader_state, step: int,
+                        state) -> None:
     aborted = payload.aborted_guards(pay)
     if aborted:
         raise CheckpointError(
@@ -330,16 +380,12 @@ def _check_rank_state(folder: Path, tensors: dict, header: dict, step: int, stat
             "would continue a run that was stopped on purpose. Roll back to an earlier "
             "checkpoint, or set checkpoint.weights_only = true to start fresh guard history"
         )
-    if header["rank"] != state.world.rank or header["world_size"] != state.world.world_size:
-        raise CheckpointError(f"{where}: written for rank {header['rank']} of "
-                              f"{header['world_size']}, read by rank {state.world.rank}")
     if pay["carry"] is not None and getattr(state.model, "load_carry_state", None) is None:
         raise CheckpointError(f"{where}: the checkpoint holds a carried state but this model "
                               "cannot load one (load_carry_state); was the model changed?")
     loader = getattr(state, "train_loader", None)
-    if loader is not None and hasattr(loader, "load_state_dict") and header["loader"] is None:
+    if loader is not None and hasattr(loader, "load_state_dict") and loader_state is None:
         raise CheckpointError(f"{where}: no data loader cursor saved; cannot resume exactly")
-    return rng_tensors, header["rng"], pay, header["loader"]
 
 
 def _check_groups(folder: Path, name: str, saved: list, current: list) -> None:

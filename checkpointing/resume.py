@@ -21,6 +21,7 @@ from kiln.checkpointing import layout
 from kiln.components.errors import CheckpointError, RecipeError
 
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
+CORRUPT = "corrupt"  # snapshots that failed verification, moved aside by unattended recovery
 
 
 @dataclass
@@ -104,6 +105,27 @@ def abandon_newer(root: Path, folder: Path) -> list[str]:
     return moved
 
 
+def quarantine(root: Path, folder: Path) -> Path:
+    """Move a snapshot that failed verification to ``root/corrupt/`` (rank 0), so ``auto`` no
+    longer picks it; ``latest``, ``final`` and the index stop pointing at it. Returns where it
+    went (kept for inspection, never deleted)."""
+    dest = root / CORRUPT / folder.name
+    dest.parent.mkdir(exist_ok=True)
+    n = 1
+    while dest.exists():
+        dest, n = root / CORRUPT / f"{folder.name}.{n}", n + 1
+    folder.rename(dest)
+    if layout.link_target(root, "final") == folder.name:
+        (root / "final").unlink()
+    newest = layout.newest_complete(root, warn=False)
+    if newest is not None:
+        layout.write_atomic(root / "latest", newest.name + "\n")
+    else:
+        (root / "latest").unlink(missing_ok=True)
+    layout.write_index(root)
+    return dest
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())
@@ -152,6 +174,8 @@ def _refusal(key: str, d, weights_only: bool) -> str:
             return "changes the optimizer type"
         if ".params." in key or ".no_decay." in key or key.endswith((".params", ".no_decay")):
             return "changes which parameters the optimizer trains"
+        if key.endswith(".block_size"):
+            return "changes the blocks of the quantised optimizer state"
         if ".schedule." not in key and (key in d.only_a or key in d.only_b):
             return "adds or removes an optimizer (or changes its type)"
     if key.startswith("guards.") and (key in d.only_a or key in d.only_b):

@@ -1,4 +1,11 @@
-"""Per-rank RNG state (python, numpy, torch CPU, CUDA) as tensors plus JSON, never pickle.
+"""Per-rank RNG state (python, numpy, torch CPU, CUDA) as tensors plus JSON, never pickle, and
+the per-step derivation that makes a resume on another layout need no RNG mapping.
+
+``seed_step(seed, step)`` (called by the trainer before every step) sets every generator from
+(seed, step) alone: all ranks draw the same numbers, as they did from the shared start seed
+before, so replicas stay identical (e.g. stochastic rounding) and nothing random depends on the
+number of processes or the mesh. A checkpoint still stores each rank's generators; a resume on
+the same layout restores them (bit-exact either way), another layout simply re-derives them.
 
 ``capture()`` returns ``(tensors, info)``: the long state vectors as tensors (written to the
 rank's safetensors file) and the few scalars as a JSON-able dict (written beside them as the
@@ -18,6 +25,14 @@ from kiln.components.errors import CheckpointError
 
 PREFIX = "rng."
 _MT_WORDS = 624  # Mersenne Twister state words (python and numpy's legacy generator)
+
+
+def seed_step(seed: int, step: int) -> None:
+    """Seed python, numpy, torch and every CUDA device from (seed, step)."""
+    words = np.random.SeedSequence([seed % 2**64, int(step)]).generate_state(2, np.uint32)
+    random.seed(int(words[0]) << 32 | int(words[1]))
+    np.random.seed(int(words[0]))
+    torch.manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)  # also seeds all CUDA devices
 
 
 def capture() -> tuple[dict[str, torch.Tensor], dict]:

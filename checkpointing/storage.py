@@ -115,24 +115,30 @@ def save_rank_file(path: Path, tensors: dict[str, torch.Tensor], header: dict[st
 
 
 def load_rank_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    header = read_rank_header(path)
+    try:
+        return load_file(str(path)), header
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable rank state ({exc}); the file is corrupt") \
+            from exc
+
+
+def read_rank_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a rank file, without reading its tensors."""
     from safetensors import safe_open
 
     if not path.is_file():
-        raise CheckpointError(
-            f"{path}: missing; this checkpoint was written by a different number of processes "
-            "or is incomplete"
-        )
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
         header = json.loads(meta["kiln"])
     except (SafetensorError, OSError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable rank state ({exc}); the file is corrupt") \
             from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: rank state header is not a JSON object")
-    return tensors, header
+    return header
 
 
 # ------------------------------------------------------------------ DCP without unpickling

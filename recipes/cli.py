@@ -32,7 +32,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("kiln.recipes.commands.tokenizer",
                   "train a byte-level BPE tokenizer on local text (offline)"),
     "export": ("kiln.recipes.commands.export",
-               "checkpoint -> safetensors + config.json (+ Hugging Face Llama layout)"),
+               "checkpoint -> safetensors + config.json (Hugging Face layout when it has one)"),
+    "import": ("kiln.recipes.commands.import_model",
+               "Hugging Face model -> recipe that continues training it (checkpoint.init_from)"),
+    "generate": ("kiln.recipes.commands.generate",
+                 "sample text from a run's checkpoint (KV cache, streaming, batched prompts)"),
 }
 
 

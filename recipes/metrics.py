@@ -1,25 +1,56 @@
-"""Where metrics go: the console, a JSONL file and TensorBoard, all under the run folder."""
+"""Where metrics go: the console, a JSONL file and TensorBoard under the run folder, and
+optionally Weights & Biases (``[run.wandb]``; its files also go under the run folder)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import secrets
 import time
 from pathlib import Path
 
 import torch
+
+from kiln.components.errors import RecipeError
 
 
 class MetricsWriter:
     """Writes one JSON object per logged step to metrics.jsonl and the same scalars to
     TensorBoard. Only the main rank writes."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, enabled: bool):
+    def __init__(self, run_dir: Path, *, tensorboard: bool, enabled: bool, wandb=None,
+                 run_name: str = "", config: dict | None = None):
         self.enabled = enabled
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self._tb_dir = run_dir / "tensorboard"
         self._tb_wanted = tensorboard
         self._tb = None
+        self._wb_cfg = wandb if enabled else None
+        self._wb_meta = (run_name, config or {})
+        self._wb = None
+        if self._wb_cfg is not None and importlib.util.find_spec("wandb") is None:
+            raise RecipeError("run.wandb is set but the wandb package is not installed: "
+                              "pip install wandb (or remove [run.wandb])")
+
+    def _wandb(self):
+        """The W&B run, started on first use; a resumed kiln run continues its W&B run (the id
+        is kept in the run folder)."""
+        if self._wb is None and self._wb_cfg is not None:
+            import wandb
+
+            c, (name, config) = self._wb_cfg, self._wb_meta
+            id_file = self.run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if id_file.is_file() else ""
+            if not run_id:
+                run_id = secrets.token_hex(4)  # W&B ids: [a-z0-9]
+                id_file.write_text(run_id + "\n")
+            self._wb = wandb.init(
+                project=c.project, entity=c.entity or None, name=c.name or name or None,
+                group=c.group or None, tags=c.tags or None, mode=c.mode,
+                dir=str(self.run_dir), config=config, id=run_id, resume="allow")
+        return self._wb
 
     def _writer(self):
         if self._tb is None and self._tb_wanted:
@@ -35,11 +66,14 @@ class MetricsWriter:
         clean = {k: _plain(v) for k, v in values.items()}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **clean, "time": round(time.time(), 3)}) + "\n")
+        scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float))}
         tb = self._writer()
         if tb is not None:
-            for key, value in clean.items():
-                if isinstance(value, (int, float)) and value is not None:
-                    tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                tb.add_scalar(key, value, step)
+        wb = self._wandb()
+        if wb is not None:
+            wb.log(scalars, step=step)
 
     def flush(self) -> None:
         if self._tb is not None:
@@ -49,6 +83,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wb is not None:
+            self._wb.finish()
+            self._wb = None
 
 
 def _plain(v):

@@ -69,7 +69,10 @@ def write_recipe(recipe: Recipe, path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Write ``text`` to ``path`` through a temporary file of this process's own (pid in the
+    name), so writers racing on one path (every rank writing the same recipe) never rename each
+    other's temporary file away; the last rename wins, and each renamed file is whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 

@@ -1,6 +1,6 @@
-"""A checkpoint's model, rebuilt from the recipe it holds: for ``kiln eval`` and ``kiln export``
-(the checkpointing package reads and writes tensors; building models from recipes happens here,
-on the top floor)."""
+"""A checkpoint's model, rebuilt from the recipe it holds: for ``kiln eval``, ``kiln export`` and
+``kiln generate`` (the checkpointing package reads and writes tensors; building models from
+recipes happens here, on the top floor). Also the trainer's export of its live model."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ from kiln.components.models.block import padded_vocab
 from kiln.recipes.recipe import load_recipe, to_dict
 
 
-def load_model(checkpoint: Path):
-    """(recipe, tokenizer, model with the checkpoint's weights on the CPU)."""
+def load_model(checkpoint: Path, *, min_seq_len: int = 0):
+    """(recipe, tokenizer, model with the checkpoint's weights on the CPU). ``min_seq_len``
+    lengthens the position tables of a model whose length follows training.seq_len (model
+    max_seq_len = 0), e.g. to generate past the trained context."""
     layout.verify(checkpoint, hashes=True)
     recipe = load_recipe(checkpoint)
     tokenizer = recipe.tokenizer.build()
+    seq_len = max(recipe.training.seq_len, min_seq_len)
     with torch.device("meta"):
         model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
-                                   seq_len=recipe.training.seq_len)
+                                   seq_len=seq_len)
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)
     tensors, _ = storage.split_tree({"model": sd})
@@ -37,11 +40,33 @@ def load_model(checkpoint: Path):
     return recipe, tokenizer, model
 
 
+def tokenizer_files(tokenizer):
+    """A writer of the tokenizer's own files into an export folder, or None (byte tokenizer:
+    nothing to write)."""
+    save = getattr(tokenizer, "save_files", None)
+    return save if callable(save) else None
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "auto", *,
-                      force: bool = False) -> dict[str, Any]:
+                      force: bool = False, max_shard_size: str | int = "5GB",
+                      dtype: str = "") -> dict[str, Any]:
     """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``;
     a non-empty ``out_dir`` needs ``force``)."""
     checkpoint = Path(checkpoint)
     recipe, tokenizer, model = load_model(checkpoint)
     return export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force)
+                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force,
+                             max_shard_size=max_shard_size, dtype=dtype,
+                             tokenizer_files=tokenizer_files(tokenizer))
+
+
+def export_trainer_model(trainer, out_dir: Path) -> dict[str, Any]:
+    """The trainer's live (possibly sharded) model as an export; every rank calls this. The
+    run's own export folder: a rerun rewrites the export's files there (``force``)."""
+    recipe = trainer.recipe
+    return export_lib.export(
+        trainer.model, trainer.tokenizer, out_dir, model_table=to_dict(recipe)["model"],
+        recipe_file=Path(trainer.run_dir) / "recipe.toml", force=True,
+        max_shard_size=recipe.checkpoint.export_max_shard_size,
+        tokenizer_files=tokenizer_files(trainer.tokenizer),
+        rank=trainer.world.rank, world_size=trainer.world.world_size)

@@ -12,6 +12,19 @@ from kiln.parallelisms.config import ParallelismConfig
 from kiln.recipes.context_warmup import ContextWarmupConfig
 
 
+class WandbConfig(Config):
+    """Weights & Biases logging (``[run.wandb]``); nothing is sent unless this table is set."""
+
+    project: str = Field(description="W&B project")
+    entity: str = Field("", description="W&B team or user (default: yours)")
+    name: str = Field("", description="W&B run name (default: run.name)")
+    group: str = Field("", description="W&B group")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline: write under the run folder only (`wandb sync` later)"
+    )
+
+
 class RunConfig(Config):
     """Where the run writes and how it reports."""
 
@@ -21,6 +34,10 @@ class RunConfig(Config):
     tensorboard: bool = Field(True, description="write TensorBoard scalars under the run folder")
     progress_bar: bool = Field(
         True, description="tqdm progress bar on rank 0, when stdout and stderr are terminals"
+    )
+    wandb: WandbConfig | None = Field(
+        None, description="log to Weights & Biases too: a table with at least project (needs "
+        "`pip install wandb`)"
     )
 
 

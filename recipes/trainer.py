@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
@@ -29,7 +30,7 @@ from kiln.recipes.flops import peak_flops
 from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.recipe import render_recipe, write_text_atomic
+from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
 
 
@@ -68,10 +69,13 @@ class Trainer:
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
         # This rank's share of each global batch: tensor-parallel peers train on the same batch,
         # so data is split over the data-parallel ranks only (data_rank = rank // tp).
-        self.layout = layout(recipe.parallelism, self.world.world_size)
-        self.data_rank, self.data_ranks = self.layout.dp_rank(self.world.rank), self.layout.dp
-        raise_problems(training_problems(tr, self.layout.tp), self.layout.describe())
-        self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.layout.tp)
+        # Rows [data_rank * per_rank, ...) of each global batch are this rank's; checkpoints map
+        # the per-row state (carry) and the data cursor by these rows on a layout change.
+        self.mesh_layout = layout(recipe.parallelism, self.world.world_size)
+        self.data_rank = self.mesh_layout.dp_rank(self.world.rank)
+        self.data_ranks = self.mesh_layout.dp
+        raise_problems(training_problems(tr, self.mesh_layout.tp), self.mesh_layout.describe())
+        self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.mesh_layout.tp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -107,7 +111,8 @@ class Trainer:
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
         )
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
-                                     enabled=self.world.is_main)
+                                     enabled=self.world.is_main, wandb=recipe.run.wandb,
+                                     run_name=recipe.run.name, config=to_dict(recipe))
         self.hooks: list[Hook] = []
         if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
             self.hooks.append(self._checkpoint_hook())
@@ -152,7 +157,7 @@ class Trainer:
                 distributed.broadcast_(t.data, src=0)
         self.parallel = parallelize(self.model, pcfg, self.world)
         details = self.parallel.describe().splitlines()[1:]
-        if note := chunked_loss_note(self.recipe.training, self.layout.tp):
+        if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
             details.append(note)
         if pcfg.meta_init:
             details.append(materialize(
@@ -173,16 +178,41 @@ class Trainer:
             self.print(f"model: {line}")
         return self.parallel.summary
 
+    @property
+    def layout(self) -> dict:
+        """How the run is spread over processes (saved with every checkpoint; a resume on
+        another layout reports the change and maps per-row state by ``rows``)."""
+        mesh = self.parallel.mesh
+        names = (mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]) if mesh else []
+        per_rank = self.plan.global_batch // self.data_ranks
+        return {
+            "world_size": self.world.world_size,
+            "mesh": {name: mesh.size(i) for i, name in enumerate(names)},
+            "fsdp": self.parallel.fsdp,
+            "global_batch": self.plan.global_batch,
+            "micro_batch": self.plan.micro_batch,
+            "grad_accum": self.plan.grad_accum,
+            "rows": [self.data_rank * per_rank, (self.data_rank + 1) * per_rank],
+        }
+
     def _checkpoint_hook(self) -> Hook:
         from kiln.checkpointing.hook import CheckpointHook
         from kiln.recipes.diff import diff
         from kiln.recipes.recipe import load_recipe
-        from kiln.recipes.saved_model import export_checkpoint
+        from kiln.recipes.saved_model import export_trainer_model
 
         return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
                                                                     self.recipe),
-                              # the run's own export folder: a rerun rewrites the export files
-                              export=functools.partial(export_checkpoint, force=True))
+                              export=lambda out: export_trainer_model(self, out))
+
+    def _start_from_pretrained(self) -> None:
+        """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
+        if not self.recipe.checkpoint.init_from or any(
+                getattr(h, "resumed_from", None) is not None for h in self.hooks):
+            return
+        from kiln.recipes.pretrained import load_pretrained
+
+        load_pretrained(self)
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
@@ -318,6 +348,7 @@ class Trainer:
                            "to do (raise training.steps to continue it, or give another "
                            "--run.folder to start over)")
                 return self.progress
+            self._start_from_pretrained()
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
@@ -332,6 +363,9 @@ class Trainer:
                     micro = [truncate(b, self.seq_len) for b in micro]
                 if set_progress is not None:
                     set_progress(self.progress.step, self.total_steps)
+                # Every generator from (seed, step): the same on all ranks and for any layout,
+                # so a resume on other processes needs no RNG mapping.
+                seed_step(self.recipe.training.seed, self.progress.step)
                 result = self.step_fn(self, micro)
                 if self.world.is_main and not started:
                     self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,10 @@ def _fields() -> dict[str, set[str] | None]:
             ann = field.annotation
             literal = typing.get_origin(ann) is typing.Literal
             seen.setdefault(name, []).append(set(typing.get_args(ann)) if literal else None)
-    return {name: None if None in kinds else set().union(*kinds)
-            for name, kinds in seen.items()}
+    fields = {name: None if None in kinds else set().union(*kinds)
+              for name, kinds in seen.items()}
+    # The recipe loader's own top-level keys (recipes/loader.py), not fields of any table.
+    return fields | {"extends": None, "remove": None}
 
 
 def readme_settings() -> list[tuple[str, str]]:

@@ -1,9 +1,8 @@
 """Causal multi-head self-attention with grouped-query heads (GQA), RoPE and optional QK-norm.
 
 Parameter names follow torchtitan's llama3 of the TOML era (v0.2.x: ``wq``, ``wk``, ``wv``,
-``wo``). torchtitan 0.3.0 renamed them (``attention.qkv_linear.wq``, ``lm_head``), and its fused
-``wqkv`` groups the rows per kv head, where kiln's fused ``wqkv`` is [all q rows; all k rows;
-all v rows]: converting to 0.3.0 needs a name map and a row permutation, not a copy. Layout is
+``wo``). torchtitan 0.3.0 renamed them (``attention.qkv_linear.wq``, ``lm_head``). While
+generating, a ``kv_cache`` (``kv_cache.py``) makes a forward run only the new tokens. Layout is
 (B, T, H, D) through the projections and the
 position encoding; SDPA sees (B, H, T, D) as a free transpose and returns a tensor whose memory
 is already (B, T, H, D), so no `.contiguous()` copy is made on the way in or out.
@@ -24,13 +23,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from kiln.components.attention.kv_cache import KVCache, cached_sdpa
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
 from kiln.components.registry import register
 
 
 class CausalAttentionConfig(ComponentConfig):
-    n_heads: int = Field(16, ge=1, description="query heads; head_dim = dim / n_heads")
+    n_heads: int = Field(16, ge=1, description="query heads (head_dim = dim / n_heads unless set)")
     n_kv_heads: int = Field(
         0, ge=0, description="key/value heads (0 = n_heads; fewer = grouped-query attention)"
     )
@@ -39,6 +39,9 @@ class CausalAttentionConfig(ComponentConfig):
         False, description="one `wqkv` Linear instead of wq/wk/wv (a different checkpoint layout)"
     )
     bias: bool = Field(False, description="biases on the q/k/v/o projections")
+    qkv_bias: bool = Field(False, description="biases on q/k/v only (Qwen2); o stays bias-free")
+    head_dim: int = Field(0, ge=0, description="width of a head (0 = dim / n_heads)")
+    qk_norm_eps: float = Field(1e-5, gt=0, description="eps of the QK-norm RMSNorms")
     position: Sub("position") = component("position", "rope", "position encoding of q and k")
 
 
@@ -54,30 +57,33 @@ class CausalAttention(nn.Module):
     ) -> None:
         super().__init__()
         n_kv = cfg.n_kv_heads or cfg.n_heads
-        if dim % cfg.n_heads or cfg.n_heads % n_kv:
+        if (not cfg.head_dim and dim % cfg.n_heads) or cfg.n_heads % n_kv:
             raise ValueError(
-                f"attention: dim ({dim}) must be a multiple of n_heads ({cfg.n_heads}) and "
-                f"n_heads a multiple of n_kv_heads ({n_kv}); change n_heads or n_kv_heads"
+                f"attention: dim ({dim}) must be a multiple of n_heads ({cfg.n_heads}) (or set "
+                f"head_dim) and n_heads a multiple of n_kv_heads ({n_kv}); change n_heads or "
+                "n_kv_heads"
             )
         self.layer_idx = layer_idx
         self.n_heads = cfg.n_heads
         self.n_kv_heads = n_kv
-        self.head_dim = dim // cfg.n_heads
+        self.head_dim = cfg.head_dim or dim // cfg.n_heads
         q_dim, kv_dim = self.n_heads * self.head_dim, n_kv * self.head_dim
+        in_bias = cfg.bias or cfg.qkv_bias
         if cfg.fused_qkv:
-            self.wqkv = nn.Linear(dim, q_dim + 2 * kv_dim, bias=cfg.bias)
+            self.wqkv = nn.Linear(dim, q_dim + 2 * kv_dim, bias=in_bias)
         else:
-            self.wq = nn.Linear(dim, q_dim, bias=cfg.bias)
-            self.wk = nn.Linear(dim, kv_dim, bias=cfg.bias)
-            self.wv = nn.Linear(dim, kv_dim, bias=cfg.bias)
+            self.wq = nn.Linear(dim, q_dim, bias=in_bias)
+            self.wk = nn.Linear(dim, kv_dim, bias=in_bias)
+            self.wv = nn.Linear(dim, kv_dim, bias=in_bias)
         self.wo = nn.Linear(q_dim, dim, bias=cfg.bias)
         if cfg.qk_norm:
-            norm_cfg = RMSNormConfig(type="rmsnorm")
+            norm_cfg = RMSNormConfig(type="rmsnorm", eps=cfg.qk_norm_eps)
             self.q_norm = RMSNorm(norm_cfg, dim=self.head_dim)
             self.k_norm = RMSNorm(norm_cfg, dim=self.head_dim)
         else:
             self.q_norm = self.k_norm = None
         self.position = cfg.position.build(head_dim=self.head_dim, max_seq_len=max_seq_len)
+        self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Inputs projections ~ N(0, std), output projection ~ N(0, out_std), biases 0."""
@@ -98,9 +104,16 @@ class CausalAttention(nn.Module):
         q, k, v = self.project_qkv(x)  # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.position(q, k)
-        # SDPA wants (B, H, T, D); a transpose is a view.
-        out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        cache = self.kv_cache
+        if cache is None:
+            q, k = self.position(q, k)
+            # SDPA wants (B, H, T, D); a transpose is a view.
+            out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
+            q, k = self.position(q, k, positions=cache.session.positions)
+            k, v = cache.update(k, v)  # (B, S, Hk, D)
+            out = cached_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              cache.session)
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

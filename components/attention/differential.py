@@ -27,9 +27,10 @@ reference script concatenates ``[A_1 v_1, lambda A_2 v_2]`` over half-width valu
 not a difference of maps at all; kiln keeps the differential form. ``head_gate`` adds the
 reference's learnable per-head output gate (initialised to 1).
 
-Projections, QK-norm modules and the position sub-component are the causal attention's. Under
-tensor parallelism a rank computes whole heads (both maps of a head on one rank): head counts come
-from the projection shapes, and per-head parameters are read at ``head_offset``.
+Projections, QK-norm modules and the position sub-component are the causal attention's; so is
+the KV cache (it stores the rotated half-width keys and the full-width values). Under tensor
+parallelism a rank computes whole heads (both maps of a head on one rank): head counts come from
+the projection shapes, and per-head parameters are read at ``head_offset``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pydantic import Field
 from torch import nn
 
 from kiln.components.attention.causal import CausalAttention, CausalAttentionConfig
+from kiln.components.attention.kv_cache import cached_sdpa
 from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
 from kiln.components.registry import register
 
@@ -88,7 +90,7 @@ class DifferentialAttention(CausalAttention):
         half = hd // 2
         # Sub-heads of width hd/2: their own QK-norm and RoPE table (replacing the causal ones).
         if cfg.qk_norm:
-            norm_cfg = RMSNormConfig(type="rmsnorm")
+            norm_cfg = RMSNormConfig(type="rmsnorm", eps=cfg.qk_norm_eps)
             self.q_norm = RMSNorm(norm_cfg, dim=half)
             self.k_norm = RMSNorm(norm_cfg, dim=half)
         self.position = cfg.position.build(head_dim=half, max_seq_len=max_seq_len)
@@ -148,18 +150,23 @@ class DifferentialAttention(CausalAttention):
         h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2  # this rank's heads
         q = q.reshape(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
         k = k.reshape(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
-        v = v.transpose(1, 2)  # (B, Hk, T, 2d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.position(q, k)
-        q = q.view(b, t, h, 2, half)  # (B, T, H, 2, d)
-        k = k.view(b, t, hk, 2, half)  # (B, T, Hk, 2, d)
-        gqa = hk != h
+        cache = self.kv_cache
+        if cache is None:
+            q, k = self.position(q, k)
+            attend = lambda q_, k_, v_: F.scaled_dot_product_attention(  # noqa: E731
+                q_, k_, v_, is_causal=True, enable_gqa=hk != h)
+        else:  # decoding: the rotated keys and the values of earlier tokens are cached
+            q, k = self.position(q, k, positions=cache.session.positions)
+            k, v = cache.update(k, v)  # (B, S, 2Hk, d), (B, S, Hk, 2d)
+            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, cache.session)  # noqa: E731
+        s = k.shape[1]
+        q = q.reshape(b, t, h, 2, half)  # (B, T, H, 2, d)
+        k = k.reshape(b, s, hk, 2, half)  # (B, S, Hk, 2, d)
+        v = v.transpose(1, 2)  # (B, Hk, S, 2d)
         a1v, a2v = (
-            F.scaled_dot_product_attention(
-                q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2), v,
-                is_causal=True, enable_gqa=gqa,
-            )  # (B, H, T, 2d)
+            attend(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2), v)  # (B,H,T,2d)
             for c in (0, 1)
         )
         lam = self.lambda_value(h).to(a1v.dtype).view(1, h, 1, 1)

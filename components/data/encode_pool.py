@@ -48,6 +48,8 @@ def _init(blob: bytes) -> None:
     global _TOKENIZER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
+    # The parent's own tokenizer object, pickled by this process's parent for its workers (as
+    # multiprocessing pickles any argument); never data read from disk or from a user.
     _TOKENIZER = pickle.loads(blob)
 
 

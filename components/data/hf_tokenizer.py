@@ -232,9 +232,34 @@ class TokenizerFile(TokenizerBase):
     def token_to_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
     def fingerprint(self) -> str:
         """Identifies the id mapping: the file's hash, the vocabulary and the specials."""
         return self._fingerprint
+
+    def save_files(self, folder: Path) -> list[str]:
+        """Write this tokenizer into an export folder the way ``transformers`` reads it:
+        ``tokenizer.json`` (the same bytes) and ``tokenizer_config.json`` (the source's, if any,
+        with kiln's BOS / EOS / pad tokens, which may come from the recipe); a
+        ``special_tokens_map.json`` beside the source is copied with the same tokens. Returns
+        the file names written."""
+        folder = Path(folder)
+        (folder / TOKENIZER_FILE).write_bytes(self.file.read_bytes())
+        specials = {f"{k}_token": self.id_to_token(i) for k, i in
+                    (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id))
+                    if i is not None}
+        written = [TOKENIZER_FILE]
+        for name in _CONFIG_FILES:
+            source = self.file.parent / name
+            if name == "tokenizer_config.json" or source.is_file():
+                data = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {
+                    "tokenizer_class": "PreTrainedTokenizerFast"}
+                data.update(specials)
+                (folder / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+                written.append(name)
+        return written
 
 
 @register("tokenizer", "huggingface")

@@ -130,12 +130,17 @@ def experts_loop(
     return torch.cat(outs, 0)
 
 
-@torch.compiler.assume_constant_result  # decided once; torch.compile traces it as a constant
 def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     """``grouped`` or ``loop`` for a configured ``dispatch`` (``auto``: grouped where it works)."""
     if kind != "auto":
         return kind
     return "grouped" if grouped_mm_works(device, dtype) else "loop"
+
+
+# Decided once, so torch.compile may trace it as a constant. This is what
+# ``torch.compiler.assume_constant_result`` sets (torch 2.11-2.13); the decorator itself imports
+# torch._dynamo (and with it FSDP2 and DTensor), which reading a recipe must not pay for.
+resolve_kernel._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def run_experts(

@@ -4,6 +4,10 @@ Adjacent feature pairs (2i, 2i+1) of each head are one complex number rotated by
 ``pos * theta**(-2i/head_dim)``. This is the Meta / torchtitan layout, not Hugging Face's
 "rotate half" layout (which pairs i with i + head_dim/2); an HF export must permute wq/wk rows.
 
+Context extension (``scaling``: linear, llama3, yarn) changes the frequencies and, for YaRN,
+the table's magnitude; see ``rope_scaling``. Generation with a KV cache rotates new tokens at
+their own positions (``positions``).
+
 In eager mode the rotation is a complex multiply: on CPU one complex kernel (forward + backward)
 was ~3x faster than the real-valued stack or swap-and-add forms (measured, (4, 256, 16, 16)
 fp32). Under torch.compile the real-valued form is used instead: inductor has no complex codegen
@@ -12,16 +16,46 @@ fp32). Under torch.compile the real-valued form is used instead: inductor has no
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from kiln.components.base import ComponentConfig
+from kiln.components.positions.rope_scaling import inverse_frequencies
 from kiln.components.registry import register
 
 
 class RoPEConfig(ComponentConfig):
     theta: float = Field(10000.0, gt=0, description="base of the rotation frequencies")
+    scaling: Literal["none", "linear", "llama3", "yarn"] = Field(
+        "none", description="context extension: none, linear (position interpolation), llama3 "
+        "(Llama 3.1 band-wise), yarn (YaRN); as Hugging Face's rope_type"
+    )
+    factor: float = Field(1.0, gt=0, description="context extension factor (linear, llama3, yarn)")
+    original_max_seq_len: int = Field(
+        0, ge=0, description="context length the model was pretrained at (llama3, yarn)"
+    )
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: low-frequency band edge")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: high-frequency band edge")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: rotations where the ramp starts")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: rotations where the ramp ends")
+    attention_factor: float = Field(
+        0.0, ge=0, description="yarn: cos/sin scale (0 = 0.1 * ln(factor) + 1)"
+    )
+    yarn_truncate: bool = Field(True, description="yarn: round the ramp's ends to whole dims")
+
+    @model_validator(mode="after")
+    def _check(self) -> RoPEConfig:
+        if self.scaling in ("llama3", "yarn") and not self.original_max_seq_len:
+            raise ValueError(f"RoPE scaling {self.scaling!r} needs original_max_seq_len (the "
+                             "pretrained context length, e.g. 8192 for Llama 3.1)")
+        if self.scaling == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"llama3 RoPE scaling needs high_freq_factor "
+                             f"({self.high_freq_factor}) > low_freq_factor "
+                             f"({self.low_freq_factor})")
+        return self
 
 
 @register("position", "rope")
@@ -34,6 +68,7 @@ class RoPE(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {head_dim}; change n_heads or dim")
+        self.cfg = cfg
         self.theta = cfg.theta
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
@@ -49,44 +84,51 @@ class RoPE(nn.Module):
         buf = self.freqs_cis
         if buf.is_meta:
             return
-        d = self.head_dim
         # Computed in fp64 on CPU so every device and dtype gets the same table.
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        inv_freq, scale = inverse_frequencies(self.cfg, self.head_dim)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
-        table = torch.stack((angles.cos(), angles.sin()), dim=-1)  # (T, D/2, 2)
+        table = torch.stack((angles.cos(), angles.sin()), dim=-1) * scale  # (T, D/2, 2)
         buf.copy_(table.to(device=buf.device, dtype=buf.dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, T, Hq, D) and k (B, T, Hk, D) by their positions 0..T-1.
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (B, T, Hq, D) and k (B, T, Hk, D) by their positions: 0..T-1, or
+        ``positions`` (B, T) long (tokens appended to a KV cache, left-padded rows).
 
-        A position component is called as ``position(q, k) -> (q, k)``; it is `forward`, not
-        `apply`, because `nn.Module.apply(fn)` recurses into children and must stay intact.
+        A position component is called as ``position(q, k, positions=None) -> (q, k)``; it is
+        `forward`, not `apply`, because `nn.Module.apply(fn)` recurses into children.
         """
         t = q.shape[1]
-        if t > self.max_seq_len:
+        last = t if positions is None else int(positions.max()) + 1
+        if last > self.max_seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds the RoPE table ({self.max_seq_len}); raise the "
+                f"sequence length {last} exceeds the RoPE table ({self.max_seq_len}); raise the "
                 "model's max_seq_len"
             )
-        table = self.freqs_cis[:t].float()  # (T, D/2, 2)
+        if positions is None:
+            table = self.freqs_cis[:t].float()  # (T, D/2, 2)
+        else:
+            table = self.freqs_cis[positions].float()  # (B, T, D/2, 2)
         return _rotate(q, table), _rotate(k, table)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
+        scaling = "" if self.cfg.scaling == "none" else f", scaling={self.cfg.scaling}"
+        return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, "
+                f"theta={self.theta}{scaling}")
 
 
 def _rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by table (T, D/2, [cos, sin]); fp32 math like torchtitan."""
+    """Rotate x (B, T, H, D) by table ([B,] T, D/2, [cos, sin]); fp32 math like torchtitan."""
     if torch.compiler.is_compiling():
         return _rotate_real(x, table)
-    rot = torch.view_as_complex(table).unsqueeze(1)  # (T, 1, D/2) complex
+    rot = torch.view_as_complex(table).unsqueeze(-2)  # ([B,] T, 1, D/2) complex
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2) complex
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
 
 def _rotate_real(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The same rotation with real ops: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c)."""
-    cos, sin = table[..., 0].unsqueeze(1), table[..., 1].unsqueeze(1)  # (T, 1, D/2)
+    cos, sin = table[..., 0].unsqueeze(-2), table[..., 1].unsqueeze(-2)  # ([B,] T, 1, D/2)
     xr = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     x0, x1 = xr[..., 0], xr[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)

@@ -52,7 +52,8 @@ class _Timer(Hook):
 
 def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
     start = time.perf_counter()
-    startup = {"interpreter, imports": _age_at(start)}
+    age = _age_at(start)  # read once: /proc/uptime has 10 ms ticks, two reads may disagree
+    startup = {"interpreter, imports": age}
     from kiln.recipes.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +74,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
             trainer.fit()
     ends = timer.ends
     startup["first step"] = ends[0] - timer.fit_start
-    first = ends[0] - start + _age_at(start)
+    first = ends[0] - start + age
     window = ends[warmup:] if warmup < len(ends) else ends
     step_time = (window[-1] - (ends[warmup - 1] if warmup else start)) / len(window)
     waits = timer.waits

@@ -109,8 +109,8 @@ def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
 def _hint(args: argparse.Namespace, overrides: list[str]) -> str:
     """The command that trains on what was built: the recipe (and overrides) it was prepared
     with, or the default recipe, plus ``overrides``."""
-    recipe = getattr(args, "recipe", None) or "train_configs/debug.toml"
-    words = ["./run_train.sh", recipe, *getattr(args, "overrides", []), *overrides]
+    words = ["./run_train.sh", args.recipe or "train_configs/debug.toml", *args.overrides,
+             *overrides]
     return "train on it: " + " ".join(shlex.quote(str(w)) for w in words)
 
 

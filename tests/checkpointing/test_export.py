@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.checkpointing.export import llama_incompatibility, rope_permute
+from kiln.checkpointing.hf_layout import hf_incompatibility
+from kiln.checkpointing.hf_layout import to_hf as rope_permute
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.components.distributed import World
 from kiln.components.errors import CheckpointError
@@ -27,9 +28,10 @@ TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
         "--model.ffn.hidden_dim=48", "--training.seq_len=16"]
 
 
-def checkpoint(tmp_path, *overrides):
-    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *overrides])
+def checkpoint(tmp_path, *overrides, tiny=TINY):
+    recipe = load_recipe(CONFIGS / "debug.toml", [*tiny, *overrides])
     torch.manual_seed(0)
+    # the byte tokenizer's 258 ids, padded as every build site pads them (load_model does)
     model = recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=16)
     state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(model.parameters())},
                      recipe_toml=render_recipe(recipe))
@@ -41,9 +43,9 @@ def checkpoint(tmp_path, *overrides):
 
 
 def test_kiln_layout_round_trips_the_weights(tmp_path):
-    folder, model = checkpoint(tmp_path, "--model.attention.qk_norm=true")
+    folder, model = checkpoint(tmp_path, "--model.layerscale_init=0.1")
     summary = export(folder, tmp_path / "out")
-    assert summary["layout"] == "kiln" and summary["why_not_hf"] == "QK-norm"
+    assert summary["layout"] == "kiln" and summary["why_not_hf"] == "LayerScale"
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors",
                                                     "recipe.toml"]
     tensors = load_file(tmp_path / "out" / "model.safetensors")
@@ -51,8 +53,8 @@ def test_kiln_layout_round_trips_the_weights(tmp_path):
     assert "output.weight" not in tensors  # tied to tok_embeddings: stored once
     assert all(torch.equal(tensors[k], sd[k]) for k in tensors)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["format"] == "kiln" and config["model"]["attention"]["qk_norm"] is True
-    with pytest.raises(CheckpointError, match="QK-norm"):
+    assert config["format"] == "kiln" and config["model"]["layerscale_init"] == 0.1
+    with pytest.raises(CheckpointError, match="LayerScale"):
         export(folder, tmp_path / "hf", fmt="hf")
 
 
@@ -68,7 +70,7 @@ def test_exported_and_checkpoint_files_share_one_file_mode(tmp_path):
 def test_llama_layout_names_and_config(tmp_path):
     folder, model = checkpoint(tmp_path, "--model.attention.n_kv_heads=2",
                                "--model.tie_embeddings=false")
-    assert llama_incompatibility(model) == ""
+    assert hf_incompatibility(model) == ""
     assert main(["export", str(folder.parent), str(tmp_path / "hf")]) == 0
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert len(tensors) == 2 + 2 * 9 + 1
@@ -108,14 +110,25 @@ def test_rope_permutation_maps_kiln_rotation_to_hugging_faces():
     torch.testing.assert_close(scores_kiln, scores_hf, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra", [("--model.attention.n_kv_heads=2",),
-                                   ("--model.tie_embeddings=false", "--model.attention.bias=true")],
-                         ids=["gqa_tied", "untied_bias"])
-def test_transformers_loads_the_export_with_the_same_logits(tmp_path, extra):
+LLAMA3 = ["--model.attention.position.scaling=llama3", "--model.attention.position.factor=8.0",
+          "--model.attention.position.original_max_seq_len=8"]
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("llama", ["--model.attention.n_kv_heads=2"]),
+    ("llama", ["--model.tie_embeddings=false", "--model.attention.bias=true"]),
+    ("llama", ["--model.attention.n_kv_heads=2", *LLAMA3]),
+    ("qwen2", ["--model.attention.n_kv_heads=2", "--model.attention.qkv_bias=true",
+               "--model.attention.position.scaling=yarn", "--model.attention.position.factor=4.0",
+               "--model.attention.position.original_max_seq_len=8"]),
+    ("qwen3", ["--model.attention.n_kv_heads=2", "--model.attention.qk_norm=true",
+               "--model.attention.head_dim=16", *LLAMA3]),
+], ids=["gqa_tied", "untied_bias", "llama3_rope", "qwen2_yarn", "qwen3"])
+def test_transformers_loads_the_export_with_the_same_logits(tmp_path, family, extra):
     import transformers  # a dev dependency (pyproject.toml): this test never skips
 
     folder, _ = checkpoint(tmp_path, *extra)
-    export(folder, tmp_path / "hf")
+    assert export(folder, tmp_path / "hf")["family"] == family
     _, _, model = load_model(folder)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
                                                            dtype=torch.float32).eval()
@@ -123,6 +136,34 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, extra):
     with torch.no_grad():
         # README: logits within 1e-6 (absolute, fp32); measured 1.2e-7 on this toy model
         torch.testing.assert_close(hf(ids).logits, model.eval()(ids), rtol=0, atol=1e-6)
+
+
+def test_sharded_export_with_index_and_generation_config(tmp_path):
+    import transformers  # a dev dependency (pyproject.toml): this test never skips
+
+    folder, _ = checkpoint(tmp_path, "--model.attention.qk_norm=true",
+                           "--model.attention.qk_norm_eps=1e-5")
+    assert main(["export", str(folder), str(tmp_path / "hf"), "--max-shard-size", "20KB",
+                 "--dtype", "bfloat16"]) == 0
+    files = sorted(os.listdir(tmp_path / "hf"))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    stored = {k: v for f in shards for k, v in load_file(tmp_path / "hf" / f).items()}
+    assert set(stored) == set(index["weight_map"])
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in stored.values())
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 256, "eos_token_id": 257}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["dtype"] == "bfloat16"
+    _, _, model = load_model(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           dtype=torch.float32).eval()
+    x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # bf16 weights: bf16-sized differences
+        torch.testing.assert_close(hf(x).logits, model.eval()(x), rtol=0, atol=0.05)
 
 
 def test_export_refuses_a_non_empty_folder_and_never_deletes_what_it_did_not_write(tmp_path):
@@ -137,12 +178,13 @@ def test_export_refuses_a_non_empty_folder_and_never_deletes_what_it_did_not_wri
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert main(["export", str(folder), str(tmp_path), "--force"]) == 0
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    assert set(after) - set(before) == {Path("config.json"), Path("model.safetensors"),
-                                        Path("recipe.toml")}
+    assert set(after) - set(before) == {Path("config.json"), Path("generation_config.json"),
+                                        Path("model.safetensors"), Path("recipe.toml")}
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert (bystander / "keep").read_text() == "mine too"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".kiln-export")]
     empty = tmp_path / "empty"
     empty.mkdir()
     export(folder, empty)  # an empty folder is fine without --force
-    assert sorted(os.listdir(empty)) == ["config.json", "model.safetensors", "recipe.toml"]
+    assert sorted(os.listdir(empty)) == ["config.json", "generation_config.json",
+                                         "model.safetensors", "recipe.toml"]

@@ -74,3 +74,19 @@ def test_kiln_diff_between_two_checkpoints(tmp_path, capsys):
     b, _ = checkpoint(tmp_path / "y", "--optimizer.lr=1e-3")
     assert main(["diff", str(a), str(b)]) == 1
     assert "lr: 0.002 -> 0.001" in capsys.readouterr().out
+
+
+def test_export_at_end_writes_the_live_model(tmp_path):
+    from safetensors.torch import load_file
+
+    trainer, text = train(tmp_path / "e", "--checkpoint.export_at_end=true",
+                          "--checkpoint.export_max_shard_size=20KB")
+    out = tmp_path / "e" / "export"
+    assert f"exported the final model to {out}" in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    stored = {k: v for f in set(index["weight_map"].values()) for k, v in
+              load_file(out / f).items()}
+    assert stored["model.norm.weight"].equal(trainer.model.norm.weight.detach())
+    assert (out / "recipe.toml").read_text() == (tmp_path / "e" / "recipe.toml").read_text()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kiln.checkpointing import layout, resume
@@ -118,3 +120,33 @@ def test_compare_raises_with_instructions(tmp_path):
     resume.compare_with_checkpoint(tmp_path, diff_with(recipe("--training.steps=7")),
                                    weights_only=False, log=lines.append)
     assert "training.steps: 300 -> 7" in lines[0]
+
+
+def _resume_table() -> list[tuple[str, str, str]]:
+    """(changes, result, notes) rows of the README's table of recipe changes on resume."""
+    lines = (CONFIGS.parent / "README.md").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("| Change on resume"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(c.strip() for c in line.strip("|").split(" | ")))
+    return rows
+
+
+def test_readme_table_of_recipe_changes_matches_the_check():
+    rows = _resume_table()
+    assert {r[1] for r in rows} == {"exact", "documented difference", "refused"}
+    checked = 0
+    for changes, result, notes in rows:
+        name = next((n for n in ("nova_debug.toml", "looped_moe_debug.toml")
+                     if f"`{n}`" in changes), "debug.toml")
+        for override in re.findall(r"`(--[\w.]+=[^`]+)`", changes):
+            base = load_recipe(CONFIGS / name, [])
+            changed = load_recipe(CONFIGS / name, [override])
+            full = resume.check_recipe(diff(base, changed), weights_only=False)
+            assert bool(full.refused) == (result == "refused"), (override, full)
+            if "weights_only = true" in notes:
+                assert not resume.check_recipe(diff(base, changed), weights_only=True).refused
+            checked += 1
+    assert checked >= 25

@@ -58,3 +58,16 @@ def test_invalid_state_is_refused_without_touching_the_generators(edit):
     with pytest.raises(CheckpointError, match="invalid RNG state"):
         rng.restore(tensors, info)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_seed_step_derives_every_generator_from_seed_and_step_alone():
+    rng.seed_step(0, 7)
+    first = draws()
+    torch.rand(100)  # whatever came before (another layout, another history) does not matter
+    random.random()
+    rng.seed_step(0, 7)
+    assert draws() == first
+    rng.seed_step(0, 8)
+    assert draws() != first
+    rng.seed_step(1, 7)
+    assert draws() != first

@@ -88,16 +88,24 @@ def test_in_place_helpers_copy_results_back(monkeypatch):
     assert base.tolist() == [0, 1, 4, 3, 8, 5]
 
 
-def test_checkpoint_verify_reduces_on_the_group_device(fake_group, tmp_path):
-    """Item 2 of issue 10: the load-time verify all-reduced a CPU tensor (NCCL rejects it)."""
+def test_checkpoint_verify_shares_its_verdict_on_the_group_device(fake_group, tmp_path,
+                                                                  monkeypatch):
+    """Item 2 of issue 10: the load-time verify all-reduced a CPU tensor (NCCL rejects it). Now
+    rank 0's verdict (the error text) goes to every rank through ``broadcast_object``."""
     from kiln.checkpointing.manager import CheckpointManager
 
+    sent = []
+
+    def broadcast_object_list(objs, src=0, group=None, device=None):
+        sent.append((list(objs), device))
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     world = SimpleNamespace(rank=0, world_size=2, is_main=True, distributed=True,
                             device=torch.device("cpu"))
     manager = CheckpointManager(tmp_path, world)
-    with pytest.raises(_Stop):
-        manager._verify_everywhere(tmp_path / "missing")  # rank 0 finds it invalid, tells all
-    assert fake_group == [("all_reduce", torch.device("meta"))]
+    assert "missing" in manager.verify(tmp_path / "missing")  # rank 0 finds it invalid
+    [(objs, device)] = sent
+    assert device == torch.device("meta") and "missing" in objs[0]
 
 
 def _direct_collectives(path) -> list[str]:

@@ -7,12 +7,14 @@ The families cover every registered model, attention and feed-forward component;
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
 blocks, and 2 gloo processes under FSDP2, tensor parallel and expert parallel (also the device
-check of every collective). The chunked loss (``training.loss_chunk_tokens``) runs in every
-family beside the unchunked one, and in every FSDP2 run.
+check of every collective), each family's 2-process FSDP2 checkpoint then resumed on one process
+(elastic resume). The chunked loss (``training.loss_chunk_tokens``) runs in every family beside
+the unchunked one, and in every FSDP2 run.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -117,13 +119,13 @@ class Record:
         pass
 
 
-def train(recipe, *, eval_first: bool = False) -> tuple[list[float], object]:
+def train(recipe, *, eval_first: bool = False, out=None) -> tuple[list[float], object]:
     from kiln.recipes.hooks import evaluate
     from kiln.recipes.trainer import Trainer
 
     record = Record()
     with open(os.devnull, "w") as sink:
-        trainer = Trainer(recipe, hooks=[record], out=sink)
+        trainer = Trainer(recipe, hooks=[record], out=out or sink)
         if eval_first:
             assert math.isfinite(evaluate(trainer, recipe.eval.tokens))
         trainer.fit()
@@ -190,6 +192,52 @@ def test_the_matrix_covers_what_kiln_ships():
     assert nova.model.attention.type == "differential" and nova.model.layerscale_init > 0
 
 
+# ------------------------------------------------- generation and Hugging Face interop
+def _family_model(family: str, seed: int = 0):
+    """The family's tiny model for the byte tokenizer (random weights, eval mode)."""
+    from kiln.components.models.block import padded_vocab
+
+    recipe = recipe_for(family, "unused")
+    torch.manual_seed(seed)
+    return recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=32).eval()
+
+
+@pytest.mark.parametrize("family", list(discovered()))
+def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
+    """`kiln generate`'s two paths agree token for token (greedy, a batch of two prompts):
+    every attention has a cache (or falls back to recomputing), looped cores get one slot per
+    loop, MoE routes one new token as it routes it inside the whole sequence."""
+    from kiln.components.attention import kv_cache
+    from kiln.recipes.generate import Sampling, generate
+
+    model = _family_model(family)
+    assert kv_cache.supports_cache(model), f"{family}: no KV cache, generation recomputes"
+    prompts = [[256, 5, 17, 33], [256, 2, 9, 9]]
+    greedy = Sampling(temperature=0)
+    cached = generate(model, prompts, max_new_tokens=6, sampling=greedy, vocab_size=258)
+    plain = generate(model, prompts, max_new_tokens=6, sampling=greedy, vocab_size=258,
+                     use_cache=False)
+    assert cached == plain
+
+
+@pytest.mark.parametrize("family", list(discovered()))
+def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
+    """export -> import (``checkpoint.init_from``'s loader) gives the same tensors, bit for bit,
+    for every family that has a Hugging Face layout; the others say why they have none."""
+    from kiln.checkpointing import export, hf_import
+    from kiln.checkpointing.hf_layout import hf_incompatibility
+
+    model = _family_model(family)
+    if hf_incompatibility(model):
+        pytest.skip(f"{family}: no Hugging Face layout ({hf_incompatibility(model)})")
+    export.export(model, None, tmp_path / "hf", model_table={}, recipe_file=None,
+                  max_shard_size="40KB")
+    fresh = _family_model(family, seed=1)
+    hf_import.load_weights(fresh, tmp_path / "hf", hf_import.read_config(tmp_path / "hf"))
+    want, got = model.state_dict(), fresh.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 CHUNK = "--training.loss_chunk_tokens=24"  # 64 tokens per micro-batch: 3 chunks, one short
 
 
@@ -202,6 +250,10 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
 
 
 # ------------------------------------------------------------------- 2 processes, FSDP2
+FSDP2_SAVED = ("--parallelism.fsdp=on", "--training.init_check=true", CHUNK,
+               "--checkpoint.enable=true")
+
+
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
     from tests.collective_spy import CollectiveSpy
@@ -212,9 +264,8 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     spy = CollectiveSpy().install()
     results: dict = {}
     try:
-        for family in families:  # FSDP2 (the default with 2 processes)
-            recipe = recipe_for(family, f"{folder}/{family}", "--parallelism.fsdp=on",
-                                "--training.init_check=true", CHUNK)
+        for family in families:  # FSDP2 (the default with 2 processes), saved at the end
+            recipe = recipe_for(family, f"{folder}/{family}", *FSDP2_SAVED)
             results[family], _ = train(recipe, eval_first=True)
         # Tensor parallel (dense, loss parallel, float8 rowwise) and expert parallel (MoE
         # all-to-all) on 2 ranks; each saved (DCP, DTensor layouts) and resumed one step further
@@ -261,6 +312,13 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (name, losses)
         assert ranks[1][name] == losses, f"{name}: ranks disagree"
         assert len(ranks[0][f"{name}_resumed"]) == 1, name  # loaded step STEPS, took one more
+    for family in families:  # elastic resume: each family's FSDP2 checkpoint, on 1 process
+        out = io.StringIO()
+        losses, _ = train(recipe_for(family, tmp_path / family, *FSDP2_SAVED,
+                                     f"--training.steps={STEPS + 1}"), out=out)
+        assert len(losses) == 1 and math.isfinite(losses[0]), (family, losses)
+        assert "layout: 2 processes, dp_replicate=1 x dp_shard=2, FSDP -> 1 process" \
+            in out.getvalue(), (family, out.getvalue())
     for r, res in enumerate(ranks):
         spy = res["spy"]
         assert res["world_device"] == "cpu"

@@ -21,6 +21,11 @@ def test_trained_once_then_reused(tmp_path):
     assert again.file == file and file.stat().st_mtime_ns == stamp  # not trained again
     hf = default_config("tokenizer", "huggingface", path=str(file.parent)).build()
     assert hf.fingerprint() == tok.fingerprint() and hf.encode(DOCS[3]) == tok.encode(DOCS[3])
+    out = tmp_path / "export"  # what `kiln export` writes beside the weights
+    out.mkdir()
+    assert tok.save_files(out) == ["tokenizer.json", "tokenizer_config.json"]
+    exported = default_config("tokenizer", "huggingface", path=str(out)).build()
+    assert exported.fingerprint() == tok.fingerprint()
     other = default_config("tokenizer", "bpe", inputs=[str(src)], vocab_size=320, max_bytes=0,
                            cache_dir=str(tmp_path / "cache")).build()
     assert other.file.parent != file.parent and other.vocab_size == 320

@@ -104,3 +104,22 @@ def test_ids_fit_the_vocabulary(tok_dir):
     tok = _build(tok_dir)
     ids = np.concatenate(tok.encode_batch(list(stdlib_texts())))
     assert ids.max() < tok.vocab_size and ids.min() >= 3  # specials never come from text
+
+
+@pytest.mark.parametrize("source", ["bpe", "gpt2_style"])
+def test_save_files_is_what_transformers_loads(tok_dir, tmp_path, source):
+    """The export's tokenizer: the same ids in transformers, with kiln's specials (recipe
+    overrides included; a source without tokenizer_config.json gets one)."""
+    import transformers  # a dev dependency (pyproject.toml): this test never skips
+
+    path = tok_dir if source == "bpe" else gpt2_style(tmp_path / "src")
+    tok = _build(path, eos_token="<|pad|>") if source == "bpe" else _build(path)
+    out = tmp_path / "export"
+    out.mkdir()
+    assert tok.save_files(out) == ["tokenizer.json", "tokenizer_config.json"]
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x  # naïve — 日本語\n"
+    assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False)
+    assert (hf.bos_token_id, hf.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert hf.pad_token_id == tok.pad_id
+    assert _build(out).fingerprint() == tok.fingerprint()  # kiln reads its export back alike

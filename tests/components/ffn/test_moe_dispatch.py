@@ -91,3 +91,15 @@ def test_run_experts_casts_to_the_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = run_experts("loop", xs, *weights(), counts)
     assert out.dtype == torch.bfloat16
+
+
+def test_kernel_choice_is_marked_constant_the_way_torch_compile_reads_it():
+    """resolve_kernel sets by hand what torch.compiler.assume_constant_result sets (the decorator
+    imports torch._dynamo at import time); if torch changes the marker, this fails."""
+    from torch._dynamo.decorators import assume_constant_result
+
+    from kiln.components.ffn.moe_dispatch import resolve_kernel
+
+    marked = assume_constant_result(lambda: None)
+    names = [n for n in vars(marked) if n.startswith("_dynamo")]
+    assert names and all(getattr(resolve_kernel, n, None) == getattr(marked, n) for n in names)

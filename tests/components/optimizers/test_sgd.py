@@ -82,7 +82,7 @@ def _looped_with_lambda(init: float):
     def opts(**values):
         tables = {
             "main": default_config("optimizer", "adamw", params=ParamRule(rest=True)),
-            "lam": default_config("optimizer", "sign_sgd", lr=1e-3, weight_decay=0.1,
+            "lam": default_config("optimizer", "sign_sgd", lr=1e-3, weight_decay=0.1, no_decay=[],
                                   params=ParamRule(include=["loop_scale_raw"]), **values),
         }
         return OptimizerSet(model, tables, total_steps=10).optimizers["lam"]

@@ -1,0 +1,237 @@
+"""Hugging Face ``config.json`` <-> kiln's ``[model]`` table, for the Llama family (Llama 2/3/3.1/
+3.2, Mistral, SmolLM, TinyLlama), Qwen2 (q/k/v biases) and Qwen3 (QK-norm).
+
+Import is strict: every field of the config is either mapped onto the recipe, checked to hold
+the one value kiln computes the same way (``hidden_act = "silu"``, no dropout, no MLP bias, ...),
+or known not to change the computation (ids, dtype, ``use_cache``, ...). Anything else is an
+error naming the field, never a silent mismatch; a field known to be harmless can be let through
+with ``ignore`` (``checkpoint.init_from_ignore`` / ``kiln import --ignore-field``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.components.errors import CheckpointError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Fields that do not change the network's computation (metadata, ids, generation defaults).
+HARMLESS = frozenset([
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "_name_or_path", "name_or_path", "pretraining_tp", "return_dict", "output_attentions",
+    "output_hidden_states", "torchscript", "use_bfloat16", "tie_encoder_decoder",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+    "finetuning_task", "cross_attention_hidden_size", "tf_legacy_loss", "pruned_heads",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "is_llama_config", "max_position_embeddings",
+    "initializer_range",
+])
+# Mapped or checked below.
+MODEL_FIELDS = frozenset([
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
+    "attention_bias", "attention_dropout", "mlp_bias", "rope_theta", "rope_scaling",
+    "rope_parameters", "partial_rotary_factor", "rope_interleaved", "sliding_window",
+    "use_sliding_window", "max_window_layers", "layer_types",
+])
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+ROPE_FIELDS = {  # Hugging Face rope parameter -> kiln rope field
+    "factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+    "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+    "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
+    "truncate": "yarn_truncate",
+}
+
+
+def _fail(source: str, field: str, problem: str, fix: str = "") -> CheckpointError:
+    hint = f"; {fix}" if fix else ""
+    return CheckpointError(f"{source}: config.json field {field!r}: {problem}{hint}")
+
+
+def rope_table(config: dict, source: str) -> dict[str, Any]:
+    """The kiln ``position`` table of the config's RoPE (``rope_parameters`` of transformers 5,
+    or the older ``rope_theta`` + ``rope_scaling``)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _fail(source, f"{key}.rope_type", f"{rope_type!r} is not supported",
+                    f"kiln supports {', '.join(ROPE_TYPES)}")
+    table: dict[str, Any] = {"type": "rope", "theta": float(theta)}
+    if rope_type != "default":
+        table["scaling"] = ROPE_TYPES[rope_type]
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name == "partial_rotary_factor" and value == 1.0:
+            continue
+        if name not in ROPE_FIELDS or rope_type == "default":
+            raise _fail(source, f"{key}.{name}", f"not supported with rope_type {rope_type!r}")
+        table[ROPE_FIELDS[name]] = bool(value) if name == "truncate" else (
+            int(value) if name == "original_max_position_embeddings" else float(value))
+    if rope_type == "yarn" and "factor" not in table:
+        raise _fail(source, f"{key}.factor", "yarn without a factor is not supported")
+    return table
+
+
+def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The kiln ``[model]`` table equal to a Hugging Face config (CheckpointError otherwise)."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise _fail(source, "model_type", f"{family!r} is not supported",
+                    f"kiln imports {', '.join(FAMILIES)}")
+    for name in config:
+        if name not in HARMLESS and name not in MODEL_FIELDS and name not in ignore:
+            raise _fail(source, name, "unknown to kiln's import, so it may change the model",
+                        "if it does not change the computation, pass it to --ignore-field "
+                        "(checkpoint.init_from_ignore)")
+    checks = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False,
+              "partial_rotary_factor": 1.0, "rope_interleaved": False}
+    for name, want in checks.items():
+        if config.get(name, want) != want and name not in ignore:
+            raise _fail(source, name, f"{config[name]!r} is not supported (kiln: {want!r})")
+    for name in ("quantization_config", "auto_map"):
+        if name in config and name not in ignore:
+            raise _fail(source, name, "quantized or custom-code models are not supported")
+    try:
+        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        layers, ffn = int(config["num_hidden_layers"]), int(config["intermediate_size"])
+        vocab = int(config["vocab_size"])
+    except KeyError as exc:
+        raise _fail(source, exc.args[0], "missing") from None
+    sliding_window(config, source)  # checks layer_types
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or dim // heads)
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    attention: dict[str, Any] = {"type": "causal", "n_heads": heads, "n_kv_heads": kv}
+    if head_dim * heads != dim or dim % heads:
+        attention["head_dim"] = head_dim
+    if family == "qwen2":
+        attention["qkv_bias"] = True
+    elif config.get("attention_bias"):
+        attention["bias"] = True
+    if family == "qwen3":
+        attention["qk_norm"] = True
+        attention["qk_norm_eps"] = eps
+    attention["position"] = rope_table(config, source)
+    table: dict[str, Any] = {
+        "type": "transformer", "dim": dim, "n_layers": layers, "vocab_size": vocab,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "init_std": float(config.get("initializer_range", 0.02)),
+        "attention": attention,
+        "ffn": {"type": "swiglu", "hidden_dim": ffn},
+        "norm": {"type": "rmsnorm", "eps": eps},
+    }
+    return table
+
+
+def sliding_window(config: dict, source: str) -> int | None:
+    """The attention window a config asks for (None: full attention everywhere); checks that
+    no layer type other than full attention is asked for."""
+    types = set(config.get("layer_types") or ["full_attention"])
+    if config.get("model_type") in ("qwen2", "qwen3"):
+        types.discard("sliding_attention")  # the window decides, below
+    if types != {"full_attention"} and types:
+        raise _fail(source, "layer_types", f"{sorted(types)}: kiln has full attention only")
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        return None
+    return int(window) if window else None
+
+
+def check_context(config: dict, source: str, seq_len: int) -> None:
+    """kiln has no sliding-window attention: refuse sequences longer than the window."""
+    window = sliding_window(config, source)
+    if window is not None and seq_len > window:
+        raise _fail(source, "sliding_window", f"{window} tokens, but the recipe trains on "
+                    f"{seq_len}: kiln has no sliding-window attention",
+                    f"set training.seq_len <= {window}")
+
+
+def family_of(model) -> str:
+    """The Hugging Face family whose layout the model has: llama, qwen2 or qwen3."""
+    attn = model.blocks()[0].attention
+    bias = attn.wo.bias is not None
+    qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
+    if attn.q_norm is not None:
+        return "qwen3"
+    if qkv_bias and not bias:
+        return "qwen2"
+    return "llama"
+
+
+def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
+    """config.json of a kiln transformer with a Hugging Face layout (``hf_incompatibility``
+    is empty), in transformers 5's format."""
+    blocks = model.blocks()
+    attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
+    rope = attn0.position.cfg
+    params: dict[str, Any] = {"rope_type": "default" if rope.scaling == "none" else rope.scaling,
+                              "rope_theta": rope.theta}
+    if rope.scaling != "none":
+        params["factor"] = rope.factor
+    if rope.scaling in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = rope.original_max_seq_len
+    if rope.scaling == "llama3":
+        params.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
+    if rope.scaling == "yarn":
+        params.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
+                      truncate=rope.yarn_truncate)
+        if rope.attention_factor:
+            params["attention_factor"] = rope.attention_factor
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[family]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": family,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.dim,
+        "intermediate_size": ffn0.hidden_dim,
+        "num_hidden_layers": len(blocks),
+        "num_attention_heads": attn0.n_heads,
+        "num_key_value_heads": attn0.n_kv_heads,
+        "head_dim": attn0.head_dim,
+        "hidden_act": "silu",
+        # the trained context, or what a scaled RoPE was made for (transformers checks that
+        # original_max_position_embeddings is below it)
+        "max_position_embeddings": max(model.max_seq_len, int(rope.original_max_seq_len
+                                                              * rope.factor)),
+        "rms_norm_eps": model.norm.eps,
+        "rope_parameters": params,  # transformers >= 5; rope_theta/rope_scaling: older
+        "rope_theta": rope.theta,
+        "tie_word_embeddings": bool(model.tied),
+        "initializer_range": model.init_std,
+        "bos_token_id": getattr(tokenizer, "bos_id", None),
+        "eos_token_id": getattr(tokenizer, "eos_id", None),
+        "pad_token_id": getattr(tokenizer, "pad_id", None),
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "dtype": str(model.tok_embeddings.weight.dtype).removeprefix("torch."),
+    }
+    if rope.scaling != "none":
+        config["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    if family == "llama":
+        config.update(attention_bias=attn0.wo.bias is not None, mlp_bias=False)
+    if family == "qwen3":
+        config["attention_bias"] = attn0.wo.bias is not None
+    if family != "llama":
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
+
+
+def generation_config(tokenizer) -> dict[str, Any]:
+    """generation_config.json: the special token ids (transformers' defaults otherwise)."""
+    out = {"bos_token_id": getattr(tokenizer, "bos_id", None),
+           "eos_token_id": getattr(tokenizer, "eos_id", None)}
+    pad = getattr(tokenizer, "pad_id", None)
+    if pad is not None:
+        out["pad_token_id"] = pad
+    return out

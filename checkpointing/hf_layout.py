@@ -1,0 +1,175 @@
+"""Which Hugging Face tensors make up each kiln parameter (Llama / Qwen2 / Qwen3 layout).
+
+================================================  ==================================================
+kiln (torchtitan names)                           Hugging Face
+================================================  ==================================================
+``tok_embeddings.weight``                         ``model.embed_tokens.weight``
+``layers.N.attention.wq`` (RoPE perm.), bias      ``model.layers.N.self_attn.q_proj``
+``layers.N.attention.wk`` (RoPE perm.), bias      ``model.layers.N.self_attn.k_proj``
+``layers.N.attention.wv``, bias                   ``model.layers.N.self_attn.v_proj``
+``layers.N.attention.wqkv`` (kv-grouped rows)     ``q_proj``, ``k_proj``, ``v_proj`` interleaved
+``layers.N.attention.wo``, bias                   ``model.layers.N.self_attn.o_proj``
+``layers.N.attention.q_norm/k_norm`` (perm.)      ``model.layers.N.self_attn.q_norm/k_norm`` (Qwen3)
+``layers.N.attention_norm.weight``                ``model.layers.N.input_layernorm.weight``
+``layers.N.ffn_norm.weight``                      ``model.layers.N.post_attention_layernorm.weight``
+``layers.N.feed_forward.w1 / w3 / w2``            ``model.layers.N.mlp.gate/up/down_proj.weight``
+``norm.weight``                                   ``model.norm.weight``
+``output.weight`` (absent when tied)              ``lm_head.weight``
+================================================  ==================================================
+
+kiln's RoPE rotates adjacent feature pairs (2i, 2i+1) of a head; Hugging Face's pairs i with
+i + head_dim/2. The rows of wq and wk (their biases, and the QK-norm weights) are permuted per
+head between the two layouts (``to_hf`` / ``from_hf``). A fused ``wqkv`` groups its rows per
+key/value head (that head's query heads, its key, its value: ``causal.split_fused_rows``), so each
+Hugging Face projection is spread over the groups: a ``Part`` names the rows ``start`` onwards of
+its Hugging Face tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.parallelisms.blocks import clean_name
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of a kiln tensor (dim 0) that one Hugging Face tensor holds."""
+
+    hf_name: str
+    rows: int
+    heads: int = 0  # > 0: the rows are this many RoPE heads, permuted between the layouts
+    start: int = 0  # first row of the Hugging Face tensor that this part holds
+
+
+def hf_rows(parts: list[Part]) -> dict[str, int]:
+    """Rows of each Hugging Face tensor that ``parts`` make up, in order of first appearance."""
+    rows: dict[str, int] = {}
+    for part in parts:
+        rows[part.hf_name] = rows.get(part.hf_name, 0) + part.rows
+    return rows
+
+
+def to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows from kiln's adjacent-pair to Hugging Face's half-split RoPE order, per head."""
+    if not heads:
+        return w
+    d = w.shape[0] // heads
+    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of ``to_hf``."""
+    if not heads:
+        return w
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_incompatibility(model: nn.Module) -> str:
+    """Why the model has no Hugging Face Llama/Qwen2/Qwen3 layout ("" if it has one)."""
+    from kiln.components.attention.causal import CausalAttention
+    from kiln.components.ffn.swiglu import SwiGLU
+    from kiln.components.models.transformer import Transformer
+    from kiln.components.norms.rmsnorm import RMSNorm
+    from kiln.components.positions.rope import RoPE
+
+    if not isinstance(model, Transformer):  # FSDP2 makes the class a subclass
+        return f"model is {type(model).__name__}, not the dense transformer"
+    if model.logit_softcap:
+        return "logit soft-capping"
+    if type(model.norm) is not RMSNorm or model.norm.weight is None:
+        return "final norm is not RMSNorm with a weight"
+    eps = model.norm.eps
+    for i, block in enumerate(model.blocks()):
+        attn, ffn = block.attention, block.feed_forward
+        if type(attn) is not CausalAttention:
+            return f"layer {i} attention is {type(attn).__name__}"
+        if type(attn.position) is not RoPE:
+            return f"position encoding {type(attn.position).__name__}"
+        if type(ffn) is not SwiGLU:
+            return f"layer {i} feed-forward is {type(ffn).__name__}"
+        if block.attention_scale is not None:
+            return "LayerScale"
+        for norm in (block.attention_norm, block.ffn_norm):
+            if type(norm) is not RMSNorm or norm.weight is None or norm.eps != eps:
+                return "block norms other than RMSNorm with a weight and the final norm's eps"
+        out_bias = attn.wo.bias is not None
+        in_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
+        if out_bias and not in_bias:
+            return "a bias on the output projection only"
+        if attn.q_norm is not None:
+            if in_bias and not out_bias:
+                return "QK-norm with q/k/v-only biases (Qwen3 biases all four projections)"
+            if attn.q_norm.eps != eps or attn.q_norm.weight is None:
+                return "QK-norm whose eps differs from the model norm's (Qwen3 shares one)"
+    return ""
+
+
+def _attention_parts(attn: nn.Module, p: str, kn: str, kind: str) -> dict[str, list[Part]]:
+    """q/k/v of one layer (Hugging Face prefix ``p``, kiln prefix ``kn``); kind: weight, bias."""
+    hq, hk, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = Part(f"{p}self_attn.q_proj.{kind}", hq * d, hq)
+    k = Part(f"{p}self_attn.k_proj.{kind}", hk * d, hk)
+    v = Part(f"{p}self_attn.v_proj.{kind}", hk * d)
+    k_prefix = kn + "attention."
+    if hasattr(attn, "wqkv"):  # per kv head g: its query heads, its key, its value
+        group = hq // hk
+        return {f"{k_prefix}wqkv.{kind}": [
+            part for g in range(hk) for part in (
+                Part(q.hf_name, group * d, group, g * group * d),
+                Part(k.hf_name, d, 1, g * d), Part(v.hf_name, d, 0, g * d))]}
+    return {f"{k_prefix}wq.{kind}": [q], f"{k_prefix}wk.{kind}": [k], f"{k_prefix}wv.{kind}": [v]}
+
+
+def parts(model: nn.Module) -> dict[str, list[Part]]:
+    """kiln state-dict name (wrapper prefixes removed) -> the Hugging Face tensors it is made
+    of, stacked along dim 0. Only for a model with a Hugging Face layout."""
+    out: dict[str, list[Part]] = {
+        "tok_embeddings.weight": [Part("model.embed_tokens.weight", model.vocab_size)],
+    }
+    dim = model.dim
+    for i, block in enumerate(model.blocks()):
+        attn, ffn = block.attention, block.feed_forward
+        hf, kn = f"model.layers.{i}.", f"layers.{i}."
+        out.update(_attention_parts(attn, hf, kn, "weight"))
+        if (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None:
+            out.update(_attention_parts(attn, hf, kn, "bias"))
+        out[kn + "attention.wo.weight"] = [Part(hf + "self_attn.o_proj.weight", dim)]
+        if attn.wo.bias is not None:
+            out[kn + "attention.wo.bias"] = [Part(hf + "self_attn.o_proj.bias", dim)]
+        if attn.q_norm is not None:
+            d = attn.head_dim
+            out[kn + "attention.q_norm.weight"] = [Part(hf + "self_attn.q_norm.weight", d, 1)]
+            out[kn + "attention.k_norm.weight"] = [Part(hf + "self_attn.k_norm.weight", d, 1)]
+        out[kn + "attention_norm.weight"] = [Part(hf + "input_layernorm.weight", dim)]
+        out[kn + "ffn_norm.weight"] = [Part(hf + "post_attention_layernorm.weight", dim)]
+        h = ffn.hidden_dim
+        out[kn + "feed_forward.w1.weight"] = [Part(hf + "mlp.gate_proj.weight", h)]
+        out[kn + "feed_forward.w3.weight"] = [Part(hf + "mlp.up_proj.weight", h)]
+        out[kn + "feed_forward.w2.weight"] = [Part(hf + "mlp.down_proj.weight", dim)]
+    out["norm.weight"] = [Part("model.norm.weight", dim)]
+    if not model.tied:
+        out["output.weight"] = [Part("lm_head.weight", model.vocab_size)]
+    return out
+
+
+def identity_parts(model: nn.Module) -> dict[str, list[Part]]:
+    """kiln's own layout: every distinct parameter and persistent buffer under its own name."""
+    return {name: [Part(name, t.shape[0] if t.dim() else 1)] for name, t in tensors(model).items()}
+
+
+def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Distinct parameters (a tied one once, under its first name) and persistent buffers, by
+    clean name, in the state dict's order."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[clean_name(name)] = t
+    return out

@@ -1,0 +1,135 @@
+"""Key/value cache for incremental decoding, shared by kiln's attention modules.
+
+An attention module that supports caching has a ``kv_cache`` attribute (None while training).
+``attach(model, batch, max_len)`` gives every such module a ``KVCache`` tied to one
+``CacheSession``; each forward then runs only the new tokens. Per forward the session knows the
+new tokens' positions and the attention mask, identical for every layer:
+
+- ``session.begin(valid)`` before a forward of T new tokens per row (``valid`` (B, T) bool:
+  False marks left padding of shorter prompts); ``session.end()`` after it.
+- A module calls ``cache.update(k, v)`` with the new keys/values (B, T, H, D), after the
+  position rotation, and attends with ``cached_sdpa`` over everything cached so far.
+
+Positions count only valid tokens, so a left-padded row sees the positions it would have alone.
+Padding is masked out of every query's keys; a padding query attends to itself only (a row
+with no valid key would give NaN, and NaN values poison the sums even under a zero weight).
+
+A module called several times per forward (the core of a looped model runs once per loop, each
+time on a different state) gets one cache slot per call, in call order: the keys of loop i at
+position t are those loop i computed, exactly as in a full forward. The number of calls per
+forward must stay the same for the whole generation (fix the loop count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CacheSession:
+    """The state shared by every layer's cache during one generation."""
+
+    def __init__(self, batch: int, max_len: int, device: torch.device | str) -> None:
+        self.max_len = max_len
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.start = 0  # tokens cached before the current forward
+        self.stop = 0  # tokens cached after it
+        self.positions: torch.Tensor | None = None  # (B, T) of the new tokens
+        self.mask: torch.Tensor | None = None  # (B, 1, T, S) bool, or None: plain causal
+        self.caches: list[KVCache] = []
+
+    def begin(self, valid: torch.Tensor) -> None:
+        """Before a forward of ``valid.shape[1]`` new tokens per row (valid: (B, T) bool)."""
+        t = valid.shape[1]
+        if self.start + t > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} tokens; {self.start + t} needed")
+        self.stop = self.start + t
+        self.valid[:, self.start:self.stop] = valid
+        seen = self.valid[:, :self.stop]  # (B, S)
+        self.positions = (seen.long().cumsum(1) - 1).clamp(min=0)[:, self.start:]  # (B, T)
+        if bool(seen.all()):
+            # No padding: plain causal attention (one query: it sees every key anyway).
+            self.mask = None
+        else:
+            q_idx = torch.arange(self.start, self.stop, device=seen.device)[:, None]  # (T, 1)
+            k_idx = torch.arange(self.stop, device=seen.device)[None, :]  # (1, S)
+            allowed = (k_idx <= q_idx) & seen[:, None, :]  # (B, T, S)
+            allowed |= k_idx == q_idx  # padding queries attend to themselves
+            self.mask = allowed[:, None]  # (B, 1, T, S)
+        for cache in self.caches:
+            cache.calls = 0
+
+    def end(self) -> None:
+        self.start = self.stop
+
+    @property
+    def causal(self) -> bool:
+        """Whether the new tokens still need a causal mask among themselves (T > 1)."""
+        return self.stop - self.start > 1
+
+
+class KVCache:
+    """One attention module's keys and values: one preallocated slot per call in a forward."""
+
+    def __init__(self, session: CacheSession) -> None:
+        self.session = session
+        self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.calls = 0
+        session.caches.append(self)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new k (B, T, Hk, Dk) and v (B, T, Hk, Dv); return all so far (B, S, ...)."""
+        s, i = self.session, self.calls
+        self.calls += 1
+        if i == len(self.slots):
+            if s.start:
+                raise RuntimeError("an attention module was called more often than in the "
+                                   "first forward of this generation; keep the loop count fixed")
+            b = k.shape[0]
+            self.slots.append((k.new_empty(b, s.max_len, *k.shape[2:]),
+                               v.new_empty(b, s.max_len, *v.shape[2:])))
+        kc, vc = self.slots[i]
+        kc[:, s.start:s.stop] = k
+        vc[:, s.start:s.stop] = v
+        return kc[:, :s.stop], vc[:, :s.stop]
+
+
+def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                session: CacheSession) -> torch.Tensor:
+    """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D)."""
+    gqa = k.shape[1] != q.shape[1]
+    if session.mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=session.mask, enable_gqa=gqa)
+    if session.causal and session.start:
+        # New tokens after cached ones: SDPA's is_causal aligns top-left, so spell it out.
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=session.causal, enable_gqa=gqa)
+
+
+def supports_cache(model: nn.Module) -> bool:
+    """Whether every attention of ``model`` can decode with a cache (kiln's causal and
+    differential attention can; a plugin attention without ``kv_cache`` cannot)."""
+    blocks = model.blocks() if hasattr(model, "blocks") else []
+    return bool(blocks) and all(hasattr(b.attention, "kv_cache") for b in blocks
+                                if hasattr(b, "attention"))
+
+
+@contextlib.contextmanager
+def attach(model: nn.Module, batch: int, max_len: int,
+           device: torch.device | str) -> Iterator[CacheSession]:
+    """Give every cache-capable attention of ``model`` a cache for the block's duration."""
+    session = CacheSession(batch, max_len, device)
+    modules = [m for m in model.modules() if hasattr(m, "kv_cache")]
+    try:
+        for m in modules:
+            m.kv_cache = KVCache(session)
+        yield session
+    finally:
+        for m in modules:
+            m.kv_cache = None

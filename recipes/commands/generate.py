@@ -1,0 +1,113 @@
+"""`kiln generate RUN_OR_CHECKPOINT --prompt TEXT [--prompt TEXT ...]`: sample continuations
+from a run's newest checkpoint (or a given one) with a KV cache, streaming a single prompt's
+tokens to the terminal as they come; several prompts run as one batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kiln.components.errors import RecipeError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("run", help="run folder, its checkpoints folder, or a step_XXXXXXX folder")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="text to continue (repeat for a batch)")
+    parser.add_argument("--prompts-file", default="",
+                        help="one prompt per line (added to --prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample from the k likeliest (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set holding this probability (1 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    parser.add_argument("--loops", type=int, default=0,
+                        help="loop count of a looped model (default: the trained H)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="rerun the whole sequence every step (slow; for checking)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 on CUDA, float32 on the CPU")
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise RecipeError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise RecipeError("give at least one --prompt TEXT (or --prompts-file FILE)")
+    return prompts
+
+
+class Stream:
+    """Prints one row's text as tokens arrive (holding back an incomplete UTF-8 character)."""
+
+    def __init__(self, tokenizer, out) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def __call__(self, tokens, live) -> None:
+        if bool(live[0]):
+            self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = max(self.shown, len(text))
+
+
+def run(args) -> int:
+    import torch
+
+    from kiln.checkpointing.resume import find_checkpoint
+    from kiln.components.distributed import pick_device
+    from kiln.recipes.generate import Sampling, generate
+    from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.saved_model import load_model
+
+    prompts = _prompts(args)
+    if args.max_new_tokens < 1:
+        raise RecipeError("--max-new-tokens must be at least 1")
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        raise RecipeError(f"--temperature/--top-k/--top-p: {exc}") from None
+    ckpt = find_checkpoint(Path(args.run))
+    tokenizer = load_recipe(ckpt).tokenizer.build()
+    encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    needed = max(map(len, encoded)) + args.max_new_tokens
+    recipe, tokenizer, model = load_model(ckpt, min_seq_len=needed)
+    if model.max_seq_len < needed:
+        raise RecipeError(f"prompt + --max-new-tokens = {needed} tokens exceed the model's "
+                          f"context (model.max_seq_len = {model.max_seq_len}); ask for fewer")
+    if needed > recipe.training.seq_len:
+        print(f"kiln: note: generating past the trained context ({recipe.training.seq_len} "
+              "tokens)", file=sys.stderr)
+    loops = args.loops or None
+    if loops is not None and not 1 <= loops <= getattr(model, "loops", 0):
+        raise RecipeError(f"--loops {loops}: " + (
+            f"this looped model was trained with H = {model.loops}; use 1..{model.loops}"
+            if hasattr(model, "loops") else "only looped models take --loops"))
+    device = pick_device(args.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = model.to(device=device, dtype=dtype)
+    stream = Stream(tokenizer, sys.stdout) if len(prompts) == 1 else None
+    if stream is not None:
+        sys.stdout.write(prompts[0])
+    outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                    eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
+                    vocab_size=tokenizer.vocab_size, on_tokens=stream)
+    if stream is not None:
+        rest = tokenizer.decode(outs[0])[stream.shown:]  # whatever the stream held back
+        sys.stdout.write(rest + "\n")
+        return 0
+    for i, (prompt, ids) in enumerate(zip(prompts, outs, strict=True)):
+        print(f"--- [{i}] ---\n{prompt}{tokenizer.decode(ids)}")
+    return 0

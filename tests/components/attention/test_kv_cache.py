@@ -1,0 +1,104 @@
+"""KV cache: decoding token by token gives the logits of a full forward, for causal (GQA,
+QK-norm, RoPE scaling, fused qkv) and differential attention and for looped models (one cache
+slot per loop); left-padded rows give the logits they give alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.components.attention import kv_cache
+from kiln.recipes.recipe import load_recipe
+from tests.conftest import CONFIGS
+
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
+        "--model.attention.n_kv_heads=2", "--model.ffn.hidden_dim=48"]
+LOOPED = ["--model.type=looped", "--model.dim=32", "--model.attention.n_heads=4",
+          "--model.ffn.hidden_dim=48", "--model.loops=3", "--model.n_recurrent=2"]
+MODELS = {
+    "causal": TINY,
+    "causal_qknorm_yarn_fused": [*TINY, "--model.attention.qk_norm=true",
+                                 "--model.attention.fused_qkv=true",
+                                 "--model.attention.position.scaling=yarn",
+                                 "--model.attention.position.factor=2.0",
+                                 "--model.attention.position.original_max_seq_len=8"],
+    "differential": [*TINY, "--model.attention.type=differential"],
+    "looped": LOOPED,
+}
+
+
+def build(overrides, seed=0):
+    recipe = load_recipe(CONFIGS / "debug.toml", overrides)
+    torch.manual_seed(seed)
+    return recipe.model.build(vocab_size=258, seq_len=24).eval()
+
+
+def decode(model, ids, chunks, **kw):
+    """Logits of ids (B, T) fed in pieces of the given sizes through a cache."""
+    out = []
+    with kv_cache.attach(model, ids.shape[0], ids.shape[1], "cpu") as session:
+        start = 0
+        for n in chunks:
+            session.begin(torch.ones(ids.shape[0], n, dtype=torch.bool))
+            out.append(model(ids[:, start:start + n], **kw))
+            session.end()
+            start += n
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cached_decoding_equals_the_full_forward(name):
+    model = build(MODELS[name])
+    ids = torch.randint(0, 258, (2, 20), generator=torch.Generator().manual_seed(1))
+    kw = {"loops": 2} if name == "looped" else {}
+    with torch.no_grad():
+        full = model(ids, **kw)
+        for chunks in ([20], [8, 1, 1, 10], [1] * 20):
+            torch.testing.assert_close(decode(model, ids, chunks, **kw), full, rtol=1e-5,
+                                       atol=1e-5, msg=f"{name} {chunks}")
+    assert all(getattr(m, "kv_cache", None) is None for m in model.modules())  # detached
+
+
+@pytest.mark.parametrize("name", ["causal", "differential", "looped"])
+def test_left_padded_rows_equal_their_unpadded_run(name):
+    model = build(MODELS[name])
+    rows = [torch.randint(0, 258, (n,), generator=torch.Generator().manual_seed(n))
+            for n in (9, 4, 1)]
+    width = 9
+    ids = torch.zeros(3, width, dtype=torch.long)
+    valid = torch.zeros(3, width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], valid[i, width - len(r):] = r, True
+    nxt = torch.tensor([[5], [6], [7]])
+    with torch.no_grad(), kv_cache.attach(model, 3, width + 1, "cpu") as session:
+        session.begin(valid)
+        prefill = model(ids)
+        session.end()
+        session.begin(torch.ones(3, 1, dtype=torch.bool))
+        step = model(nxt)
+        session.end()
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            alone = model(torch.cat([r, nxt[i]])[None])[0]  # (len + 1, V)
+            torch.testing.assert_close(prefill[i, width - len(r):], alone[:-1], rtol=1e-5,
+                                       atol=1e-5)
+            torch.testing.assert_close(step[i, 0], alone[-1], rtol=1e-5, atol=1e-5)
+            assert torch.isfinite(prefill[i]).all()  # padding queries stay finite
+
+
+def test_loop_count_must_stay_fixed():
+    model = build(LOOPED)
+    ids = torch.randint(0, 258, (1, 4))
+    with torch.no_grad(), kv_cache.attach(model, 1, 8, "cpu") as session:
+        session.begin(torch.ones(1, 4, dtype=torch.bool))
+        model(ids, loops=1)
+        session.end()
+        session.begin(torch.ones(1, 1, dtype=torch.bool))
+        with pytest.raises(RuntimeError, match="loop count"):
+            model(ids[:, :1], loops=2)
+
+
+def test_cache_capacity_is_checked():
+    session = kv_cache.CacheSession(1, 4, "cpu")
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        session.begin(torch.ones(1, 5, dtype=torch.bool))
