@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from kiln.checkpointing.hf_layout import Part, from_hf, to_hf
+from kiln.checkpointing.hf_layout import Part, from_hf, hf_rows, to_hf
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
 
@@ -85,13 +85,14 @@ class SafetensorsFolder:
         for part in parts:
             lo, hi = max(a, row0) - row0, min(a + n, row0 + part.rows) - row0
             if lo < hi:
+                s = part.start
                 if part.heads:
                     d = part.rows // part.heads
                     h0, h1 = lo // d, (hi - 1) // d + 1
-                    block = self.read(part.hf_name, (slice(h0 * d, h1 * d), *cols))
+                    block = self.read(part.hf_name, (slice(s + h0 * d, s + h1 * d), *cols))
                     pieces.append(from_hf(block, h1 - h0)[lo - h0 * d:hi - h0 * d])
                 else:
-                    pieces.append(self.read(part.hf_name, (slice(lo, hi), *cols)))
+                    pieces.append(self.read(part.hf_name, (slice(s + lo, s + hi), *cols)))
             row0 += part.rows
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -114,9 +115,9 @@ def _entries(items, dtype) -> list[tuple[str, tuple[int, ...], int]]:
     out = []
     for tensor, parts in items:
         size = torch.empty((), dtype=dtype or tensor.dtype).element_size()
-        for part in parts:
-            shape = (part.rows, *tensor.shape[1:]) if tensor.dim() else ()
-            out.append((part.hf_name, shape, size * int(torch.Size(shape).numel())))
+        for name, rows in hf_rows(parts).items():
+            shape = (rows, *tensor.shape[1:]) if tensor.dim() else ()
+            out.append((name, shape, size * int(torch.Size(shape).numel())))
     return out
 
 
@@ -162,13 +163,17 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
         if not mine:
             continue
         full = full.detach().to("cpu", dtype=dtype or full.dtype)
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
         row0 = 0
         for part in parts:
             if part in mine:
                 rows = full if not full.dim() else full[row0:row0 + part.rows]
-                pending.setdefault(file_of[part.hf_name], {})[part.hf_name] = \
-                    to_hf(rows, part.heads).contiguous().clone()
+                pieces.setdefault(part.hf_name, []).append((part.start, to_hf(rows, part.heads)))
             row0 += part.rows
+        for name, got in pieces.items():  # one Hugging Face tensor from its parts, by start row
+            got.sort(key=lambda piece: piece[0])
+            whole = torch.cat([t for _, t in got]) if len(got) > 1 else got[0][1]
+            pending.setdefault(file_of[name], {})[name] = whole.contiguous().clone()
         for i in [i for i, got in pending.items() if len(got) == len(files[i])]:
             save_safetensors(pending.pop(i), folder / names[i], {"format": "pt"})
     if pending:

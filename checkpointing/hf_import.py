@@ -102,11 +102,11 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                               "attention biases against config.json")
     for name, t in targets.items():
         parts = layout[name]
-        for p in parts:
-            want = (p.rows, *t.shape[1:])
-            if tuple(files.shape(p.hf_name)) != want:
-                raise CheckpointError(f"{label}: {p.hf_name} has shape "
-                                      f"{list(files.shape(p.hf_name))}, the recipe's model "
+        for hf_name, rows in hf_layout.hf_rows(parts).items():
+            want = (rows, *t.shape[1:])
+            if tuple(files.shape(hf_name)) != want:
+                raise CheckpointError(f"{label}: {hf_name} has shape "
+                                      f"{list(files.shape(hf_name))}, the recipe's model "
                                       f"needs {list(want)} (for {name})")
         local, offset, shape = _region(t)
         if local.numel():

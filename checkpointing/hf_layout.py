@@ -7,7 +7,7 @@ kiln (torchtitan names)                           Hugging Face
 ``layers.N.attention.wq`` (RoPE perm.), bias      ``model.layers.N.self_attn.q_proj``
 ``layers.N.attention.wk`` (RoPE perm.), bias      ``model.layers.N.self_attn.k_proj``
 ``layers.N.attention.wv``, bias                   ``model.layers.N.self_attn.v_proj``
-``layers.N.attention.wqkv`` (rows: q, k, v)       ``q_proj``, ``k_proj``, ``v_proj`` stacked
+``layers.N.attention.wqkv`` (kv-grouped rows)     ``q_proj``, ``k_proj``, ``v_proj`` interleaved
 ``layers.N.attention.wo``, bias                   ``model.layers.N.self_attn.o_proj``
 ``layers.N.attention.q_norm/k_norm`` (perm.)      ``model.layers.N.self_attn.q_norm/k_norm`` (Qwen3)
 ``layers.N.attention_norm.weight``                ``model.layers.N.input_layernorm.weight``
@@ -19,7 +19,10 @@ kiln (torchtitan names)                           Hugging Face
 
 kiln's RoPE rotates adjacent feature pairs (2i, 2i+1) of a head; Hugging Face's pairs i with
 i + head_dim/2. The rows of wq and wk (their biases, and the QK-norm weights) are permuted per
-head between the two layouts (``to_hf`` / ``from_hf``).
+head between the two layouts (``to_hf`` / ``from_hf``). A fused ``wqkv`` groups its rows per
+key/value head (that head's query heads, its key, its value: ``causal.split_fused_rows``), so each
+Hugging Face projection is spread over the groups: a ``Part`` names the rows ``start`` onwards of
+its Hugging Face tensor.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ class Part:
     hf_name: str
     rows: int
     heads: int = 0  # > 0: the rows are this many RoPE heads, permuted between the layouts
+    start: int = 0  # first row of the Hugging Face tensor that this part holds
+
+
+def hf_rows(parts: list[Part]) -> dict[str, int]:
+    """Rows of each Hugging Face tensor that ``parts`` make up, in order of first appearance."""
+    rows: dict[str, int] = {}
+    for part in parts:
+        rows[part.hf_name] = rows.get(part.hf_name, 0) + part.rows
+    return rows
 
 
 def to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -104,8 +116,12 @@ def _attention_parts(attn: nn.Module, p: str, kn: str, kind: str) -> dict[str, l
     k = Part(f"{p}self_attn.k_proj.{kind}", hk * d, hk)
     v = Part(f"{p}self_attn.v_proj.{kind}", hk * d)
     k_prefix = kn + "attention."
-    if hasattr(attn, "wqkv"):
-        return {f"{k_prefix}wqkv.{kind}": [q, k, v]}
+    if hasattr(attn, "wqkv"):  # per kv head g: its query heads, its key, its value
+        group = hq // hk
+        return {f"{k_prefix}wqkv.{kind}": [
+            part for g in range(hk) for part in (
+                Part(q.hf_name, group * d, group, g * group * d),
+                Part(k.hf_name, d, 1, g * d), Part(v.hf_name, d, 0, g * d))]}
     return {f"{k_prefix}wq.{kind}": [q], f"{k_prefix}wk.{kind}": [k], f"{k_prefix}wv.{kind}": [v]}
 
 

@@ -41,6 +41,7 @@ from kiln.components import distributed
 from kiln.components.errors import CheckpointError
 
 STATE = "state.json"
+QKV_ROWS = "kv_grouped"  # row order of a fused wqkv (causal.split_fused_rows), since v0.2
 RECIPE = "recipe.toml"
 
 
@@ -116,6 +117,7 @@ class CheckpointManager:
             "optimizers": sorted(optimizers_of(state)), "json_state": rest,
             "layout": storage.to_json({k: v for k, v in (state_layout or {}).items()
                                        if k != "rows"}, "layout"),
+            "qkv_rows": QKV_ROWS,
         }
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
@@ -216,6 +218,7 @@ class CheckpointManager:
             if error is not None:
                 raise CheckpointError(error)
         meta = read_state(folder)
+        _check_qkv_rows(folder, meta, state.model)
         saved_ws = meta["world_size"]
         step = int(meta["step"])
         ranked, mapping = None, []
@@ -331,13 +334,27 @@ def read_state(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / STATE}: unreadable ({exc})") from exc
     required = {"format", "step", "tokens", "world_size", "progress", "optimizers", "json_state"}
-    if not isinstance(meta, dict) or set(meta) not in (required, required | {"layout"}) \
+    optional = {"layout", "qkv_rows"}
+    if not isinstance(meta, dict) or not required <= set(meta) <= required | optional \
             or meta["format"] != layout.FORMAT \
             or type(meta["step"]) is not int or type(meta["world_size"]) is not int \
             or not isinstance(meta["json_state"], dict) or not isinstance(meta["progress"], dict) \
             or meta["progress"].get("step") != meta["step"]:
         raise CheckpointError(f"{folder / STATE}: malformed run state (edited or corrupt)")
     return meta
+
+
+def _check_qkv_rows(folder: Path, meta: dict, model: torch.nn.Module) -> None:
+    """A fused ``wqkv`` saved before its rows were grouped per kv head (v0.1: [q; k; v]) would
+    load with its rows permuted: refuse it (models without ``wqkv`` are unaffected)."""
+    if meta.get("qkv_rows") == QKV_ROWS:
+        return
+    if any(name.endswith("wqkv.weight") for name, _ in model.named_parameters()):
+        raise CheckpointError(
+            f"{folder}: saved by a kiln whose fused wqkv rows were [q; k; v]; this kiln groups "
+            "them per kv head (tensor parallelism shards them). Export it with the kiln that "
+            "wrote it (`kiln export`: the Hugging Face layout, for dense Llama-shaped models) "
+            "and start from that export with checkpoint.init_from, or start afresh")
 
 
 def _check_rank_state(folder: Path, tensors: dict, header: dict, step: int, state):

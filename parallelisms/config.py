@@ -11,7 +11,8 @@ from kiln.components.base import Config
 
 class ParallelismConfig(Config):
     """How the model is spread over devices and sped up; applied by `kiln.parallelisms.parallelize`
-    in a fixed order: float8 -> activation checkpointing -> per-block compile -> FSDP2."""
+    in a fixed order: float8 -> expert parallel -> tensor parallel -> activation checkpointing ->
+    per-block compile -> FSDP2."""
 
     # --------------------------------------------------------------------- data parallelism
     dp_shard: int = Field(
@@ -38,6 +39,25 @@ class ParallelismConfig(Config):
     )
     grad_bucket_mb: int = Field(
         25, ge=1, description="fsdp = off: gradient all-reduce bucket size in MiB"
+    )
+    # -------------------------------------------------------------------- tensor parallelism
+    tp: int = Field(
+        1, ge=1,
+        description="tensor-parallel degree: each block's heads and FFN hidden units split over "
+        "tp neighbouring ranks (keep it within a node), norms and the residual stream "
+        "sequence-parallel; the data-parallel degree is world size / tp",
+    )
+    loss_parallel: bool = Field(
+        True,
+        description="tp > 1: keep the LM head's logits sharded over the vocabulary and compute "
+        "the cross-entropy on the shards (never gathers the full logits)",
+    )
+    # -------------------------------------------------------------------- expert parallelism
+    ep: int = Field(
+        1, ge=1,
+        description="expert-parallel degree for ffn = moe: each MoE layer's experts split over "
+        "ep data-parallel ranks (rows sent to them all-to-all), routers replicated; must divide "
+        "world size / tp and model.ffn.n_experts",
     )
     # ------------------------------------------------------------------------------ float8
     float8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(

@@ -30,8 +30,10 @@ def reshard_policy(cfg: ParallelismConfig, index: int, n_blocks: int) -> bool:
     return index < n_blocks - 1
 
 
-def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh) -> None:
-    """``fully_shard`` every block, then the root (embeddings, final norm, head, the rest)."""
+def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh,
+               ignored: set[nn.Parameter] | None = None) -> None:
+    """``fully_shard`` every block, then the root (embeddings, final norm, head, the rest);
+    ``ignored`` parameters (expert-parallel weights) are left as they are."""
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
@@ -40,10 +42,11 @@ def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh) -> No
         fully_shard(
             block, mesh=mesh, mp_policy=mp,
             reshard_after_forward=reshard_policy(cfg, i, len(blocks)),
+            ignored_params=ignored or None,
         )
     # The root keeps its parameters gathered after forward (FSDP2's root heuristic: the head's
     # backward is the first thing backward does).
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
 
 
 def fsdp_summary(cfg: ParallelismConfig, mesh: DeviceMesh) -> str:

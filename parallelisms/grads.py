@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -35,8 +36,13 @@ def grad_sync_context(model: nn.Module, is_last_microbatch: bool) -> Iterator[No
 
 
 @torch.no_grad()
-def all_reduce_grads(model: nn.Module, world_size: int, bucket_mb: int = 25) -> None:
-    """Average the gradients of a replicated model over all ranks, in flat buckets.
+def all_reduce_grads(
+    model: nn.Module, world_size: int, bucket_mb: int = 25, group=None,
+    skip: set[nn.Parameter] | frozenset = frozenset(),
+) -> None:
+    """Average the gradients of a replicated model over the ``world_size`` ranks of ``group``
+    (default: all), in flat buckets. Tensor-parallel (DTensor) gradients are averaged shard by
+    shard: the ranks of a data-parallel group hold the same shard.
 
     Hand-rolled instead of wrapping in DistributedDataParallel so the model keeps its names and
     protocol (blocks(), init_weights()); the price is no overlap of communication with backward.
@@ -44,13 +50,15 @@ def all_reduce_grads(model: nn.Module, world_size: int, bucket_mb: int = 25) -> 
     """
     if world_size <= 1 or not distributed.is_initialized():
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    skipped = {id(p) for p in skip}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in skipped]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        by_kind[(p.grad.device, p.grad.dtype)].append(p.grad)
+        g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+        by_kind[(g.device, g.dtype)].append(g)
     limit = bucket_mb * 2**20
     for grads in by_kind.values():
         bucket: list[torch.Tensor] = []
@@ -59,50 +67,67 @@ def all_reduce_grads(model: nn.Module, world_size: int, bucket_mb: int = 25) -> 
             bucket.append(g)
             size += g.numel() * g.element_size()
             if size >= limit:
-                _reduce_bucket(bucket, world_size)
+                _reduce_bucket(bucket, world_size, group)
                 bucket, size = [], 0
         if bucket:
-            _reduce_bucket(bucket, world_size)
+            _reduce_bucket(bucket, world_size, group)
 
 
-def _reduce_bucket(grads: list[torch.Tensor], world_size: int) -> None:
+def _reduce_bucket(grads: list[torch.Tensor], world_size: int, group) -> None:
     flat = _flatten_dense_tensors(grads)
-    distributed.all_reduce_(flat)  # SUM: gloo has no AVG
+    distributed.all_reduce_(flat, group=group)  # SUM: gloo has no AVG
     flat.div_(world_size)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
 
 
-def _norm_power(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
-    return norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
+def _copies(g: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold this very gradient tensor: every rank for a plain one (replicated
+    and already synchronised), else the ranks outside its mesh times its replicated dims."""
+    if not is_dtensor(g):
+        return world_size
+    mesh = g.device_mesh
+    copies = world_size // mesh.size()
+    for dim, placement in enumerate(g.placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
 
 
 @torch.no_grad()
 def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm as a plain fp32 tensor, identical on every rank.
 
-    DTensor gradients (FSDP2 shards) are reduced over their mesh; plain gradients are taken to be
-    the same on every rank (replicated and already synchronised) and count once.
+    Each rank sums ``|g|^p`` over its local tensors (DTensor shards included), each divided by
+    the number of ranks holding that same tensor, so one all-reduce over all ranks counts every
+    element once, whatever the mix of meshes (FSDP2, HSDP, tensor parallel, whole parameters).
     """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    device = None
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, g.placements) if is_dtensor(g) else "plain"
-        groups[key].append(g)
-        device = device or (g.device if not is_dtensor(g) else g.to_local().device)
-    if device is None:
+    grads = [p.grad for p in params if p.grad is not None]
+    # Only a model with DTensor gradients is spread over ranks; a plain one is local (e.g. a
+    # single-process reference computed inside a process group) and needs no collective.
+    spread = any(is_dtensor(g) for g in grads)
+    world = dist.get_world_size() if spread else 1
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+            from torch.distributed.tensor import Replicate  # imported already: g is a DTensor
+
+            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                           for pl in g.placements])  # sum the partial values
+        local = g.to_local() if is_dtensor(g) else g
+        groups[(_copies(g, world), local.device)].append(local)
+    if not groups:
         return torch.zeros(())
+    device = next(iter(groups))[1]
+    inf = math.isinf(norm_type)
     parts = []
-    for key, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
-        if key != "plain":
-            norm = norm.full_tensor()  # sums (or maxes) the shards' contributions
-        parts.append(norm.float().to(device))
-    total = _norm_power(torch.stack(parts), norm_type)
-    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    for (copies, _), members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type, foreach=True).float().to(device)
+        parts.append(norm if inf else norm**norm_type / copies)
+    total = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+    if world > 1:
+        distributed.all_reduce_(total, op="max" if inf else "sum")
+    return total if inf else total ** (1.0 / norm_type)
 
 
 @torch.no_grad()

@@ -1,16 +1,24 @@
 """``parallelize``: the one entry point, applying each step in a fixed, documented order.
 
-1. float8 conversion (torchao) — swaps Linear modules, so it comes before any wrapper;
-2. activation checkpointing — wraps blocks;
-3. per-block ``torch.compile`` — compiles the (wrapped) blocks, so recomputation is compiled too;
-4. FSDP2 ``fully_shard`` per block, then the root — outermost, so its hooks (all-gather,
-   reduce-scatter) run around the compiled, checkpointed blocks.
+1. float8 conversion (torchao) — swaps Linear modules, so it comes before anything that holds
+   on to them (tensor-parallel hooks are registered on the module objects);
+2. expert parallel (``parallelism.ep``) — MoE expert stacks become ``Shard(0)`` DTensors over
+   the mesh's ``ep`` ranks (before tensor parallel, which leaves DTensors alone);
+3. tensor parallel (``parallelism.tp``) — DTensor plans per block over the mesh's ``tp``
+   dimension (torchao's float8 all-gather styles for tensorwise float8 layers);
+4. activation checkpointing — wraps blocks;
+5. per-block ``torch.compile`` — compiles the (wrapped) blocks, so recomputation is compiled too;
+6. FSDP2 ``fully_shard`` per block, then the root, over the data-parallel dimensions —
+   outermost, so its hooks (all-gather, reduce-scatter) run around the compiled, checkpointed
+   blocks; with tp > 1 the parameters become 2-D (or 3-D with HSDP) DTensors.
 
 Works on a model built on ``meta`` (then ``meta_init.materialize``) or on a real device.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -19,14 +27,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.components.distributed import is_dtensor
 from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
 from kiln.parallelisms.compile import apply_compile
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.float8 import apply_float8, float8_post_optimizer_step
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
+from kiln.parallelisms.layout_check import model_problems, raise_problems
+from kiln.parallelisms.mesh import layout
 
-if TYPE_CHECKING:  # FSDP2 and the mesh are imported when used: single-process runs skip them
+if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: single-process
+    # runs skip them (about 1 s to the first step on a small CPU)
     from torch.distributed.device_mesh import DeviceMesh
+
+    from kiln.parallelisms.expert_parallel import ExpertParallel
+    from kiln.parallelisms.tensor_parallel import TensorParallel
 
 
 class WorldLike(Protocol):
@@ -51,6 +66,10 @@ class ParallelPlan:
     parts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bucket_mb: int = 25
+    tp: TensorParallel | None = None
+    ep: ExpertParallel | None = None
+    dp_size: int = 0  # data-parallel ranks (world size / tp); 0 = the world size
+    dp_group: object = None  # their process group, for the replicated (non-FSDP) all-reduce
 
     @property
     def summary(self) -> str:
@@ -64,14 +83,44 @@ class ParallelPlan:
             lines.append(f"float8 {self.float8} layers: {_compress(self.float8_modules)}")
         return "\n".join(lines)
 
-    def grad_sync(self, is_last_microbatch: bool) -> AbstractContextManager:
-        """Wrap each micro-batch's backward: FSDP2 reduces gradients on the last one only."""
-        return grad_sync_context(self.model, is_last_microbatch)
+    @property
+    def loss_parallel(self) -> bool:
+        return self.tp is not None and self.tp.loss_parallel
+
+    @contextlib.contextmanager
+    def grad_sync(self, is_last_microbatch: bool) -> Iterator[None]:
+        """Wrap each micro-batch's forward and backward: FSDP2 reduces gradients on the last one
+        only; with loss parallel, the sharded cross-entropy runs (forward and backward) here."""
+        with grad_sync_context(self.model, is_last_microbatch), self.loss_context():
+            yield
+
+    def loss_context(self) -> AbstractContextManager:
+        """Around a loss on the model's logits (sharded over the vocabulary with loss parallel)."""
+        if self.tp is None:
+            return contextlib.nullcontext()
+        from kiln.parallelisms.tensor_parallel import loss_parallel_context
+
+        return loss_parallel_context(self.loss_parallel)
+
+    def loss(self, fn: Callable, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``fn(logits, labels)`` as a plain scalar tensor, whether the logits are a plain tensor
+        or vocabulary-sharded (loss parallel: the loss is a replicated DTensor)."""
+        with self.loss_context():
+            loss = fn(logits, labels)
+        return loss.to_local() if is_dtensor(loss) else loss
 
     def sync_grads(self) -> None:
-        """After the last backward: average gradients of a replicated (non-FSDP) model."""
+        """After the last backward: sum the partial gradients of parameters tensor parallel left
+        whole; average the expert-parallel gradients and those of a replicated (non-FSDP)
+        model."""
+        if self.tp is not None:
+            self.tp.sync_grads(self.model)
+        if self.ep is not None:
+            self.ep.sync_grads()
         if self.replicated:
-            all_reduce_grads(self.model, self.world_size, self.bucket_mb)
+            skip = set(self.ep.params) if self.ep is not None else set()
+            all_reduce_grads(self.model, self.dp_size or self.world_size, self.bucket_mb,
+                             group=self.dp_group, skip=skip)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip to the global norm over all shards (0 = measure only); returns that norm."""
@@ -92,10 +141,10 @@ def _compress(names: list[str]) -> str:
     return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in counts.items())
 
 
-def _use_fsdp(cfg: ParallelismConfig, world_size: int) -> tuple[bool, str]:
+def _use_fsdp(cfg: ParallelismConfig, dp_size: int) -> tuple[bool, str]:
     if cfg.fsdp == "off":
         return False, ""
-    if world_size > 1:
+    if dp_size > 1:
         return True, ""
     if cfg.fsdp == "on":
         if dist.is_available() and dist.is_initialized():
@@ -107,21 +156,29 @@ def _use_fsdp(cfg: ParallelismConfig, world_size: int) -> tuple[bool, str]:
 def parallelize(
     model: nn.Module, cfg: ParallelismConfig, world: WorldLike, mesh: DeviceMesh | None = None
 ) -> ParallelPlan:
-    """Apply float8 -> activation checkpointing -> compile -> FSDP2 to ``model`` in place."""
-    fsdp, note = _use_fsdp(cfg, world.world_size)
+    """Apply float8 -> expert parallel -> tensor parallel -> activation checkpointing -> compile
+    -> FSDP2 to ``model`` in place (after checking that the layout divides the model)."""
+    shape = layout(cfg, world.world_size)
+    raise_problems(model_problems(model, shape.tp, shape.ep), shape.describe())
+    fsdp, note = _use_fsdp(cfg, shape.dp)
     plan = ParallelPlan(model=model, world_size=world.world_size, fsdp=fsdp,
-                        bucket_mb=cfg.grad_bucket_mb, float8=cfg.float8)
+                        bucket_mb=cfg.grad_bucket_mb, float8=cfg.float8, dp_size=shape.dp)
     if note:
         plan.notes.append(note)
-    if fsdp:
-        from kiln.parallelisms.fsdp import fsdp_summary
+    if fsdp or shape.tp > 1 or (shape.dp > 1 and shape.dp < world.world_size):
         from kiln.parallelisms.mesh import build_mesh
 
         plan.mesh = mesh or build_mesh(cfg, world.world_size, world.device.type)
+    if fsdp:
+        from kiln.parallelisms.fsdp import fsdp_summary
+
         plan.parts.append(fsdp_summary(cfg, plan.mesh))
-    elif world.world_size > 1:
+    elif shape.dp > 1:
+        from kiln.parallelisms.mesh import dp_mesh
+
         plan.replicated = True
-        plan.parts.append(f"data parallel over {world.world_size} ranks (gradient all-reduce)")
+        plan.dp_group = dp_mesh(plan.mesh).get_group() if plan.mesh is not None else None
+        plan.parts.append(f"data parallel over {shape.dp} ranks (gradient all-reduce)")
 
     converted, f8_note = apply_float8(model, cfg, world.device, fsdp)
     plan.float8_modules = converted
@@ -133,6 +190,19 @@ def parallelize(
     if f8_note:
         plan.notes.append(f8_note)
 
+    if shape.ep > 1:
+        from kiln.parallelisms.expert_parallel import apply_expert_parallel
+        from kiln.parallelisms.mesh import expert_mesh
+
+        plan.ep = apply_expert_parallel(model, expert_mesh(shape, world.device.type), shape.dp)
+        plan.parts.insert(0, plan.ep.describe())
+    if shape.tp > 1:
+        from kiln.parallelisms.tensor_parallel import apply_tensor_parallel
+
+        plan.tp = apply_tensor_parallel(model, plan.mesh["tp"], loss_parallel=cfg.loss_parallel,
+                                        float8=cfg.float8 if converted else "off")
+        plan.parts.insert(0, plan.tp.describe())
+
     checkpointed = apply_activation_checkpoint(model, cfg)
     compiled = apply_compile(model, cfg, world.device)
     plan.parts += [text for text in (compiled, checkpointed) if text]
@@ -140,5 +210,6 @@ def parallelize(
         from kiln.parallelisms.fsdp import apply_fsdp
         from kiln.parallelisms.mesh import fsdp_mesh
 
-        apply_fsdp(model, cfg, fsdp_mesh(plan.mesh))
+        ignored = set(plan.ep.params) if plan.ep is not None else None
+        apply_fsdp(model, cfg, fsdp_mesh(plan.mesh), ignored=ignored)
     return plan

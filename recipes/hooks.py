@@ -149,12 +149,14 @@ def evaluate(trainer, token_budget: int) -> float:
     model = trainer.model
     was_training = model.training
     model.eval()
+    # tensor-parallel peers share batches: data is split over the data-parallel ranks
+    data_rank, data_ranks = trainer.data_rank, trainer.data_ranks
     loader = trainer.dataset.loader(
         "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
-        * trainer.world.world_size, rank=trainer.world.rank, world_size=trainer.world.world_size,
+        * data_ranks, rank=data_rank, world_size=data_ranks,
     )
     total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
-    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.world.world_size
+    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * data_ranks
     for i, batch in enumerate(loader):
         if i * per_batch >= token_budget:
             break

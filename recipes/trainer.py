@@ -22,6 +22,8 @@ from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
+from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
+from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import peak_flops
@@ -65,7 +67,15 @@ class Trainer:
         # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        self.plan = batch_plan.plan(tr, self.world.world_size)
+        # This rank's share of each global batch: tensor-parallel peers train on the same batch,
+        # so data is split over the data-parallel ranks only (data_rank = rank // tp).
+        # Rows [data_rank * per_rank, ...) of each global batch are this rank's; checkpoints map
+        # the per-row state (carry) and the data cursor by these rows on a layout change.
+        self.mesh_layout = layout(recipe.parallelism, self.world.world_size)
+        self.data_rank = self.mesh_layout.dp_rank(self.world.rank)
+        self.data_ranks = self.mesh_layout.dp
+        raise_problems(training_problems(tr, self.mesh_layout.tp), self.mesh_layout.describe())
+        self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.mesh_layout.tp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -81,10 +91,6 @@ class Trainer:
         distributed.barrier()
         if not self.world.is_main:
             self.dataset.prepare()
-        # This rank's share of each global batch: rows [data_rank * per_rank, ...) (ranks that
-        # split one model, e.g. tensor parallel, would share a data rank). Checkpoints map the
-        # per-row state (carry) and the data cursor by these rows on a layout change.
-        self.data_rank, self.data_ranks = self.world.rank, self.world.world_size
         self.train_loader = self.dataset.loader(
             "train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
             rank=self.data_rank, world_size=self.data_ranks,
@@ -151,6 +157,8 @@ class Trainer:
                 distributed.broadcast_(t.data, src=0)
         self.parallel = parallelize(self.model, pcfg, self.world)
         details = self.parallel.describe().splitlines()[1:]
+        if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
+            details.append(note)
         if pcfg.meta_init:
             details.append(materialize(
                 self.model, self.device, self.recipe.training.seed, mode=pcfg.init_mode,
@@ -233,7 +241,8 @@ class Trainer:
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); chunked
         through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
-        chunk = self.recipe.training.loss_chunk_tokens
+        # not under tensor parallel: the logits are vocabulary shards (see chunked_loss_note)
+        chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
         if chunk:
             with self.autocast:
                 loss = self.model(batch["input_ids"],
@@ -241,7 +250,9 @@ class Trainer:
         else:
             with self.autocast:
                 logits = self.model(batch["input_ids"])  # (B, T, V)
-            loss = self.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+            # Through the plan: with loss parallel the logits are sharded over the vocabulary.
+            loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
+                                      batch["labels"].flatten())
         pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
         aux = pop_aux() if pop_aux is not None else None
         # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.

@@ -2,9 +2,10 @@
 
 Rows (``ROWS``; add one to extend the check): the ~1B dense recipe (``gpu_1b.toml``) and the Nova
 family at ~1.2B (``gpu_nova.toml``), each in bf16 eager, bf16 + compile and fp8 rowwise +
-compile. Each row is one ``kiln bench --json`` process (compile caches and CUDA memory do not
-leak between rows); a row with a ``peer`` also runs ``scripts/reference_train.py`` (a plain
-PyTorch loop of the same model and numerics) and reports kiln / peer tokens/s. A matmul probe
+compile, and the dense one with tensor parallel 2 where two GPUs are visible. Each row is one
+``kiln bench --json`` process (compile caches and CUDA memory do not leak between rows); a row
+with a ``peer`` also runs ``scripts/reference_train.py`` (a plain PyTorch loop of the same model
+and numerics) and reports kiln / peer tokens/s. A matmul probe
 (8192^3 bf16 on CUDA) gives a measured ceiling beside the datasheet peak for MFU.
 
 Results go to ``OUT`` (``--out``, default ``$OUT`` or ``runs/gpu_check``): ``gpu_check.json``
@@ -57,6 +58,10 @@ SHAPES = [  # (name, recipe, has a peer)
 # Setup-major order: if the time budget runs out, the last setup loses rows, not a whole shape.
 ROWS = [Row(shape, setup, recipe, list(kiln), list(peer) if has_peer else None)
         for setup, kiln, peer in SETUPS for shape, recipe, has_peer in SHAPES]
+# Tensor parallel over 2 GPUs (sequence parallel, loss parallel); skipped with fewer devices.
+ROWS.append(Row("dense ~1B", "bf16 + compile, tp 2", "train_configs/gpu_1b.toml",
+                ["--parallelism.compile=true", "--parallelism.float8=off", "--parallelism.tp=2"],
+                None, ngpu=2))
 # A CPU dry run: the same rows on a model of a few hundred thousand parameters.
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.attention.n_heads=4",
         "--model.attention.n_kv_heads=2", "--model.ffn.hidden_dim=128", "--model.vocab_size=512",
@@ -222,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             if left < 20:
                 row.result["status"] = "skipped (time budget)"
                 print(f"== {row.shape} / {row.setup}: skipped, time budget spent", flush=True)
+                continue
+            if device == "cuda" and row.ngpu > torch.cuda.device_count():
+                row.result["status"] = f"skipped (needs {row.ngpu} GPUs)"
+                print(f"== {row.shape} / {row.setup}: skipped, needs {row.ngpu} GPUs", flush=True)
                 continue
             print(f"== {row.shape} / {row.setup}", flush=True)
             row.result["kiln"], err = run_json(kiln_command(row, args, extra),

@@ -1,13 +1,19 @@
 """Causal multi-head self-attention with grouped-query heads (GQA), RoPE and optional QK-norm.
 
 Parameter names follow torchtitan's llama3 of the TOML era (v0.2.x: ``wq``, ``wk``, ``wv``,
-``wo``). torchtitan 0.3.0 renamed them (``attention.qkv_linear.wq``, ``lm_head``), and its fused
-``wqkv`` groups the rows per kv head, where kiln's fused ``wqkv`` is [all q rows; all k rows;
-all v rows]: converting to 0.3.0 needs a name map and a row permutation, not a copy. While
+``wo``). torchtitan 0.3.0 renamed them (``attention.qkv_linear.wq``, ``lm_head``). While
 generating, a ``kv_cache`` (``kv_cache.py``) makes a forward run only the new tokens. Layout is
 (B, T, H, D) through the projections and the
 position encoding; SDPA sees (B, H, T, D) as a free transpose and returns a tensor whose memory
 is already (B, T, H, D), so no `.contiguous()` copy is made on the way in or out.
+
+The fused ``wqkv`` rows are grouped by key/value head (torchtitan's ``FusedQKVLinear``, Megatron's
+layout): for each kv head, its ``n_heads / n_kv_heads`` query heads, then its key, then its value
+(``split_fused_qkv``). A contiguous slice of whole kv groups is then a self-contained set of
+heads, so tensor parallelism shards ``wqkv`` row-wise like ``wq`` (``kiln.parallelisms``).
+
+Head counts in ``forward`` come from the tensor shapes, not the config: under tensor parallelism a
+rank sees only its heads (the projections return local shards).
 """
 
 from __future__ import annotations
@@ -95,17 +101,7 @@ class CausalAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
         b, t, _ = x.shape
-        hd = self.head_dim
-        if hasattr(self, "wqkv"):
-            qkv = self.wqkv(x)  # (B, T, (Hq + 2 Hk) * D)
-            q, k, v = qkv.split(
-                [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1
-            )
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(b, t, self.n_heads, hd)  # (B, T, Hq, D)
-        k = k.view(b, t, self.n_kv_heads, hd)  # (B, T, Hk, D)
-        v = v.view(b, t, self.n_kv_heads, hd)  # (B, T, Hk, D)
+        q, k, v = self.project_qkv(x)  # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = self.kv_cache
@@ -119,7 +115,43 @@ class CausalAttention(nn.Module):
             out = cached_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               cache.session)
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * hd))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) -> q (B, T, Hq, D), k and v (B, T, Hk, D) (this rank's heads)."""
+        hd = self.head_dim
+        if hasattr(self, "wqkv"):
+            return split_fused_qkv(self.wqkv(x), self.n_heads // self.n_kv_heads, hd)
+        return tuple(lin(x).unflatten(-1, (-1, hd)) for lin in (self.wq, self.wk, self.wv))
+
+
+def split_fused_qkv(
+    qkv: torch.Tensor, group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused activations (..., Hk * (group + 2) * D), kv-grouped layout -> q (..., Hq, D),
+    k (..., Hk, D), v (..., Hk, D) with Hq = group * Hk (query head i uses kv head i // group,
+    as SDPA's ``enable_gqa`` expects)."""
+    grouped = qkv.unflatten(-1, (-1, group + 2, head_dim))  # (..., Hk, group + 2, D)
+    q, k, v = grouped.split([group, 1, 1], dim=-2)
+    return q.flatten(-3, -2), k.squeeze(-2), v.squeeze(-2)
+
+
+def split_fused_rows(
+    w: torch.Tensor, group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a fused ``wqkv`` weight (or bias) as the rows of separate wq, wk, wv."""
+    grouped = w.unflatten(0, (-1, group + 2, head_dim))  # (Hk, group + 2, D, ...)
+    q, k, v = grouped.split([group, 1, 1], dim=1)
+    return q.flatten(0, 2), k.flatten(0, 2), v.flatten(0, 2)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int,
+             head_dim: int) -> torch.Tensor:
+    """The inverse of ``split_fused_rows``: rows of wq, wk, wv (or biases) -> wqkv rows."""
+    hk = k.shape[0] // head_dim
+    parts = (q.unflatten(0, (hk, group, head_dim)), k.unflatten(0, (hk, 1, head_dim)),
+             v.unflatten(0, (hk, 1, head_dim)))
+    return torch.cat(parts, dim=1).flatten(0, 2)
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

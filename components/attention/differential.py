@@ -28,7 +28,9 @@ not a difference of maps at all; kiln keeps the differential form. ``head_gate``
 reference's learnable per-head output gate (initialised to 1).
 
 Projections, QK-norm modules and the position sub-component are the causal attention's; so is
-the KV cache (it stores the rotated half-width keys and the full-width values).
+the KV cache (it stores the rotated half-width keys and the full-width values). Under tensor
+parallelism a rank computes whole heads (both maps of a head on one rank): head counts come from
+the projection shapes, and per-head parameters are read at ``head_offset``.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class DifferentialAttention(CausalAttention):
             self.lambda_head = nn.Parameter(torch.empty(self.n_heads))
         self.head_gate = nn.Parameter(torch.empty(self.n_heads)) if cfg.head_gate else None
         self.head_norm = RMSNorm(RMSNormConfig(type="rmsnorm", eps=cfg.head_norm_eps), dim=hd)
+        self.head_offset = 0  # first head this rank computes (tensor parallelism sets it)
         if not self.wo.weight.is_meta:
             self._init_extra()
 
@@ -123,25 +126,30 @@ class DifferentialAttention(CausalAttention):
         super().init_weights(std, out_std)
         self._init_extra()
 
-    def lambda_value(self) -> torch.Tensor:
-        """lambda per head, shape (H,) (the reparam value is shared by the heads), fp32."""
+    def lambda_value(self, heads: int = 0) -> torch.Tensor:
+        """lambda of this rank's ``heads`` (0 = all), shape (heads,) (the reparam value is shared
+        by the heads), fp32."""
+        heads = heads or self.n_heads
         if self.lambda_mode == "per_head":
-            return self.lambda_head.float()
+            return self._my_heads(self.lambda_head, heads).float()
         lam1 = torch.exp((self.lambda_q1.float() * self.lambda_k1.float()).sum())
         lam2 = torch.exp((self.lambda_q2.float() * self.lambda_k2.float()).sum())
-        return (lam1 - lam2 + self.lambda_init).expand(self.n_heads)
+        return (lam1 - lam2 + self.lambda_init).expand(heads)
+
+    def _my_heads(self, per_head: torch.Tensor, heads: int) -> torch.Tensor:
+        """The entries of a per-head parameter (H,) for the heads this rank computes: all of
+        them, or under tensor parallelism ``heads`` from ``head_offset`` (set by the plan; the
+        parameter stays whole on every rank and its gradient is summed over the ranks)."""
+        if heads == per_head.shape[0]:
+            return per_head
+        return per_head.narrow(0, self.head_offset, heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
         b, t, _ = x.shape
-        h, hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        half = hd // 2
-        if hasattr(self, "wqkv"):
-            q, k, v = self.wqkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
-        k = k.view(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
-        v = v.view(b, t, hk, hd)  # (B, T, Hk, 2d)
+        q, k, v = self.project_qkv(x)  # (B, T, H, 2d), (B, T, Hk, 2d), (B, T, Hk, 2d)
+        h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2  # this rank's heads
+        q = q.reshape(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
+        k = k.reshape(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = self.kv_cache
@@ -154,15 +162,16 @@ class DifferentialAttention(CausalAttention):
             k, v = cache.update(k, v)  # (B, S, 2Hk, d), (B, S, Hk, 2d)
             attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, cache.session)  # noqa: E731
         s = k.shape[1]
-        q = q.view(b, t, h, 2, half)  # (B, T, H, 2, d)
-        k = k.view(b, s, hk, 2, half)  # (B, S, Hk, 2, d)
+        q = q.reshape(b, t, h, 2, half)  # (B, T, H, 2, d)
+        k = k.reshape(b, s, hk, 2, half)  # (B, S, Hk, 2, d)
         v = v.transpose(1, 2)  # (B, Hk, S, 2d)
         a1v, a2v = (
             attend(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2), v)  # (B,H,T,2d)
             for c in (0, 1)
         )
-        lam = self.lambda_value().to(a1v.dtype).view(1, h, 1, 1)
+        lam = self.lambda_value(h).to(a1v.dtype).view(1, h, 1, 1)
         out = self.head_norm(a1v - lam * a2v) * (1 - self.lambda_init)  # (B, H, T, 2d)
         if self.head_gate is not None:
-            out = out * self.head_gate.to(out.dtype).view(1, h, 1, 1)
-        return self.wo(out.transpose(1, 2).reshape(b, t, h * hd))
+            gate = self._my_heads(self.head_gate, h)
+            out = out * gate.to(out.dtype).view(1, h, 1, 1)
+        return self.wo(out.transpose(1, 2).reshape(b, t, h * self.head_dim))

@@ -4,9 +4,10 @@ Routing: scores = softmax or sigmoid of a linear router (computed in fp32); the 
 are chosen on ``scores + expert_bias``, but the gate weights come from the unbiased scores
 (optionally renormalised over the k chosen, times ``route_scale``). The bias is a buffer moved
 outside the gradient: once per *global* step, by ``coeff * sign(mean - load)`` (re-centred),
-with the loads of the whole step (every micro-batch, loop and segment) summed over data-parallel
-ranks; a step with a skipped optimizer step (any segment, under segmented BPTT) discards the
-loads and leaves the bias alone, as the looped-MoE reference does. An optional sequence-wise
+with the loads of the whole step (every micro-batch, loop and segment) summed over every rank
+that saw tokens (data-parallel ranks, tensor-parallel sequence slices); a step with a skipped
+optimizer step (any segment, under segmented BPTT) discards the loads and leaves the bias alone,
+as the looped-MoE reference does. An optional sequence-wise
 auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the model (``pop_aux_loss``). Expert
 loads, their entropy and dropped assignments are reported by ``moe_metrics``.
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from kiln.components import distributed
 from kiln.components.base import ComponentConfig
+from kiln.components.ffn.moe_all_to_all import run_experts_all_to_all
 from kiln.components.ffn.moe_dispatch import resolve_kernel, run_experts, sort_by_expert
 from kiln.components.ffn.swiglu import SwiGLU, SwiGLUConfig
 from kiln.components.registry import register
@@ -114,6 +116,9 @@ class MoE(nn.Module):
         self.register_buffer("last_dropped", torch.zeros((), dtype=torch.float32),
                              persistent=False)
         self.aux_loss: torch.Tensor | None = None  # summed over calls until popped
+        # Expert parallel (set by kiln.parallelisms.expert_parallel): w1/w3/w2 are then DTensors
+        # sharded by expert over ``ep`` ranks of ``expert_group``, and rows travel all-to-all.
+        self.expert_group, self.ep = None, 1
         if not self.w1.is_meta:
             self.init_weights(0.02, 0.02)
 
@@ -158,7 +163,12 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
         xs = flat[order // k]  # (N*k, D) rows sorted by expert
-        ys = run_experts(self.cfg.dispatch, xs, self.w1, self.w3, self.w2, counts)  # (N*k, D)
+        if self.ep > 1:
+            w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))  # my experts
+            ys = run_experts_all_to_all(self.cfg.dispatch, xs, counts, w1, w3, w2,
+                                        self.expert_group, self.ep)
+        else:
+            ys = run_experts(self.cfg.dispatch, xs, self.w1, self.w3, self.w2, counts)  # (N*k, D)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         y = ys[inverse].view(n, k, -1)  # (N, k, D) back in assignment order
@@ -220,7 +230,7 @@ class MoE(nn.Module):
 
     def active_params(self) -> int:
         """Parameters one token uses: router, k of E experts, the shared expert."""
-        per_expert = self.w1[0].numel() + self.w3[0].numel() + self.w2[0].numel()
+        per_expert = sum(math.prod(w.shape[1:]) for w in (self.w1, self.w3, self.w2))
         shared = sum(p.numel() for p in self.shared.parameters()) if self.shared else 0
         return self.router.weight.numel() + self.top_k * per_expert + shared
 
@@ -242,9 +252,10 @@ def idle_expert_params(module: nn.Module) -> int:
 
 @torch.no_grad()
 def balance_step(layers: list[MoE], skipped: bool) -> None:
-    """After a global step: sum every layer's loads over the data-parallel ranks in one
-    all-reduce and move the biases; on a skipped step drop the loads instead. Every rank takes
-    the same decision, so the collective is called by all or none."""
+    """After a global step: sum every layer's loads over all ranks in one all-reduce (each rank
+    counted its own tokens: its data-parallel batch, its tensor-parallel sequence slice) and
+    move the biases; on a skipped step drop the loads instead. Every rank takes the same
+    decision, so the collective is called by all or none."""
     if not layers:
         return
     if skipped:

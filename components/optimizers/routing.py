@@ -7,6 +7,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from kiln.components.distributed import is_dtensor
 from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig, ParamRule
 
@@ -92,15 +93,30 @@ def route(model: nn.Module, tables: dict[str, OptimizerConfig]) -> dict[str, Rou
     return routes
 
 
+def _by_mesh(members: list[tuple[str, nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """Members split by device mesh (plain tensors together), in first-seen order.
+
+    torch's foreach/fused optimizer kernels take one group's tensors in one call, and DTensor
+    refuses a call mixing plain tensors with DTensors or DTensors of different meshes (tensor
+    parallel leaves some parameters whole: see ``kiln.parallelisms.tensor_parallel``).
+    """
+    parts: dict[object, list[nn.Parameter]] = {}
+    for _, p in members:
+        key = p.device_mesh if is_dtensor(p) else None
+        parts.setdefault(key, []).append(p)
+    return list(parts.values())
+
+
 def param_groups(route_: Route, cfg: OptimizerConfig) -> list[dict]:
-    """torch param groups for one optimizer: decayed and non-decayed, each with its peak LR."""
+    """torch param groups for one optimizer: decayed and non-decayed, each with its peak LR
+    (each split by device mesh when parallelism makes the parameters differ in kind)."""
     groups = []
     for suffix, members, wd in (
         ("", route_.decay, cfg.weight_decay), ("no_decay", route_.no_decay, 0.0)
     ):
-        if members:
+        for params in _by_mesh(members):
             groups.append({
-                "params": [p for _, p in members],
+                "params": params,
                 "lr": cfg.lr,
                 "peak_lr": cfg.lr,
                 "weight_decay": wd,

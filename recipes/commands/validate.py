@@ -11,7 +11,10 @@ import torch
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.models.block import padded_vocab
+from kiln.parallelisms.layout_check import model_problems, raise_problems, training_problems
+from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
+from kiln.recipes.layout_report import layout_report
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 
@@ -19,7 +22,8 @@ from kiln.recipes.recipe import load_recipe
 def add_arguments(parser) -> None:
     parser.add_argument("recipes", nargs="+", help="recipe files")
     parser.add_argument("--world-size", type=int, default=0, metavar="N",
-                        help="check the batch plan for N processes (default: $NGPU, else 1)")
+                        help="plan for N processes (default: $NGPU, else 1): check the batch "
+                        "plan and the [parallelism] layout, print the mesh and per-rank memory")
 
 
 def build_meta_model(recipe):
@@ -40,10 +44,15 @@ def human_count(n: int) -> str:
 
 
 def describe(recipe, world_size: int = 1) -> str:
-    """Check the batch plan (what ``kiln train`` refuses is refused here too), build on meta and
-    summarise: budget, parameter counts, FLOPs/token, optimizer routing."""
-    bp = batch_plan.plan(recipe.training, world_size)
+    """Check the batch plan and layout (what ``kiln train`` refuses is refused here too), build
+    on meta and summarise: budget, parameter counts, FLOPs/token, optimizer routing, and for
+    more than one process the mesh and per-rank memory."""
+    shape = layout(recipe.parallelism, world_size)
+    tr = recipe.training
+    bp = batch_plan.plan(recipe.training, shape.dp, tp=shape.tp)
     model = build_meta_model(recipe)
+    raise_problems(training_problems(tr, shape.tp) + model_problems(model, shape.tp, shape.ep),
+                   shape.describe())
     total = model.num_params()
     lines = [batch_plan.describe_budget(recipe.training, bp),
              f"parameters: {total:,} ({human_count(total)})"]
@@ -61,6 +70,8 @@ def describe(recipe, world_size: int = 1) -> str:
 
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
+    if world_size > 1:
+        lines.append(layout_report(recipe, lambda: build_meta_model(recipe), world_size))
     return "\n".join(lines)
 
 

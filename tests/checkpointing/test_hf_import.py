@@ -50,6 +50,21 @@ def test_round_trip_kiln_hf_kiln_is_bit_equal(tmp_path):
     assert config["rope_parameters"]["rope_type"] == "llama3"
 
 
+def test_fused_qkv_rows_are_kv_groups_of_the_hf_projections(tmp_path):
+    """A fused wqkv holds its rows per kv head (so tensor parallelism can shard it): importing
+    gives transformers' logits, and exporting writes back the very tensors that were read."""
+    hf = save_tiny(tmp_path / "hf", "qwen2")  # GQA (4 heads, 2 kv heads), q/k/v biases
+    model = kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()), hf(ids()).logits, **TOL)
+    export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    src, out = hf_files.SafetensorsFolder(tmp_path / "hf"), hf_files.SafetensorsFolder(
+        tmp_path / "out")
+    assert src.keys() == out.keys()
+    for name in sorted(src.keys()):
+        assert torch.equal(src.read(name), out.read(name)), name
+
+
 def test_sliced_reads_equal_full_reads(tmp_path):
     """What an FSDP rank reads (its rows / columns) is that region of the full tensor, also
     when a region starts or ends inside a RoPE head and spans the q / k / v parts of wqkv."""

@@ -228,3 +228,18 @@ def test_a_save_killed_mid_write_leaves_the_last_checkpoint_loadable(tmp_path, w
     manager(tmp_path).save(s)  # the next save cleans the leftovers
     assert not (tmp_path / ".tmp-step_0000002").exists()
     assert layout.newest_complete(tmp_path).name == "step_0000002"
+
+
+def test_a_fused_wqkv_saved_in_the_old_row_order_is_refused(saved):
+    """v0.1 stacked a fused wqkv as [q; k; v]; its rows are now kv-grouped, so a checkpoint
+    without the marker would load permuted weights: refused when the model has a wqkv."""
+    state_file = saved / "state.json"
+    meta = json.loads(state_file.read_text())
+    assert meta.pop("qkv_rows") == "kv_grouped"
+    state_file.write_text(json.dumps(meta))
+    _reseal(saved)
+    manager(saved.parent).load(toy_state(seed=4), saved)  # no wqkv: unaffected
+    s = toy_state(seed=4)
+    s.model.wqkv = torch.nn.Linear(16, 48)
+    with pytest.raises(CheckpointError, match=r"fused wqkv rows were \[q; k; v\]"):
+        manager(saved.parent).load(s, saved)

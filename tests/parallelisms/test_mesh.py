@@ -10,8 +10,8 @@ from kiln.parallelisms.mesh import mesh_shape
 @pytest.mark.parametrize(
     ("shard", "rep", "world", "shape"),
     [
-        (-1, 1, 8, (1, 8)), (-1, 2, 8, (2, 4)), (4, 2, 8, (2, 4)), (1, 2, 2, (2, 1)),
-        (-1, 1, 1, (1, 1)),
+        (-1, 1, 8, (1, 8, 1)), (-1, 2, 8, (2, 4, 1)), (4, 2, 8, (2, 4, 1)),
+        (1, 2, 2, (2, 1, 1)), (-1, 1, 1, (1, 1, 1)),
     ],
 )
 def test_shapes(shard, rep, world, shape):
@@ -32,3 +32,14 @@ def test_replicate_must_divide_world():
 def test_zero_shard_rejected():
     with pytest.raises(RecipeError, match="dp_shard = 0"):
         mesh_shape(ParallelismConfig(dp_shard=0), 2)
+
+
+def test_expert_parallel_borrows_data_parallel_ranks():
+    from kiln.parallelisms.mesh import layout
+
+    shape = layout(ParallelismConfig(tp=2, ep=2), 8)
+    assert (shape.shape, shape.ep, shape.dp) == ((1, 4, 2), 2, 4)
+    assert "experts over ep 2" in shape.describe()
+    with pytest.raises(RecipeError, match=r"parallelism.ep = 3 does not divide the "
+                                          r"data-parallel size 4"):
+        layout(ParallelismConfig(tp=2, ep=3), 8)

@@ -38,3 +38,38 @@ def test_ngpu2_runs_fsdp2_on_cpu(tmp_path):
     assert "single process" in one
     assert len(_losses(two)) == 5
     assert _losses(two) == pytest.approx(_losses(one), abs=2e-4)  # 4-decimal log lines
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_like_one_process(tmp_path):
+    """Issue 14 item 6: two `run_train.sh` launches (NNODES=2, NODE_RANK 0 and 1, torchrun's c10d
+    rendezvous on 127.0.0.1) of 2 processes each form one 4-rank job (tensor parallel 2 x FSDP2 2
+    across the "nodes"), with the single-process losses."""
+    from tests.parallelisms.tiny import free_port
+
+    args = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=5",
+            "--training.micro_batch=4", f"--run.folder={tmp_path / 'nodes'}",
+            "--run.log_interval=1", "--run.progress_bar=false", "--checkpoint.enable=false",
+            "--eval.interval=0", "--eval.at_end=false", "--parallelism.tp=2"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node in (0, 1):
+        env = {**os.environ, "NGPU": "2", "NNODES": "2", "NODE_RANK": str(node),
+               "RDZV_ENDPOINT": endpoint, "RDZV_ID": f"kiln-test-{tmp_path.name}",
+               "OMP_NUM_THREADS": "1"}
+        nodes.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "tensor parallel 2" in logs[0] and "FSDP2 over 2 ranks" in logs[0], logs[0][-3000:]
+    one = _train(tmp_path, 1)
+    assert len(_losses(logs[0])) == 5
+    assert _losses(logs[0]) == pytest.approx(_losses(one), abs=2e-4)  # 4-decimal log lines
+
+
+def test_several_nodes_need_a_rendezvous_endpoint():
+    env = {**os.environ, "NGPU": "2", "NNODES": "2"}
+    env.pop("RDZV_ENDPOINT", None)
+    out = subprocess.run(["./run_train.sh", "train_configs/debug.toml"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "RDZV_ENDPOINT=host:port" in out.stderr

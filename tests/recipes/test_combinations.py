@@ -6,10 +6,10 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 The families cover every registered model, attention and feed-forward component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
-blocks, and 2 gloo processes under FSDP2 (also the device check of every collective), each
-family's 2-process checkpoint then resumed on one process (elastic resume). The chunked loss
-(``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
-FSDP2 run.
+blocks, and 2 gloo processes under FSDP2, tensor parallel and expert parallel (also the device
+check of every collective), each family's 2-process FSDP2 checkpoint then resumed on one process
+(elastic resume). The chunked loss (``training.loss_chunk_tokens``) runs in every family beside
+the unchunked one, and in every FSDP2 run.
 """
 
 from __future__ import annotations
@@ -267,6 +267,17 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         for family in families:  # FSDP2 (the default with 2 processes), saved at the end
             recipe = recipe_for(family, f"{folder}/{family}", *FSDP2_SAVED)
             results[family], _ = train(recipe, eval_first=True)
+        # Tensor parallel (dense, loss parallel, float8 rowwise) and expert parallel (MoE
+        # all-to-all) on 2 ranks; each saved (DCP, DTensor layouts) and resumed one step further
+        for name, family, flags in (
+            ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise", CHUNK)),
+            ("ep2", "moe", ("--parallelism.ep=2",)),
+        ):
+            args = (*flags, "--checkpoint.enable=true")
+            results[name], trainer = train(recipe_for(family, f"{folder}/{name}", *args))
+            results[f"{name}_plan"] = trainer.parallel_summary
+            results[f"{name}_resumed"], _ = train(recipe_for(
+                family, f"{folder}/{name}", *args, f"--training.steps={STEPS + 1}"))
         # Replicated (gradient all-reduce), checkpoint saved, then resumed one step further:
         # every other collective kiln makes (verify on load, preemption flag, eval, MoE loads).
         args = ("--parallelism.fsdp=off", "--checkpoint.enable=true", "--eval.at_end=true")
@@ -294,6 +305,13 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (family, losses)
         assert ranks[1][family] == losses, f"{family}: ranks disagree"
     assert len(ranks[0]["replicated"]) == STEPS and len(ranks[0]["resumed"]) == 1
+    assert "tensor parallel 2" in ranks[0]["tp2_plan"] and "float8" in ranks[0]["tp2_plan"]
+    assert "expert parallel 2" in ranks[0]["ep2_plan"]
+    for name in ("tp2", "ep2"):
+        losses = ranks[0][name]
+        assert len(losses) == STEPS and all(map(math.isfinite, losses)), (name, losses)
+        assert ranks[1][name] == losses, f"{name}: ranks disagree"
+        assert len(ranks[0][f"{name}_resumed"]) == 1, name  # loaded step STEPS, took one more
     for family in families:  # elastic resume: each family's FSDP2 checkpoint, on 1 process
         out = io.StringIO()
         losses, _ = train(recipe_for(family, tmp_path / family, *FSDP2_SAVED,

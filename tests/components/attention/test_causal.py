@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.components.attention.causal import fuse_qkv, split_fused_qkv, split_fused_rows
 from kiln.components.base import default_config
 
 DIM, T = 32, 10
@@ -54,10 +55,31 @@ def test_fused_qkv_equals_unfused_with_concatenated_weights(qk_norm):
     fused = _attn(n_heads=4, n_kv_heads=2, qk_norm=qk_norm, fused_qkv=True)
     assert not hasattr(fused, "wq")
     with torch.no_grad():
-        fused.wqkv.weight.copy_(torch.cat([plain.wq.weight, plain.wk.weight, plain.wv.weight]))
+        fused.wqkv.weight.copy_(fuse_qkv(plain.wq.weight, plain.wk.weight, plain.wv.weight,
+                                         group=2, head_dim=DIM // 4))
         fused.wo.weight.copy_(plain.wo.weight)
     x = torch.randn(2, T, DIM)
     torch.testing.assert_close(fused(x), plain(x))
+
+
+def test_fused_rows_are_grouped_by_kv_head():
+    """wqkv rows: for each kv head its query heads, its key, its value (torchtitan/Megatron), so
+    a contiguous slice of whole kv groups (a tensor-parallel shard) is a complete set of heads."""
+    hd, hk, group = 2, 2, 3
+    q = torch.arange(hk * group * hd).float().unsqueeze(1)  # rows numbered per projection
+    k = 100 + torch.arange(hk * hd).float().unsqueeze(1)
+    v = 200 + torch.arange(hk * hd).float().unsqueeze(1)
+    fused = fuse_qkv(q, k, v, group, hd)
+    assert fused[:, 0].tolist()[: (group + 2) * hd] == [0, 1, 2, 3, 4, 5, 100, 101, 200, 201]
+    for a, b in zip(split_fused_rows(fused, group, hd), (q, k, v), strict=True):
+        assert torch.equal(a, b)
+    acts = fused[:, 0].expand(3, -1)  # as activations (..., Hk * (group + 2) * D)
+    qa, ka, va = split_fused_qkv(acts, group, hd)
+    assert qa.shape == (3, hk * group, hd) and ka.shape == va.shape == (3, hk, hd)
+    assert torch.equal(qa[0].flatten(), q.flatten()) and torch.equal(va[0].flatten(), v.flatten())
+    # one tensor-parallel half of the rows holds kv head 0 with its 3 query heads
+    q0, k0, _ = split_fused_rows(fused[: len(fused) // 2], group, hd)
+    assert torch.equal(q0, q[: group * hd]) and torch.equal(k0, k[:hd])
 
 
 def test_qk_norm_normalises_each_head():

@@ -25,8 +25,10 @@ def _direct(attn, x: torch.Tensor) -> torch.Tensor:
     b, t, _ = x.shape
     h, hk, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     d = hd // 2
-    if hasattr(attn, "wqkv"):
-        q, k, v = attn.wqkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
+    if hasattr(attn, "wqkv"):  # kv-grouped rows: [q heads of kv head j, k_j, v_j] per j
+        qkv = attn.wqkv(x).view(b, t, hk, h // hk + 2, hd)
+        q, k, v = (qkv[..., : h // hk, :], qkv[..., -2, :], qkv[..., -1, :])
+        q, k, v = (z.reshape(b, t, -1) for z in (q, k, v))
     else:
         q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
     q, k = q.view(b, t, 2 * h, d), k.view(b, t, 2 * hk, d)

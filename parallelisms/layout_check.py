@@ -1,0 +1,88 @@
+"""Does a model divide over a mesh layout? Every problem named by its recipe key.
+
+Used by ``parallelize`` before anything is sharded, by the trainer (sequence lengths) and by
+``kiln validate --world-size`` (the layout planner), so a layout that cannot work is refused
+with the same words on a laptop and on the cluster.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kiln.components.errors import RecipeError
+from kiln.parallelisms.blocks import model_blocks
+
+
+def _divides(problems: list[str], value: int, what: str, degree: int, key: str,
+             note: str = "") -> None:
+    if value % degree:
+        line = f"{what} = {value}{note} is not divisible by parallelism.{key} = {degree}"
+        if line not in problems:
+            problems.append(line)
+
+
+def model_problems(model: nn.Module, tp: int, ep: int = 1) -> list[str]:
+    """Dimensions of ``model`` that ``tp`` tensor-parallel ranks or ``ep`` expert-parallel
+    ranks cannot split evenly."""
+    problems: list[str] = []
+    if ep > 1:
+        _expert_problems(problems, model, ep)
+    if tp <= 1:
+        return problems
+    vocab = getattr(model, "vocab_size", None)
+    if vocab:
+        _divides(problems, vocab, "model.vocab_size", tp, "tp",
+                 " (0 takes the tokenizer's; the embedding and head rows)")
+    for block in model_blocks(model):
+        attn, ffn = getattr(block, "attention", None), getattr(block, "feed_forward", None)
+        if attn is not None and hasattr(attn, "n_heads"):
+            _divides(problems, attn.n_heads, "model.attention.n_heads", tp, "tp")
+            kv = getattr(attn, "n_kv_heads", attn.n_heads)
+            _divides(problems, kv, "model.attention.n_kv_heads", tp, "tp", " (0 = n_heads)")
+        if ffn is not None and hasattr(ffn, "w1") and hasattr(ffn.w1, "out_features"):
+            _divides(problems, ffn.w1.out_features, "model.ffn.hidden_dim", tp, "tp",
+                     " (the feed-forward hidden width; 0 derives it)")
+    return problems
+
+
+def _expert_problems(problems: list[str], model: nn.Module, ep: int) -> None:
+    from kiln.components.ffn.moe import moe_layers
+
+    layers = moe_layers(model)
+    if not layers:
+        problems.append(f"parallelism.ep = {ep} needs MoE layers (model.ffn.type = \"moe\"); "
+                        "this model has none: set parallelism.ep = 1")
+    for layer in layers:
+        _divides(problems, layer.n_experts, "model.ffn.n_experts", ep, "ep")
+
+
+def training_problems(training, tp: int) -> list[str]:
+    """``[training]`` lengths that sequence parallelism (T split over ``tp`` ranks) cannot
+    split."""
+    problems: list[str] = []
+    if tp <= 1:
+        return problems
+    _divides(problems, training.seq_len, "training.seq_len", tp, "tp",
+             " (sequence-parallel slices)")
+    if training.context_warmup.steps:
+        _divides(problems, training.context_warmup.multiple, "training.context_warmup.multiple",
+                 tp, "tp", " (every warmup length is a multiple of it)")
+    return problems
+
+
+def raise_problems(problems: list[str], layout_text: str) -> None:
+    if problems:
+        raise RecipeError(
+            f"the layout {layout_text} does not fit the model:\n  " + "\n  ".join(problems)
+            + "\nchange those keys or pick other parallelism degrees "
+            "(`kiln validate RECIPE --world-size N` checks a layout without training)"
+        )
+
+
+def chunked_loss_note(training, tp: int) -> str:
+    """Why ``training.loss_chunk_tokens`` is not used under tensor parallel ("" when it is)."""
+    if tp <= 1 or not getattr(training, "loss_chunk_tokens", 0):
+        return ""
+    return (f"training.loss_chunk_tokens = {training.loss_chunk_tokens} not used with "
+            f"parallelism.tp = {tp}: the head's logits are sharded over the vocabulary (the "
+            "chunked head needs a chunk's whole logits); loss parallel keeps them sharded")

@@ -1,0 +1,69 @@
+"""The per-rank memory part of ``kiln validate RECIPE --world-size N`` (the layout planner).
+
+The model is built on the meta device and parallelized for N fake ranks
+(``kiln.parallelisms.layout_plan``); the report gives the mesh, and rank 0's parameter, gradient
+and optimizer-state bytes. Optimizer state per element is measured, not assumed: each optimizer
+of the recipe takes one step on a probe matrix in this process, and its state bytes per element
+(moments, momentum, 8-bit codes and scales) scale rank 0's elements routed to it. Activations are
+not counted (they depend on the batch, checkpointing and kernels: ``kiln bench`` measures them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.components.optimizers.memory import optimizer_state_bytes
+from kiln.parallelisms.layout_check import chunked_loss_note
+from kiln.parallelisms.layout_plan import dry_parallelize, fake_world, local_bytes, local_numel
+from kiln.parallelisms.mesh import layout
+from kiln.recipes.optimizer_set import OptimizerSet
+
+PROBE = (256, 256)  # large enough for blockwise 8-bit states, small enough to step at once
+
+
+def state_bytes_per_element(cfg) -> float:
+    """Optimizer-state bytes per parameter element of optimizer config ``cfg`` (one real step
+    on a ``PROBE`` matrix)."""
+    probe = torch.nn.Parameter(torch.zeros(PROBE))
+    probe.grad = torch.full(PROBE, 1e-3)
+    opt = cfg.build([{"params": [probe], "lr": cfg.lr, "peak_lr": cfg.lr,
+                      "weight_decay": 0.0, "name": "probe"}])
+    opt.step()
+    return optimizer_state_bytes(opt) / probe.numel()
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+def layout_report(recipe, model_builder, world_size: int) -> str:
+    """Lines for ``kiln validate``: mesh, plan and rank 0's memory at ``world_size`` ranks.
+    ``model_builder()`` builds the recipe's model on the meta device."""
+    shape = layout(recipe.parallelism, world_size)
+    with fake_world(world_size):
+        model = model_builder()
+        plan = dry_parallelize(model, recipe.parallelism, world_size)
+        params = list(model.parameters())
+        param_bytes = local_bytes(params)
+        grad_bytes = local_bytes(p for p in params if p.requires_grad)
+        opts = OptimizerSet(model, recipe.optimizer_tables(), recipe.training.steps or 1)
+        per_opt = {}
+        for name, route_ in opts.routes.items():
+            if name not in opts.optimizers:
+                continue
+            elements = sum(local_numel(p) for _, p in (*route_.decay, *route_.no_decay))
+            per_opt[name] = elements * state_bytes_per_element(opts.tables[name])
+    total = param_bytes + grad_bytes + sum(per_opt.values())
+    lines = [
+        f"layout at world size {world_size}: mesh {shape.describe()}",
+        f"  plan: {plan.summary}",
+        "  per rank (rank 0, the largest shards; activations not counted: kiln bench):",
+        f"    parameters        {_gib(param_bytes)}",
+        f"    gradients         {_gib(grad_bytes)}",
+        "    optimizer state   " + _gib(sum(per_opt.values())) + " ("
+        + ", ".join(f"{k} {_gib(v)}" for k, v in per_opt.items()) + ")",
+        f"    total             {_gib(total)}",
+    ]
+    if note := chunked_loss_note(recipe.training, shape.tp):
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
