@@ -182,7 +182,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
                 _fmt(k["peak_memory_bytes"] / 2**30, ".1f"),
                 _fmt(k["time_to_first_step_s"], ".1f"),
                 _fmt(wait, ".2%"),
-                _fmt(p["tokens_per_second"], ",.0f") if p else ("failed" if r.peer else "-"),
+                _fmt(p["tokens_per_second"], ",.0f") if p else (
+                    r.result.get("peer_status", "failed") if r.peer else "-"),
                 _fmt(ratio, ".2f") + "x" if ratio else "-",
             ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -238,10 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             if err:
                 row.result["kiln_error"] = err
                 print(f"   kiln FAILED: {err}", flush=True)
-            if row.peer is not None and not args.no_peer:
-                left = args.budget - (time.perf_counter() - t0)
+            left = args.budget - (time.perf_counter() - t0)
+            if row.peer is not None and not args.no_peer and left < 20:
+                row.result["peer_status"] = "skipped (time budget)"
+                print("   peer skipped, time budget spent", flush=True)
+            elif row.peer is not None and not args.no_peer:
                 row.result["peer"], err = run_json(peer_command(row, args, extra),
-                                                   max(min(args.timeout, left), 20), log)
+                                                   min(args.timeout, left), log)
                 if err:
                     row.result["peer_error"] = err
                     print(f"   peer FAILED: {err}", flush=True)
