@@ -389,14 +389,25 @@ def _check_payload_fits(folder: Path, where: str, pay: dict, loader_state, step:
 
 
 def _check_groups(folder: Path, name: str, saved: list, current: list) -> None:
-    def members(groups: list) -> list[list[str]]:
-        return [sorted(str(p) for p in g.get("params", [])) for g in groups]
+    """The saved optimizer trained the same parameters in the same logical groups (by group
+    name: parallelism may split one group by device mesh, differently on another layout)."""
+    def members(groups: list) -> dict:
+        out: dict = {}
+        for i, g in enumerate(groups):
+            out.setdefault(g.get("name", i), set()).update(str(p) for p in g.get("params", []))
+        return out
 
-    if members(saved) != members(current):
+    was, now = members(saved), members(current)
+    if was != now:
+        old, new = set().union(*was.values()), set().union(*now.values())
+        diff = (f"only saved: {', '.join(sorted(old - new)[:3])}; " if old - new else "") + (
+            f"only now: {', '.join(sorted(new - old)[:3])}; " if new - old else "") or (
+            f"groups {({k: len(v) for k, v in was.items()})} -> "
+            f"{({k: len(v) for k, v in now.items()})}; ")
         raise CheckpointError(
             f"{folder}: optimizer {name!r} trained different parameters or parameter groups "
-            "than the recipe builds now (routing / no_decay rules changed); resume with the "
-            "original optimizer tables, or set checkpoint.weights_only = true"
+            f"than the recipe builds now ({diff}routing / no_decay rules changed?); resume "
+            "with the original optimizer tables, or set checkpoint.weights_only = true"
         )
 
 

@@ -166,7 +166,9 @@ def describe_change(saved: dict | None, current: dict | None) -> list[str]:
 
     def shape(lay: dict) -> str:
         mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items())
-        mode = "FSDP" if lay.get("fsdp") else "replicated" if lay["world_size"] > 1 else ""
+        dims = lay.get("mesh", {})
+        data_parallel = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
+        mode = "FSDP" if lay.get("fsdp") else "replicated" if data_parallel > 1 else ""
         n = lay["world_size"]
         return ", ".join(x for x in (f"{n} process{'es' if n > 1 else ''}", mesh, mode) if x)
 

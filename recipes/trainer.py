@@ -187,7 +187,10 @@ class Trainer:
         per_rank = self.plan.global_batch // self.data_ranks
         return {
             "world_size": self.world.world_size,
-            "mesh": {name: mesh.size(i) for i, name in enumerate(names)},
+            # data-parallel dims always, tensor / expert parallel ones when used
+            "mesh": {**{name: mesh.size(i) for i, name in enumerate(names)
+                        if name != "tp" or mesh.size(i) > 1},
+                     **({"ep": self.mesh_layout.ep} if self.mesh_layout.ep > 1 else {})},
             "fsdp": self.parallel.fsdp,
             "global_batch": self.plan.global_batch,
             "micro_batch": self.plan.micro_batch,

@@ -319,6 +319,17 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == 1 and math.isfinite(losses[0]), (family, losses)
         assert "layout: 2 processes, dp_replicate=1 x dp_shard=2, FSDP -> 1 process" \
             in out.getvalue(), (family, out.getvalue())
+    # the tensor / expert parallel checkpoints (step STEPS + 1) on one process, one step further
+    for name, family, flags, mesh in (
+        ("tp2", "dense", ("--parallelism.float8=rowwise", CHUNK), "dp_shard=1 x tp=2"),
+        ("ep2", "moe", (), "dp_shard=2 x ep=2, FSDP"),
+    ):
+        out = io.StringIO()
+        losses, _ = train(recipe_for(family, tmp_path / name, *flags, "--checkpoint.enable=true",
+                                     f"--training.steps={STEPS + 2}"), out=out)
+        assert len(losses) == 1 and math.isfinite(losses[0]), (name, losses)
+        assert f"layout: 2 processes, dp_replicate=1 x {mesh} -> 1 process" \
+            in out.getvalue(), (name, [x for x in out.getvalue().splitlines() if "layout" in x])
     for r, res in enumerate(ranks):
         spy = res["spy"]
         assert res["world_device"] == "cpu"
