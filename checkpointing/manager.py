@@ -16,7 +16,6 @@ rank reads its own file back, on another layout ``remap`` assembles it by global
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -37,16 +36,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from kiln.checkpointing import layout, payload, remap, rng, storage
+from kiln.checkpointing.load_checks import (
+    QKV_ROWS,
+    STATE,
+    check_groups,
+    check_payload_fits,
+    check_qkv_rows,
+    check_rank_state,
+    rank_file,
+    read_state,
+)
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError
 
-STATE = "state.json"
-QKV_ROWS = "kv_grouped"  # row order of a fused wqkv (causal.split_fused_rows), since v0.2
 RECIPE = "recipe.toml"
-
-
-def rank_file(folder: Path, rank: int) -> Path:
-    return folder / f"rank_{rank:05d}.safetensors"
 
 
 def optimizers_of(state) -> dict[str, torch.optim.Optimizer]:
@@ -218,7 +221,7 @@ class CheckpointManager:
             if error is not None:
                 raise CheckpointError(error)
         meta = read_state(folder)
-        _check_qkv_rows(folder, meta, state.model)
+        check_qkv_rows(folder, meta, state.model)
         saved_ws = meta["world_size"]
         step = int(meta["step"])
         ranked, mapping = None, []
@@ -273,7 +276,7 @@ class CheckpointManager:
             tensors, header = storage.load_rank_file(rank_file(folder, self.world.rank))
             remap.check_header(header, str(rank_file(folder, self.world.rank)))
             if remap.rows_of(header.get("batch")) == target:  # same rows: own file, exactly
-                return _check_rank_state(folder, tensors, header, step, state), notes
+                return check_rank_state(folder, tensors, header, step, state), notes
         if target is None:
             raise CheckpointError(
                 f"{folder}: saved by {saved_ws} processes, this run has {self.world.world_size}, "
@@ -282,7 +285,7 @@ class CheckpointManager:
             )
         files = [rank_file(folder, r) for r in range(saved_ws)]
         mapped = remap.map_rank_state(folder, files, step, target, set(state.guards))
-        _check_payload_fits(folder, str(folder), mapped.payload, mapped.loader, step, state)
+        check_payload_fits(folder, str(folder), mapped.payload, mapped.loader, step, state)
         notes += [*mapped.notes, "RNG: not carried over; every step derives it from "
                   "(training.seed, step)"]
         return (None, None, mapped.payload, mapped.loader), notes
@@ -319,7 +322,7 @@ class CheckpointManager:
             if not isinstance(saved, dict) or "param_groups" not in saved:
                 raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
             current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
-            _check_groups(folder, name, saved["param_groups"], current_groups)
+            check_groups(folder, name, saved["param_groups"], current_groups)
             # Hyperparameters come from the current recipe (LR is set from the schedule every
             # step); the moments and any non-tensor per-parameter state come from the checkpoint.
             sd = storage.merge_tree(loaded, {"state": saved.get("state", {})})
@@ -328,89 +331,6 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def read_state(folder: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((folder / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder / STATE}: unreadable ({exc})") from exc
-    required = {"format", "step", "tokens", "world_size", "progress", "optimizers", "json_state"}
-    optional = {"layout", "qkv_rows"}
-    if not isinstance(meta, dict) or not required <= set(meta) <= required | optional \
-            or meta["format"] != layout.FORMAT \
-            or type(meta["step"]) is not int or type(meta["world_size"]) is not int \
-            or not isinstance(meta["json_state"], dict) or not isinstance(meta["progress"], dict) \
-            or meta["progress"].get("step") != meta["step"]:
-        raise CheckpointError(f"{folder / STATE}: malformed run state (edited or corrupt)")
-    return meta
-
-
-def _check_qkv_rows(folder: Path, meta: dict, model: torch.nn.Module) -> None:
-    """A fused ``wqkv`` saved before its rows were grouped per kv head (v0.1: [q; k; v]) would
-    load with its rows permuted: refuse it (models without ``wqkv`` are unaffected)."""
-    if meta.get("qkv_rows") == QKV_ROWS:
-        return
-    if any(name.endswith("wqkv.weight") for name, _ in model.named_parameters()):
-        raise CheckpointError(
-            f"{folder}: saved by a kiln whose fused wqkv rows were [q; k; v]; this kiln groups "
-            "them per kv head (tensor parallelism shards them). Export it with the kiln that "
-            "wrote it (`kiln export`: the Hugging Face layout, for dense Llama-shaped models) "
-            "and start from that export with checkpoint.init_from, or start afresh")
-
-
-def _check_rank_state(folder: Path, tensors: dict, header: dict, step: int, state):
-    where = str(rank_file(folder, header.get("rank", -1)))
-    rng_tensors = {k: v for k, v in tensors.items() if k.startswith(rng.PREFIX)}
-    other = {k: v for k, v in tensors.items() if not k.startswith(rng.PREFIX)}
-    rng._validate(rng_tensors, header["rng"], where)
-    pay = payload.join(other, header["payload"], where)
-    pay = payload.validate(pay, expected_step=step, guard_names=set(state.guards), where=where)
-    if header["rank"] != state.world.rank or header["world_size"] != state.world.world_size:
-        raise CheckpointError(f"{where}: written for rank {header['rank']} of "
-                              f"{header['world_size']}, read by rank {state.world.rank}")
-    _check_payload_fits(folder, where, pay, header["loader"], step, state)
-    return rng_tensors, header["rng"], pay, header["loader"]
-
-
-def _check_payload_fits(folder: Path, where: str, pay: dict, loader_state, step: int,
-                        state) -> None:
-    aborted = payload.aborted_guards(pay)
-    if aborted:
-        raise CheckpointError(
-            f"{folder}: guard(s) {aborted} had aborted training at step {step}; a full resume "
-            "would continue a run that was stopped on purpose. Roll back to an earlier "
-            "checkpoint, or set checkpoint.weights_only = true to start fresh guard history"
-        )
-    if pay["carry"] is not None and getattr(state.model, "load_carry_state", None) is None:
-        raise CheckpointError(f"{where}: the checkpoint holds a carried state but this model "
-                              "cannot load one (load_carry_state); was the model changed?")
-    loader = getattr(state, "train_loader", None)
-    if loader is not None and hasattr(loader, "load_state_dict") and loader_state is None:
-        raise CheckpointError(f"{where}: no data loader cursor saved; cannot resume exactly")
-
-
-def _check_groups(folder: Path, name: str, saved: list, current: list) -> None:
-    """The saved optimizer trained the same parameters in the same logical groups (by group
-    name: parallelism may split one group by device mesh, differently on another layout)."""
-    def members(groups: list) -> dict:
-        out: dict = {}
-        for i, g in enumerate(groups):
-            out.setdefault(g.get("name", i), set()).update(str(p) for p in g.get("params", []))
-        return out
-
-    was, now = members(saved), members(current)
-    if was != now:
-        old, new = set().union(*was.values()), set().union(*now.values())
-        diff = (f"only saved: {', '.join(sorted(old - new)[:3])}; " if old - new else "") + (
-            f"only now: {', '.join(sorted(new - old)[:3])}; " if new - old else "") or (
-            f"groups {({k: len(v) for k, v in was.items()})} -> "
-            f"{({k: len(v) for k, v in now.items()})}; ")
-        raise CheckpointError(
-            f"{folder}: optimizer {name!r} trained different parameters or parameter groups "
-            f"than the recipe builds now ({diff}routing / no_decay rules changed?); resume "
-            "with the original optimizer tables, or set checkpoint.weights_only = true"
-        )
-
-
 def _write_marker(path: Path, future) -> None:
     exc = future.exception()
     text = "ok" if exc is None else f"{type(exc).__name__}: {_short(exc)}"

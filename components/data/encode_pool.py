@@ -1,10 +1,10 @@
 """Batched tokenisation in worker processes, results in submission order, bounded in flight.
 
-Each worker process receives the tokenizer once (pickled) and encodes whole batches of texts
-with ``encode_batch``; it returns one concatenated id array plus per-document token and UTF-8
-byte counts, so little crosses the process boundary. At most ``2 * workers`` batches are in
-flight, which bounds memory whatever the corpus size. ``workers = 0`` encodes in this process
-(the ``tokenizers`` library then uses its own threads).
+Each worker process receives the tokenizer once (its initializer's argument) and encodes whole
+batches of texts with ``encode_batch``; it returns one concatenated id array plus per-document
+token and UTF-8 byte counts, so little crosses the process boundary. At most ``2 * workers``
+batches are in flight, which bounds memory whatever the corpus size. ``workers = 0`` encodes in
+this process (the ``tokenizers`` library then uses its own threads).
 
 Worker processes are spawned (not forked: the parent may hold torch's or the tokenizer's
 thread pools) and each runs one tokenizer thread, so N workers use N cores.
@@ -13,7 +13,6 @@ thread pools) and each runs one tokenizer thread, so N workers use N cores.
 from __future__ import annotations
 
 import os
-import pickle
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -44,13 +43,11 @@ def encode(tokenizer: Any, texts: list[str], dtype: np.dtype) -> Encoded:
     return Encoded(ids, lengths, nbytes)
 
 
-def _init(blob: bytes) -> None:
+def _init(tokenizer: Any) -> None:
     global _TOKENIZER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
-    # The parent's own tokenizer object, pickled by this process's parent for its workers (as
-    # multiprocessing pickles any argument); never data read from disk or from a user.
-    _TOKENIZER = pickle.loads(blob)
+    _TOKENIZER = tokenizer  # the parent's own object, sent by multiprocessing's pipe
 
 
 def _encode_in_worker(texts: list[str], dtype: str) -> Encoded:
@@ -64,9 +61,8 @@ def encode_batches(tokenizer: Any, batches: Iterable[tuple[Any, list[str]]], *, 
         for tag, texts in batches:
             yield tag, encode(tokenizer, texts, dtype)
         return
-    blob = pickle.dumps(tokenizer)
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init,
-                               initargs=(blob,))
+                               initargs=(tokenizer,))
     pending: deque[tuple[Any, Future]] = deque()
     try:
         for tag, texts in batches:

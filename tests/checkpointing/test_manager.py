@@ -246,15 +246,15 @@ def test_a_fused_wqkv_saved_in_the_old_row_order_is_refused(saved):
 
 
 def test_optimizer_groups_are_compared_by_name_not_by_how_parallelism_splits_them(tmp_path):
-    from kiln.checkpointing.manager import _check_groups
+    from kiln.checkpointing.load_checks import check_groups
 
     saved = [{"name": "main", "params": ["a", "b"]}, {"name": "main/no_decay", "params": ["n"]}]
     by_mesh = [{"name": "main", "params": ["a"]}, {"name": "main", "params": ["b"]},
                {"name": "main/no_decay", "params": ["n"]}]  # expert parallel: one group per mesh
-    _check_groups(tmp_path, "main", saved, by_mesh)
+    check_groups(tmp_path, "main", saved, by_mesh)
     moved = [{"name": "main", "params": ["a"]}, {"name": "main/no_decay", "params": ["b", "n"]}]
     with pytest.raises(CheckpointError, match=r"groups \{'main': 2, 'main/no_decay': 1\} -> "):
-        _check_groups(tmp_path, "main", saved, moved)
+        check_groups(tmp_path, "main", saved, moved)
     with pytest.raises(CheckpointError, match="only saved: b; only now: c"):
-        _check_groups(tmp_path, "main", saved, [{"name": "main", "params": ["a", "c"]},
+        check_groups(tmp_path, "main", saved, [{"name": "main", "params": ["a", "c"]},
                                                  {"name": "main/no_decay", "params": ["n"]}])
