@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kiln.checkpointing import storage
 from kiln.components import distributed
 
 WORLD = 2
@@ -94,12 +95,14 @@ def dump_state(model, opt, path: Path | None) -> None:
 
 
 def save_state(model, opt, folder: Path, no_dist: bool) -> None:
+    storage.quiet_dcp()  # DCP warns "single process" even when asked for one (no_dist)
     dcp.save({"o": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder),
              no_dist=no_dist)
 
 
 def load_state(model, opt, folder: Path, no_dist: bool) -> None:
     sd = {"o": get_optimizer_state_dict(model, opt)}
+    storage.quiet_dcp()
     dcp.load(sd, checkpoint_id=str(folder), no_dist=no_dist)
     set_optimizer_state_dict(model, opt, sd["o"])
 
