@@ -146,8 +146,13 @@ def names(kind: str) -> list[str]:
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """The hint after an unknown name: the closest choice, and a second one nearly as close
+    (``stepz``: 'step' or 'steps'); empty when nothing is close."""
+    close = difflib.get_close_matches(word, choices, n=2, cutoff=0.5)
+    if not close:
+        return ""
+    also = [c for c in close[1:] if difflib.SequenceMatcher(None, word, c).ratio() >= 0.75]
+    return f" (did you mean {' or '.join(repr(c) for c in close[:1] + also)}?)"
 
 
 def get(kind: str, name: str) -> Entry:

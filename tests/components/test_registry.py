@@ -145,3 +145,13 @@ def test_plugin_callable_value_is_called(tmp_path, monkeypatch):
     import kiln_callable_plugin
 
     assert kiln_callable_plugin.calls == [1]
+
+
+def test_did_you_mean_offers_a_second_choice_as_close_as_the_first():
+    from kiln.components.registry import did_you_mean
+
+    assert did_you_mean("stepz", ["seed", "step", "steps", "seq_len"]) == \
+        " (did you mean 'step' or 'steps'?)"
+    assert did_you_mean("trainig", ["training", "tokenizer", "data"]) == \
+        " (did you mean 'training'?)"
+    assert did_you_mean("zzz", ["training"]) == ""
