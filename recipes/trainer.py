@@ -30,6 +30,7 @@ from kiln.recipes.flops import peak_flops
 from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.optimizer_set import OptimizerSet
+from kiln.recipes.process_stats import Phases, peak_rss_bytes
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
 
@@ -58,7 +59,7 @@ class Trainer:
         self.out = out or sys.stdout
         tr = recipe.training
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
-        phase = _Phases(self.startup_s)
+        phase = Phases(self.startup_s)
         self.world = distributed.init(tr.device, recipe.parallelism.backend)
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
@@ -387,21 +388,3 @@ class Trainer:
             if close_loader is not None:
                 close_loader()
         return self.progress
-
-
-class _Phases:
-    """``phase(name)`` records the seconds since the previous call under ``name``."""
-
-    def __init__(self, into: dict[str, float]) -> None:
-        self.into, self.last = into, time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.into[name] = self.into.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-def peak_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
