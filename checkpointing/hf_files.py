@@ -172,8 +172,9 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
             row0 += part.rows
         for name, got in pieces.items():  # one Hugging Face tensor from its parts, by start row
             got.sort(key=lambda piece: piece[0])
-            whole = torch.cat([t for _, t in got]) if len(got) > 1 else got[0][1]
-            pending.setdefault(file_of[name], {})[name] = whole.contiguous().clone()
+            whole = (torch.cat([t for _, t in got]) if len(got) > 1  # cat: a new tensor
+                     else got[0][1].contiguous().clone())
+            pending.setdefault(file_of[name], {})[name] = whole
         for i in [i for i, got in pending.items() if len(got) == len(files[i])]:
             save_safetensors(pending.pop(i), folder / names[i], {"format": "pt"})
     if pending:

@@ -94,10 +94,11 @@ def check_groups(folder: Path, name: str, saved: list, current: list) -> None:
     was, now = members(saved), members(current)
     if was != now:
         old, new = set().union(*was.values()), set().union(*now.values())
-        diff = (f"only saved: {', '.join(sorted(old - new)[:3])}; " if old - new else "") + (
-            f"only now: {', '.join(sorted(new - old)[:3])}; " if new - old else "") or (
-            f"groups {({k: len(v) for k, v in was.items()})} -> "
-            f"{({k: len(v) for k, v in now.items()})}; ")
+        diff = "".join(f"{label}: {', '.join(sorted(names)[:3])}; " for label, names in
+                       (("only saved", old - new), ("only now", new - old)) if names)
+        if not diff:  # the same parameters, grouped differently
+            sizes = [{k: len(v) for k, v in groups.items()} for groups in (was, now)]
+            diff = f"groups {sizes[0]} -> {sizes[1]}; "
         raise CheckpointError(
             f"{folder}: optimizer {name!r} trained different parameters or parameter groups "
             f"than the recipe builds now ({diff}routing / no_decay rules changed?); resume "
