@@ -46,11 +46,20 @@ class Layered:
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read recipe ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise RecipeError(
+            f"{display(path)}: line {line}: byte 0x{raw[exc.start]:02x} is not UTF-8 text; "
+            "TOML files must be UTF-8: re-save the file as UTF-8 (e.g. `iconv -f latin1 -t "
+            "utf-8`)"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -62,8 +71,9 @@ def _merge(dst: Layered, src: dict[str, Any], layer: int, label: str, prefix: st
         path = f"{prefix}{key}"
         if isinstance(value, dict):
             existing = dst_get(dst.data, path)
-            if not isinstance(existing, dict):
+            if not isinstance(existing, dict):  # a new table, or a table over a lower value
                 dst_set(dst.data, path, {})
+                dst.sources[path] = (layer, label)
             dst.sources.setdefault(path, (layer, label))
             _merge(dst, value, layer, label, path + ".")
         else:

@@ -170,9 +170,11 @@ def _explain(exc: ValidationError, cls: type[BaseModel], prefix: str, layers: La
 
 
 def _blame(reason: str, cls: type[BaseModel], prefix: str, layers: Layered) -> str:
-    """The file that last set a key the reason names (a model-level check spans several keys),
-    else the file of the table."""
-    named = [f"{prefix}{key}" for key in _keys(cls) if re.search(rf"\b{re.escape(key)}\b", reason)]
+    """The file that last set a key the reason names (a model-level check spans several keys,
+    also of its sub-tables: "attention.n_heads" in [model]), else the file of the table."""
+    named = {f"{prefix}{key}" for key in _keys(cls) if re.search(rf"\b{re.escape(key)}\b", reason)}
+    named |= {key for key in layers.sources if key.startswith(prefix) and key != prefix
+              and re.search(rf"(?<![\w.]){re.escape(key[len(prefix):])}(?!\w)", reason)}
     set_keys = [k for k in named if layers.layer(k) >= 0]
     if set_keys:
         return layers.source(max(set_keys, key=layers.layer))

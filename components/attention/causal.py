@@ -44,6 +44,37 @@ class CausalAttentionConfig(ComponentConfig):
     qk_norm_eps: float = Field(1e-5, gt=0, description="eps of the QK-norm RMSNorms")
     position: Sub("position") = component("position", "rope", "position encoding of q and k")
 
+    def heads_problem(self, dim: int) -> str | None:
+        """Why these head counts do not fit a model of width ``dim`` (None: they fit)."""
+        n_kv = self.n_kv_heads or self.n_heads
+        if not self.head_dim and dim % self.n_heads:
+            fits = _nearest_divisors(dim, self.n_heads)
+            return (f"dim = {dim} is not a multiple of attention.n_heads = {self.n_heads} (each "
+                    f"head is dim / n_heads wide): set attention.n_heads to one that divides "
+                    f"{dim} (nearest: {fits}) or set attention.head_dim")
+        if self.n_heads % n_kv:
+            return (f"attention.n_heads = {self.n_heads} is not a multiple of "
+                    f"attention.n_kv_heads = {n_kv} (each key/value head serves a whole group "
+                    "of query heads): change one of them")
+        return None
+
+    def shape_problem(self, dim: int) -> str | None:
+        """Why this attention cannot be built in a model of width ``dim`` (None: it can). The
+        model configs ask while the recipe is read, so a bad shape is a recipe error naming
+        the keys, not a traceback from the build."""
+        problem = self.heads_problem(dim)
+        check = getattr(self.position, "head_dim_problem", None)
+        if problem is None and check is not None:
+            problem = check(self.head_dim or dim // self.n_heads)
+        return problem
+
+
+def _nearest_divisors(dim: int, n: int) -> str:
+    """The divisors of ``dim`` just below and above ``n`` ("4 or 8")."""
+    below = max(d for d in range(1, n) if dim % d == 0)
+    above = [d for d in range(n + 1, dim + 1) if dim % d == 0]
+    return f"{below} or {above[0]}" if above else str(below)
+
 
 @register("attention", "causal")
 class CausalAttention(nn.Module):
@@ -56,13 +87,10 @@ class CausalAttention(nn.Module):
         max_seq_len: int,
     ) -> None:
         super().__init__()
+        problem = cfg.shape_problem(dim)
+        if problem is not None:
+            raise ValueError(f"attention: {problem}")
         n_kv = cfg.n_kv_heads or cfg.n_heads
-        if (not cfg.head_dim and dim % cfg.n_heads) or cfg.n_heads % n_kv:
-            raise ValueError(
-                f"attention: dim ({dim}) must be a multiple of n_heads ({cfg.n_heads}) (or set "
-                f"head_dim) and n_heads a multiple of n_kv_heads ({n_kv}); change n_heads or "
-                "n_kv_heads"
-            )
         self.layer_idx = layer_idx
         self.n_heads = cfg.n_heads
         self.n_kv_heads = n_kv

@@ -63,6 +63,17 @@ class DifferentialAttentionConfig(CausalAttentionConfig):
     head_gate: bool = Field(False, description="learnable per-head output gate (init 1)")
     head_norm_eps: float = Field(1e-5, gt=0, description="eps of the per-head RMSNorm")
 
+    def shape_problem(self, dim: int) -> str | None:
+        """The causal checks, and a head width that splits into two rotated halves."""
+        problem = self.heads_problem(dim)
+        hd = self.head_dim or dim // self.n_heads
+        if problem is None and hd % 4:
+            problem = (f"differential attention splits each head in two rotated halves, so the "
+                       f"head width ({'attention.head_dim' if self.head_dim else 'dim / n_heads'}"
+                       f" = {hd}) must be a multiple of 4: change dim, attention.n_heads or "
+                       "attention.head_dim")
+        return problem
+
 
 def depth_lambda_init(layer_idx: int) -> float:
     """The paper's lambda_init for the block at 0-based ``layer_idx``."""
@@ -82,12 +93,7 @@ class DifferentialAttention(CausalAttention):
         super().__init__(cfg, dim=dim, layer_idx=layer_idx, n_layers=n_layers,
                          max_seq_len=max_seq_len)
         hd = self.head_dim
-        if hd % 4:
-            raise ValueError(
-                f"differential attention splits each head in two rotated halves, so head_dim "
-                f"(dim / n_heads = {hd}) must be a multiple of 4; change dim or n_heads"
-            )
-        half = hd // 2
+        half = hd // 2  # cfg.shape_problem checked hd: a multiple of 4
         # Sub-heads of width hd/2: their own QK-norm and RoPE table (replacing the causal ones).
         if cfg.qk_norm:
             norm_cfg = RMSNormConfig(type="rmsnorm", eps=cfg.qk_norm_eps)

@@ -84,6 +84,16 @@ def build_blocks(cfg: Any, n_layers: int, max_seq_len: int) -> nn.ModuleDict:
     })
 
 
+def check_block_shapes(cfg: Any) -> None:
+    """Raise ValueError when a model config's ``attention`` cannot be built at its ``dim`` (the
+    attention config's optional ``shape_problem(dim)``). Model configs call it in a validator,
+    so ``kiln validate`` / ``train`` report it as a recipe error naming the keys."""
+    check = getattr(cfg.attention, "shape_problem", None)
+    problem = check(cfg.dim) if check is not None else None
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
     """Init each block with residual-writer std ``std / sqrt(2 * (i + 1))`` (``depth_init``)
     or ``std / sqrt(2 * len(blocks))``."""

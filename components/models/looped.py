@@ -33,6 +33,7 @@ from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
+    check_block_shapes,
     init_blocks,
     init_component,
     resolve_sizes,
@@ -98,6 +99,7 @@ class LoopedConfig(ComponentConfig):
 
     @model_validator(mode="after")
     def _check(self) -> LoopedConfig:
+        check_block_shapes(self)
         if self.min_loops > self.loops:
             raise ValueError(f"min_loops ({self.min_loops}) exceeds loops ({self.loops})")
         if self.loop_scale == "learned" and not 0 < self.loop_scale_init < self.loop_scale_max:

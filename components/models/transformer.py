@@ -16,7 +16,7 @@ Initialisation (torchtitan llama3, so loss curves are comparable):
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from kiln.components.base import ComponentConfig, Sub, component
@@ -24,6 +24,7 @@ from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
+    check_block_shapes,
     init_blocks,
     init_component,
     resolve_sizes,
@@ -51,6 +52,11 @@ class TransformerConfig(ComponentConfig):
     attention: Sub("attention") = component("attention", "causal", "token mixer of each block")
     ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
     norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
+
+    @model_validator(mode="after")
+    def _check(self) -> TransformerConfig:
+        check_block_shapes(self)
+        return self
 
 
 @register("model", "transformer")

@@ -57,6 +57,13 @@ class RoPEConfig(ComponentConfig):
                              f"({self.low_freq_factor})")
         return self
 
+    def head_dim_problem(self, head_dim: int) -> str | None:
+        """Why a head of width ``head_dim`` cannot be rotated (None: it can)."""
+        if head_dim % 2:
+            return (f"rope rotates pairs of dimensions, so the head width ({head_dim}) must be "
+                    "even: change dim, attention.n_heads or attention.head_dim")
+        return None
+
 
 @register("position", "rope")
 class RoPE(nn.Module):
@@ -66,8 +73,9 @@ class RoPE(nn.Module):
 
     def __init__(self, cfg: RoPEConfig, *, head_dim: int, max_seq_len: int) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got {head_dim}; change n_heads or dim")
+        problem = cfg.head_dim_problem(head_dim)
+        if problem is not None:
+            raise ValueError(problem)
         self.cfg = cfg
         self.theta = cfg.theta
         self.head_dim = head_dim

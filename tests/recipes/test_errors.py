@@ -112,3 +112,37 @@ def test_cli_exits_2_without_traceback(write, capsys, text, override):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("kiln show: error:")
+
+
+def test_recipe_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[run]\nname = "x"\ndescription = "caf\xe9"\n')
+    msg = _error(path)
+    assert "latin1.toml" in msg and "UTF-8" in msg and "line 3" in msg
+
+
+def test_heads_that_do_not_divide_dim_are_a_recipe_error(write):
+    path = write("r.toml", '[model]\ndim = 256\n[model.attention]\nn_heads = 8\n')
+    msg = _error(path, ["--model.attention.n_heads=5"])
+    assert msg.startswith("command line: [model]:")
+    assert "attention.n_heads" in msg and "dim" in msg and "256" in msg
+    msg = _error(write("d.toml", '[model]\ndim = 120\n[model.attention]\ntype = "differential"\n'
+                                 'n_heads = 4\n'))
+    assert "d.toml: [model]:" in msg and "multiple of 4" in msg
+
+
+def test_heads_that_do_not_divide_dim_fail_validate_and_train_without_traceback(write, capsys):
+    path = write("r.toml", "[model]\ndim = 256\n[training]\nsteps = 1\n")
+    for command in ("validate", "train"):
+        status = main([command, str(path), "--model.attention.n_heads=5"])
+        out = capsys.readouterr()
+        assert status == 2 and "Traceback" not in out.err
+        assert "attention.n_heads" in out.out + out.err
+
+
+def test_wrong_type_in_a_child_recipe_names_the_child(write):
+    write("base.toml", "[training]\nsteps = 3\n")
+    child = write("child.toml", 'extends = "base.toml"\n[training.steps]\nx = 1\n')
+    msg = _error(child)
+    assert "child.toml: training.steps" in msg
+    assert "base.toml" not in msg
