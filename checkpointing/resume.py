@@ -21,6 +21,7 @@ from kiln.checkpointing import layout
 from kiln.components.errors import CheckpointError, RecipeError
 
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
+KEY = "checkpoint.resume"  # the recipe key resolve() reads, named in its errors
 CORRUPT = "corrupt"  # snapshots that failed verification, moved aside by unattended recovery
 
 
@@ -31,8 +32,10 @@ class Source:
     note: str = ""
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder given a checkpoint, checkpoints or run folder."""
+def find_checkpoint(path: Path, key: str = "") -> Path:
+    """A checkpoint folder given a checkpoint, checkpoints or run folder. ``key`` is the recipe
+    key the path came from (``checkpoint.resume``), named in errors; a command's argument
+    (``kiln generate RUN``) leaves it empty, so the message talks about the folder given."""
     path = Path(path)
     if (path / layout.MANIFEST).is_file() or (path / "state.json").is_file():
         return path
@@ -40,10 +43,19 @@ def find_checkpoint(path: Path) -> Path:
         found = layout.newest_complete(root) if root.is_dir() else None
         if found is not None:
             return found
-    raise CheckpointError(
-        f"checkpoint.resume = {str(path)!r}: no complete checkpoint there; give a step_XXXXXXX "
-        "folder, a run's checkpoints folder or a run folder, or set resume = \"off\""
-    )
+    if not path.exists():
+        problem = "does not exist"
+    elif not path.is_dir():
+        problem = "is not a folder"
+    else:
+        unfinished = [p.name for _, p in layout.list_checkpoints(path / "checkpoints")
+                      + layout.list_checkpoints(path)]
+        problem = "holds no checkpoint" if not unfinished else (
+            f"holds no complete checkpoint ({', '.join(unfinished)}: saves that did not finish)")
+    where = f"{key} = {str(path)!r}: the folder {problem}" if key else f"{path} {problem}"
+    also = ', or set resume = "off"' if key else ""
+    raise CheckpointError(f"{where}; give a run folder (runs/NAME), its checkpoints folder or "
+                          f"one step_XXXXXXX folder{also}")
 
 
 def resolve(resume: str, root: Path, *, download=None) -> Source | None:
@@ -60,8 +72,8 @@ def resolve(resume: str, root: Path, *, download=None) -> Source | None:
                           f"(not re-downloading {resume})")
         if download is None:
             raise CheckpointError("hf:// resume needs huggingface_hub")
-        return Source(find_checkpoint(download(resume)), explicit=True)
-    target = find_checkpoint(Path(resume).expanduser())
+        return Source(find_checkpoint(download(resume), KEY), explicit=True)
+    target = find_checkpoint(Path(resume).expanduser(), KEY)
     inside = _inside(target, root)
     if not inside and own is not None:
         return Source(own, False, f"continuing this run's own checkpoint {own.name}; "

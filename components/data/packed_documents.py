@@ -28,6 +28,7 @@ from kiln.components.data.packed_layout import (
     write_layout,
 )
 from kiln.components.data.packed_loader import Loader
+from kiln.components.errors import DataError
 from kiln.components.registry import register
 
 
@@ -107,6 +108,12 @@ class PackedDocuments:
         missing; an explicit ``path`` only with ``create`` (`kiln data prepare`), so a typo in
         a recipe fails instead of quietly building a new dataset."""
         folder = self.folder
+        if not folder.exists() and self.cfg.path and not create:
+            raise DataError(
+                f"data.path = {self.cfg.path!r}: no dataset folder there; build it from your "
+                f"text with `kiln data prepare RECIPE --input FILE_OR_FOLDER... --out "
+                f"{self.cfg.path}` (RECIPE: this recipe, for its tokenizer), or fix data.path "
+                "(\"\" builds data.source into the cache)")
         if not folder.exists() and (create or not self.cfg.path):
             with file_lock(folder.parent / f".{folder.name}.lock"):
                 if not folder.exists():

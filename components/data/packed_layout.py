@@ -236,8 +236,8 @@ def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> Packe
     """Open and validate ``folder``; with ``tokenizer``, also check it matches the data."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DataError(f"dataset folder {folder} does not exist; build it with "
-                        f"`kiln data prepare --out {folder}` or fix the data path")
+        raise DataError(f"dataset folder {folder} does not exist; build it from your text with "
+                        f"`kiln data prepare --input FILE_OR_FOLDER... --out {folder}`")
     try:
         meta = json.loads((folder / META).read_text())
     except FileNotFoundError:

@@ -40,7 +40,7 @@ def test_a_foreign_seed_is_used_once_then_the_run_continues_itself(tmp_path):
 
 
 def test_nothing_to_resume_from_is_an_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="checkpoint.resume = .*does not exist"):
         resume.resolve(str(tmp_path / "missing"), tmp_path / "own")
 
 

@@ -94,3 +94,33 @@ def test_validate_prints_millions_for_the_debug_recipe(capsys):
     out = capsys.readouterr().out
     assert "parameters: 3,492,096 (3.49M)" in out  # byte vocabulary 258 padded to 320
     assert "28/10" in out  # 9 norm weights and the (tied) embedding are not decayed
+
+
+@pytest.mark.parametrize("command", [["generate", "{}", "--prompt", "x"], ["eval", "{}"],
+                                     ["export", "{}", "{}-out"]])
+def test_checkpoint_commands_name_the_folder_not_a_recipe_key(tmp_path, capsys, command):
+    """The folder given to generate / eval / export is an argument, not checkpoint.resume."""
+    missing, empty = tmp_path / "runs" / "missing", tmp_path / "runs" / "empty"
+    empty.mkdir(parents=True)
+    for folder, says in ((missing, "does not exist"), (empty, "holds no checkpoint")):
+        assert main([w.format(folder) for w in command]) == 2
+        err = capsys.readouterr().err
+        assert "checkpoint.resume" not in err and "resume =" not in err
+        assert f"{folder} {says}" in err and "run folder" in err, err
+
+
+def test_a_missing_resume_folder_names_the_key(tmp_path):
+    from kiln.checkpointing import resume
+    from kiln.components.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        resume.resolve(str(tmp_path / "missing"), tmp_path / "own")
+    assert "checkpoint.resume" in str(info.value) and "does not exist" in str(info.value)
+
+
+def test_a_missing_data_path_suggests_preparing_from_text(write, capsys):
+    path = write("r.toml", '[data]\npath = "no/such/data"\n[training]\nsteps = 1\n')
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "data.path = 'no/such/data'" in err
+    assert "kiln data prepare RECIPE --input FILE_OR_FOLDER... --out no/such/data" in err

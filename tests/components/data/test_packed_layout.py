@@ -105,5 +105,5 @@ def test_corrupt_folder_is_a_data_error(tmp_path, name):
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(DataError, match="kiln data prepare --out"):
+    with pytest.raises(DataError, match=r"kiln data prepare .*--input .*--out"):
         open_layout(tmp_path / "nope")
