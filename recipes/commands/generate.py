@@ -4,6 +4,7 @@ tokens to the terminal as they come; several prompts run as one batch."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,18 +46,35 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int],
+                 prompt_text: str | None = None) -> str:
+    """The text ``new_ids`` add after the prompt: decode(prompt + new) past decode(prompt)
+    (``prompt_text``, when already known). Decoding the new ids alone would lose what a decoder
+    does at the start of a text: a SentencePiece-style (Metaspace) decoder, as in Llama 2 or
+    Mistral, drops the first token's leading space ('a1 1 1' for 'a 1 1 1')."""
+    base = tokenizer.decode(prompt_ids) if prompt_text is None else prompt_text
+    full = tokenizer.decode([*prompt_ids, *new_ids])
+    if not full.startswith(base):  # a decoder that rewrote the prompt's end: what differs
+        base = os.path.commonprefix([base, full])
+    return full[len(base):]
+
+
 class Stream:
     """Prints one row's text as tokens arrive (holding back an incomplete UTF-8 character)."""
 
-    def __init__(self, tokenizer, out) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], out) -> None:
         self.tokenizer, self.out = tokenizer, out
+        self.prompt, self.prompt_text = list(prompt_ids), tokenizer.decode(prompt_ids)
         self.ids: list[int] = []
         self.shown = 0
+
+    def text(self) -> str:
+        return continuation(self.tokenizer, self.prompt, self.ids, self.prompt_text)
 
     def __call__(self, tokens, live) -> None:
         if bool(live[0]):
             self.ids.append(int(tokens[0]))
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        text = self.text().rstrip("\ufffd")
         self.out.write(text[self.shown:])
         self.out.flush()
         self.shown = max(self.shown, len(text))
@@ -98,16 +116,16 @@ def run(args) -> int:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
-    stream = Stream(tokenizer, sys.stdout) if len(prompts) == 1 else None
+    stream = Stream(tokenizer, encoded[0], sys.stdout) if len(prompts) == 1 else None
     if stream is not None:
         sys.stdout.write(prompts[0])
     outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
                     vocab_size=tokenizer.vocab_size, on_tokens=stream)
     if stream is not None:
-        rest = tokenizer.decode(outs[0])[stream.shown:]  # whatever the stream held back
+        rest = stream.text()[stream.shown:]  # whatever the stream held back
         sys.stdout.write(rest + "\n")
         return 0
-    for i, (prompt, ids) in enumerate(zip(prompts, outs, strict=True)):
-        print(f"--- [{i}] ---\n{prompt}{tokenizer.decode(ids)}")
+    for i, (prompt, ids, new) in enumerate(zip(prompts, encoded, outs, strict=True)):
+        print(f"--- [{i}] ---\n{prompt}{continuation(tokenizer, ids, new)}")
     return 0

@@ -128,3 +128,42 @@ def test_kiln_generate_on_a_looped_model(tmp_path, capsys):
         assert capsys.readouterr().out.startswith("def ")
     assert main(["generate", str(folder), "--prompt", "x", "--loops", "4"]) == 2
     assert "use 1..3" in capsys.readouterr().err
+
+
+def metaspace_tokenizer(folder) -> str:
+    """A SentencePiece-style (Metaspace) tokenizer.json of 258 ids, as Llama 2 / Mistral decode:
+    a word's token carries its leading space as '▁', and the decoder drops it on the first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["▁a", "▁1", *(f"▁w{i}" for i in range(253))]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_kiln_generate_keeps_the_space_a_metaspace_decoder_strips(tmp_path, capsys, monkeypatch):
+    """Decoding only the new ids drops the first one's leading space ('a1 1 1'): the text shown
+    is decode(prompt + new) minus decode(prompt), streamed or batched."""
+    import kiln.recipes.generate as gen
+
+    path = metaspace_tokenizer(tmp_path / "tok")
+    folder, _ = checkpoint(tmp_path, "--tokenizer.type=huggingface", f"--tokenizer.path={path}")
+    one = load_model(folder)[1].token_to_id("▁1")
+
+    def three_ones(model, prompts, *, on_tokens=None, **kwargs):
+        for _ in range(3):
+            if on_tokens is not None:
+                on_tokens(torch.full((len(prompts),), one), torch.ones(len(prompts), dtype=bool))
+        return [[one] * 3 for _ in prompts]
+
+    monkeypatch.setattr(gen, "generate", three_ones)
+    assert main(["generate", str(folder), "--prompt", "a"]) == 0
+    assert capsys.readouterr().out == "a 1 1 1\n"
+    assert main(["generate", str(folder), "--prompt", "a", "--prompt", "a a"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] ---\na 1 1 1\n" in out and "--- [1] ---\na a 1 1 1\n" in out
