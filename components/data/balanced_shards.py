@@ -184,7 +184,9 @@ class BalancedShards:
         return Path(self.source.where)
 
     def shard(self, name: str) -> Shard:
-        return Shard(self.source.fetch(name), self.seq_len, f"{self.source.where}/{name}")
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else 0
+        return Shard(self.source.fetch(name), self.seq_len, f"{self.source.where}/{name}",
+                     vocab)
 
     def held_out(self, domain: str, name: str) -> int:
         return self.cfg.eval_rows if self.eval_shard.get(domain) == name else 0

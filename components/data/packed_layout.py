@@ -1,7 +1,8 @@
 """The packed-document dataset folder (layout version 1): writing, opening and validating it.
 
     metadata.json          layout version, vocab, counts (tokens, documents, UTF-8 bytes per
-                           split), seed, tokenizer fingerprint and source, source (written last)
+                           split), the largest token id (max_id), seed, tokenizer fingerprint
+                           and source, source (written last)
     tokens.bin             every document as [BOS] + ids + [EOS], back to back (uint16/uint32)
     doc_offsets.npy        int64 (num_docs + 1,): start of each document, then total_tokens
     epoch_N/doc_start.npy  int64 (num_train_docs,): the train documents in data epoch N's order
@@ -11,7 +12,9 @@
 
 The folder is built under a temporary name and renamed into place, so a crash never leaves a
 folder at the real path that looks valid. Opening it checks everything that is cheap to check
-(no pass over the tokens) and names the folder and the fix in every error.
+(no pass over the tokens: the recorded max_id stands for them, and the loader checks the ids of
+every batch it reads, which also covers folders written before max_id was recorded) and names the
+folder and the fix in every error; ``check_ids`` reads every token (`kiln data info`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kiln.components.errors import DataError
 
 LAYOUT_VERSION = 1
 META, TOKENS, OFFSETS = "metadata.json", "tokens.bin", "doc_offsets.npy"
+SCAN_CHUNK = 1 << 24  # tokens per read when scanning tokens.bin for its ids
 _REQUIRED = ("layout_version", "vocab_size", "token_dtype", "total_tokens", "num_docs",
              "num_epochs", "seed", "bos_id", "eos_id", "tokenizer", "splits")
 
@@ -172,6 +176,9 @@ def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: 
         raise DataError(f"the source ({source}) gave no documents; check the source and max_bytes")
     dtype = token_dtype(tok_meta["vocab_size"])
     doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.memmap(tmp / TOKENS, dtype=dtype, mode="r", shape=(int(doc_offsets[-1]),))
+    max_id = check_ids(tmp, tokens, tok_meta["vocab_size"],
+                       "the tokenizer gave ids beyond its own vocab_size")
     _save(tmp / OFFSETS, doc_offsets)
     train, held_out = split_documents(num_docs, eval_fraction, seed)
     for epoch in range(num_epochs):
@@ -182,7 +189,8 @@ def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: 
     _save(tmp / "eval" / "doc_len.npy", lengths[held_out])
     meta = {
         "layout_version": LAYOUT_VERSION, **tok_meta, "token_dtype": dtype.name,
-        "total_tokens": int(doc_offsets[-1]), "num_docs": num_docs, "seq_len": seq_len,
+        "total_tokens": int(doc_offsets[-1]), "max_id": max_id, "num_docs": num_docs,
+        "seq_len": seq_len,
         "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
         "source": source,
         "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum()),
@@ -232,6 +240,38 @@ def _load(folder: Path, path: Path) -> np.ndarray:
         raise _bad(folder, f"{path.relative_to(folder)} is unreadable ({exc})") from None
 
 
+def id_error(folder: Path, value: int, offset: int, vocab: int, why: str) -> DataError:
+    """A token id ``value`` at ``offset`` of tokens.bin that the vocabulary does not have."""
+    return DataError(
+        f"dataset folder {folder}: token id {value} (token {offset:,} of {TOKENS}) is beyond "
+        f"the vocabulary of {vocab} ids that {META} records; {why}"
+    )
+
+
+def scan_ids(tokens: np.ndarray, vocab: int) -> tuple[int, int | None]:
+    """(largest id, offset of the first id outside [0, vocab) or None), reading ``tokens`` (a
+    memmap, any integer dtype) in chunks so memory stays small."""
+    largest = -1
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start:start + SCAN_CHUNK]).ravel()
+        if chunk.size and (chunk.max() >= vocab or chunk.min() < 0):
+            return largest, start + int(np.argmax((chunk >= vocab) | (chunk < 0)))
+        largest = max(largest, int(chunk.max()) if chunk.size else -1)
+    return largest, None
+
+
+def check_ids(folder: Path, tokens: np.ndarray, vocab: int, why: str) -> int:
+    """Read every token of a layout's tokens.bin; the largest id, or ``id_error``."""
+    largest, bad = scan_ids(tokens, vocab)
+    if bad is not None:
+        raise id_error(folder, int(tokens[bad]), bad, vocab, why)
+    return largest
+
+
+DAMAGED = ("the file is damaged or was written with another tokenizer: delete the folder and "
+           "rerun `kiln data prepare`")
+
+
 def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> PackedLayout:
     """Open and validate ``folder``; with ``tokenizer``, also check it matches the data."""
     folder = Path(folder)
@@ -252,6 +292,10 @@ def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> Packe
                            f"{LAYOUT_VERSION}")
     if tokenizer is not None:
         _check_tokenizer(folder, meta, tokenizer)
+    max_id = meta.get("max_id", -1)  # absent in folders written before it was recorded
+    if not isinstance(max_id, int) or max_id >= meta["vocab_size"]:
+        raise _bad(folder, f"{META} records token ids up to {max_id!r}, beyond the vocabulary "
+                           f"of {meta['vocab_size']} ids")
     dtype = np.dtype(meta["token_dtype"])
     total = int(meta["total_tokens"])
     size = (folder / TOKENS).stat().st_size if (folder / TOKENS).is_file() else None

@@ -22,7 +22,13 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kiln.components.data.packed_layout import TOKENS, PackedLayout, open_layout
+from kiln.components.data.packed_layout import (
+    DAMAGED,
+    TOKENS,
+    PackedLayout,
+    id_error,
+    open_layout,
+)
 from kiln.components.errors import DataError, RecipeError
 
 _ENDLESS = 1 << 62  # the train stream cycles data epochs forever; the trainer decides when to stop
@@ -34,7 +40,7 @@ class _Windows:
     def __init__(self, layout: PackedLayout, split: str, seq_len: int) -> None:
         self.folder, self.split, self.seq_len = layout.folder, split, seq_len
         self.dtype, self.total = np.dtype(layout.meta["token_dtype"]), len(layout.tokens)
-        self.num_epochs = layout.num_epochs
+        self.num_epochs, self.vocab = layout.num_epochs, int(layout.meta["vocab_size"])
         self._layout: PackedLayout | None = layout
         self._tokens: np.ndarray | None = layout.tokens
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -66,7 +72,13 @@ class _Windows:
         doc_start, cum = self._order(epoch)
         pos = (first + np.arange(rows))[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         doc = np.searchsorted(cum, pos, side="right") - 1  # (rows, L + 1)
-        return np.asarray(self._tokens[doc_start[doc] + (pos - cum[doc])], dtype=np.int64)
+        at = doc_start[doc] + (pos - cum[doc])  # (rows, L + 1) offsets into tokens.bin
+        out = np.asarray(self._tokens[at], dtype=np.int64)
+        if out.max() >= self.vocab:  # cheap next to a forward; an embedding lookup would crash
+            bad = np.argmax(out >= self.vocab)
+            raise id_error(self.folder, int(out.flat[bad]), int(at.flat[bad]), self.vocab,
+                           f"{DAMAGED} (`kiln data info {self.folder}` checks every token)")
+        return out
 
 
 class _MicroBatches(Dataset):
@@ -81,7 +93,10 @@ class _MicroBatches(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         epoch, first, rows = _locate(self.start + i, *self.loader_plan)
-        w = self.windows.read(epoch, first, rows)  # (mb, L + 1)
+        try:
+            w = self.windows.read(epoch, first, rows)  # (mb, L + 1)
+        except DataError as exc:  # handed over as data: raised by a worker, torch would wrap
+            return {"error": str(exc)}  # it in its traceback text; `_raise_errors` raises it
         return {"input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),  # (mb, L)
                 "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:]))}  # (mb, L)
 
@@ -148,13 +163,13 @@ class Loader:
 
     def __iter__(self) -> Any:
         if self.split == "eval":
-            return iter(self._dataloader(0))
+            return map(_raise_errors, self._dataloader(0))
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
             self._it = iter(self._dataloader(self._pos))
-        batch = next(self._it)
+        batch = _raise_errors(next(self._it))
         self._pos += 1
         return batch
 
@@ -202,6 +217,13 @@ class Loader:
 
     def _seek(self, pos: int) -> None:
         self._pos, self._it = pos, None
+
+
+def _raise_errors(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A batch, or the DataError a (worker's) read handed over in its place, raised here."""
+    if "error" in batch:
+        raise DataError(batch["error"])
+    return batch
 
 
 def _check_batch_plan(micro_batch: int, global_batch: int, rank: int, world_size: int) -> None:

@@ -30,7 +30,7 @@ _INT_DTYPES = (np.uint16, np.int16, np.int32, np.uint32, np.int64, np.uint8)
 class Shard:
     """One opened shard: ``rows`` samples of ``seq_len + 1`` tokens each."""
 
-    def __init__(self, path: Path, seq_len: int, name: str) -> None:
+    def __init__(self, path: Path, seq_len: int, name: str, vocab: int = 0) -> None:
         try:
             arr = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as exc:
@@ -42,6 +42,7 @@ class Shard:
                 f"integers (uint16, int32, ...), got {arr.ndim}-D {arr.dtype}"
             )
         self.array, self.seq_len, self.name = arr, seq_len, name
+        self.vocab = vocab  # > 0: every id read must be in [0, vocab) (the tokenizer's ids)
         if arr.ndim == 2:
             if arr.shape[1] < seq_len + 1:
                 raise DataError(
@@ -60,9 +61,18 @@ class Shard:
             order = np.argsort(index)  # memory-map reads in file order
             out = np.empty((len(index), n), dtype=np.int64)
             out[order] = self.array[index[order], :n]
-            return out
-        pos = index[:, None] * self.seq_len + np.arange(n)
-        return np.asarray(self.array[pos], dtype=np.int64)
+        else:
+            pos = index[:, None] * self.seq_len + np.arange(n)
+            out = np.asarray(self.array[pos], dtype=np.int64)
+        if self.vocab and out.size and (out.max() >= self.vocab or out.min() < 0):
+            bad = out[(out >= self.vocab) | (out < 0)][0]
+            raise DataError(
+                f"{self.name}: token id {bad} is outside the vocabulary of the recipe's "
+                f"tokenizer ({self.vocab} ids); the shard is damaged or was written with another "
+                "tokenizer: re-create it (`kiln data prepare --domain`) or set [tokenizer] to "
+                "the one it was written with"
+            )
+        return out
 
 
 class FolderSource:

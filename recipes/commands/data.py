@@ -194,14 +194,17 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
 
 def _info(folder: str) -> int:
     path = Path(folder)
+    from kiln.components.data.packed_layout import DAMAGED, check_ids, open_layout
+
     if (path / "shards.json").is_file():
         meta = json.loads((path / "shards.json").read_text())
+        largest = _check_shard_ids(path, int(meta["vocab_size"]))
         print(f"balanced_shards domain {path.name}: {meta['shards']} shards, "
               f"{meta['total_tokens']:,} tokens in {meta['num_docs']:,} documents "
               f"({meta['token_dtype']}, tokenizer {meta['tokenizer_source']} "
-              f"{meta['tokenizer']})")
+              f"{meta['tokenizer']})\n  token ids: largest {largest}, inside the vocabulary "
+              f"of {meta['vocab_size']} (every token read)")
         return 0
-    from kiln.components.data.packed_layout import open_layout
 
     if not (path / "metadata.json").exists() and path.is_dir():
         domains = sorted(p.name for p in path.iterdir() if (p / "shards.json").is_file())
@@ -210,9 +213,33 @@ def _info(folder: str) -> int:
                 _info(str(path / d))
             return 0
     layout = open_layout(path)
+    vocab = int(layout.meta["vocab_size"])
+    largest = check_ids(layout.folder, layout.tokens, vocab, DAMAGED)
     print("valid packed-document layout v1:", _summary(layout.folder, layout.meta,
                                                         int(layout.meta["seq_len"])))
+    print(f"  token ids: largest {largest}, inside the vocabulary of {vocab} (every token read)")
     return 0
+
+
+def _check_shard_ids(domain: Path, vocab: int) -> int:
+    """Read every token of a domain's shards; the largest id (an id outside the vocabulary
+    that shards.json records is a DataError naming the shard)."""
+    import numpy as np
+
+    from kiln.components.data.packed_layout import scan_ids
+    from kiln.components.errors import DataError
+
+    largest = -1
+    for shard in sorted(domain.glob("shard_*.npy")):
+        tokens = np.load(shard, mmap_mode="r", allow_pickle=False)
+        top, bad = scan_ids(tokens.reshape(-1), vocab)
+        if bad is not None:
+            raise DataError(f"{shard}: token id {int(tokens.reshape(-1)[bad])} (token {bad:,}) "
+                            f"is outside the vocabulary of {vocab} ids that shards.json records; "
+                            "the shard is damaged or was written with another tokenizer: delete "
+                            "the domain folder and rerun `kiln data prepare --domain`")
+        largest = max(largest, top)
+    return largest
 
 
 def run(args: argparse.Namespace) -> int:

@@ -133,3 +133,71 @@ def test_prepare_errors_exit_with_one_message(tmp_path, capsys):
     assert main(["data", "prepare", "--input", str(bad), "--out", str(tmp_path / "o"),
                  "--tokenizer", str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_info_reads_every_token_id(tmp_path, texts, capsys):
+    """`kiln data info` calls a folder valid only when every id is inside the vocabulary."""
+    import numpy as np
+
+    out = tmp_path / "data"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--workers", "0",
+                 "--no-progress"]) == 0
+    assert main(["data", "info", str(out)]) == 0
+    assert "token ids: largest 257, inside the vocabulary of 258" in capsys.readouterr().out
+    tokens = np.memmap(out / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[5] = 40000
+    tokens.flush()
+    assert main(["data", "info", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "token id 40000" in err and "258" in err and str(out) in err
+    assert "kiln data prepare" in err
+
+
+def test_train_on_ids_beyond_the_vocabulary_is_a_data_error(tmp_path, texts, write, capsys):
+    import numpy as np
+
+    out = tmp_path / "data"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--workers", "0",
+                 "--no-progress", "--eval-fraction", "0"]) == 0
+    tokens = np.memmap(out / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[tokens == ord("t")] = 40000
+    tokens.flush()
+    recipe = write("r.toml", f"""
+        [run]
+        folder = "{tmp_path / 'run'}"
+        [training]
+        steps = 1
+        global_batch = 2
+        micro_batch = 2
+        seq_len = 16
+        [model]
+        dim = 32
+        n_layers = 1
+        [model.attention]
+        n_heads = 4
+        [data]
+        path = "{out}"
+        [eval]
+        at_end = false
+    """)
+    capsys.readouterr()
+    assert main(["train", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "token id 40000" in err and str(out) in err
+
+
+def test_info_reads_every_token_id_of_shards(tmp_path, texts, capsys):
+    import numpy as np
+
+    out = tmp_path / "sh"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--domain", "a",
+                 "--shard-tokens", "200", "--workers", "0", "--no-progress"]) == 0
+    assert main(["data", "info", str(out)]) == 0
+    assert "token ids: largest 257, inside the vocabulary of 258" in capsys.readouterr().out
+    shard = sorted((out / "a").glob("shard_*.npy"))[1]
+    tokens = np.load(shard)
+    tokens[3] = 40000
+    np.save(shard, tokens)
+    assert main(["data", "info", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{shard}: token id 40000 (token 3)" in err and "kiln data prepare --domain" in err

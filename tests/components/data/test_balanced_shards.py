@@ -260,3 +260,21 @@ def test_prefetch_reads_in_the_background_and_raises_its_errors_in_the_trainer(r
             f.write_bytes(b"not an array")
     with pytest.raises(DataError, match="not a readable .npy array"):
         next(ds.loader("train", micro_batch=3, global_batch=3))
+
+
+def test_ids_beyond_the_tokenizers_vocabulary_are_a_data_error(root):
+    """With a tokenizer (as the trainer builds it), every row read is checked against its
+    vocabulary: the shards above hold ids up to 20,000+, beyond the byte tokenizer's 258."""
+    from kiln.components.data.byte_tokenizer import ByteTokenizer
+
+    cfg = default_config("dataset", "balanced_shards", path=str(root), domains=DOMAINS,
+                         eval_rows=4)
+    ds = cfg.build(tokenizer=ByteTokenizer(), seq_len=L, seed=0)
+    ds.prepare()
+    with pytest.raises(DataError, match=r"\w+/shard_00\d.npy: token id \d+ is outside the "
+                                        r"vocabulary .* \(258 ids\)"):
+        next(iter(ds.loader("eval", micro_batch=3, global_batch=3)))
+    loader = ds.loader("train", micro_batch=3, global_batch=3)
+    with pytest.raises(DataError, match="kiln data prepare --domain"):
+        next(loader)
+    loader.close()

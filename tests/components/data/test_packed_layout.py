@@ -107,3 +107,47 @@ def test_corrupt_folder_is_a_data_error(tmp_path, name):
 def test_missing_folder(tmp_path):
     with pytest.raises(DataError, match=r"kiln data prepare .*--input .*--out"):
         open_layout(tmp_path / "nope")
+
+
+def _plant(folder, value=300):
+    """Write ``value`` (beyond the byte tokenizer's 258 ids) over every 'o' in tokens.bin:
+    a damaged file, or one written by another tokenizer."""
+    tokens = np.memmap(folder / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[tokens == ord("o")] = value
+    tokens.flush()
+
+
+def test_a_layout_records_its_largest_id(tmp_path):
+    meta = open_layout(build(tmp_path / "d")).meta
+    assert meta["max_id"] == 257  # EOS: the byte tokenizer's last id
+
+
+def test_a_recorded_id_beyond_the_vocabulary_fails_at_open(tmp_path):
+    folder = build(tmp_path / "d")
+    _edit_meta(folder, max_id=300)
+    with pytest.raises(DataError, match="token ids up to 300, beyond the vocabulary of 258") as err:
+        open_layout(folder)
+    assert str(folder) in str(err.value) and "kiln data prepare" in str(err.value)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("recorded", [True, False], ids=["max_id recorded", "older folder"])
+def test_ids_beyond_the_vocabulary_fail_the_batch_that_reads_them(tmp_path, recorded, workers):
+    """The recorded max_id is checked at open; each batch is checked too (tokens.bin changed
+    after it was written, or a folder from before max_id was recorded), in a loader worker
+    too (the message arrives without torch's traceback text)."""
+    from kiln.components.data.packed_loader import Loader
+
+    folder = build(tmp_path / "d")
+    _plant(folder)
+    if not recorded:
+        meta = json.loads((folder / "metadata.json").read_text())
+        del meta["max_id"]
+        (folder / "metadata.json").write_text(json.dumps(meta))
+    for split in ("train", "eval"):
+        loader = Loader(open_layout(folder), split, seq_len=16, micro_batch=2, global_batch=2,
+                        rank=0, world_size=1, num_workers=workers)
+        with pytest.raises(DataError, match="token id 300 .*258 ids") as err:
+            next(iter(loader))
+        assert str(err.value).startswith(f"dataset folder {folder}: token id 300")
+        assert "kiln data info" in str(err.value) and "Traceback" not in str(err.value)
