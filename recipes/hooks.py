@@ -143,20 +143,25 @@ def bits_per_byte(loss: float, dataset) -> float | None:
     return loss * ratio / math.log(2) if ratio else None
 
 
+def eval_loader(trainer):
+    """The eval split's loader of this rank: micro_batch rows per data-parallel rank per batch
+    (tensor-parallel peers share batches). The trainer builds one at start-up too, so a split
+    too small for one batch stops the run before step 1, not after the last."""
+    return trainer.dataset.loader(
+        "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
+        * trainer.data_ranks, rank=trainer.data_rank, world_size=trainer.data_ranks,
+    )
+
+
 @torch.no_grad()
 def evaluate(trainer, token_budget: int) -> float:
     """Mean loss over the eval split's first ``token_budget`` tokens (all ranks together)."""
     model = trainer.model
     was_training = model.training
     model.eval()
-    # tensor-parallel peers share batches: data is split over the data-parallel ranks
-    data_rank, data_ranks = trainer.data_rank, trainer.data_ranks
-    loader = trainer.dataset.loader(
-        "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
-        * data_ranks, rank=data_rank, world_size=data_ranks,
-    )
+    loader = eval_loader(trainer)
     total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
-    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * data_ranks
+    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.data_ranks
     for i, batch in enumerate(loader):
         if i * per_batch >= token_budget:
             break

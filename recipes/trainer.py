@@ -27,7 +27,7 @@ from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import peak_flops
-from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook
+from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.process_stats import Phases, peak_rss_bytes
@@ -98,6 +98,8 @@ class Trainer:
         )
         self.total_steps = batch_plan.total_steps(
             tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
+        if recipe.eval.at_end or 0 < recipe.eval.interval <= self.total_steps:
+            getattr(eval_loader(self), "close", lambda: None)()  # fits one batch, or fails now
         phase("data")
         self.model = self._build_model()
         phase("model build")

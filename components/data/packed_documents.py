@@ -165,4 +165,5 @@ class PackedDocuments:
         c = self.cfg
         return Loader(self.layout, split, seq_len=self.seq_len, micro_batch=micro_batch,
                       global_batch=global_batch, rank=rank, world_size=world_size,
-                      num_workers=c.num_workers, pin_memory=c.pin_memory, prefetch=c.prefetch)
+                      num_workers=c.num_workers, pin_memory=c.pin_memory, prefetch=c.prefetch,
+                      prepared=bool(c.path))

@@ -14,6 +14,7 @@ plain ints, and seeking is arithmetic plus one ``searchsorted`` per batch: nothi
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -112,6 +113,9 @@ def _locate(pos: int, per_step: int, steps: int, gb: int, per_rank: int, rank: i
 class Loader:
     """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) of one rank.
 
+    ``prepared``: the folder came from `kiln data prepare` (data.path), not from the recipe's
+    source built into the cache; it picks the advice of a split too small for one batch.
+
     The train loader runs forever through data epochs and continues where it is when iterated
     again; ``state_dict``/``load_state_dict`` save and restore the position exactly (with any
     ``num_workers``, and across world sizes at step boundaries). The eval loader makes one pass
@@ -120,7 +124,7 @@ class Loader:
 
     def __init__(self, layout: PackedLayout, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, num_workers: int = 0,
-                 pin_memory: bool = False, prefetch: int = 2) -> None:
+                 pin_memory: bool = False, prefetch: int = 2, prepared: bool = True) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         _check_batch_plan(micro_batch, global_batch, rank, world_size)
@@ -135,12 +139,9 @@ class Loader:
         self.windows_per_epoch = (self.tokens_per_epoch - 1) // seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
-            what = "train split" if split == "train" else "eval split (see eval_fraction)"
-            raise DataError(
-                f"{layout.folder}: the {what} has {self.tokens_per_epoch} tokens, fewer than one "
-                f"global batch needs ({global_batch} x {seq_len} + 1); use more data "
-                "(max_bytes, source) or a smaller global_batch or seq_len"
-            )
+            raise DataError(f"{layout.folder}: " + too_small(
+                layout.meta, split, seq_len=seq_len, global_batch=global_batch,
+                world_size=world_size, prepared=prepared))
         self._pos = 0  # micro-batches served on this rank since data epoch 0, step 0
         self._it: Any = None
 
@@ -217,6 +218,51 @@ class Loader:
 
     def _seek(self, pos: int) -> None:
         self._pos, self._it = pos, None
+
+
+def too_small(meta: dict[str, Any], split: str, *, seq_len: int, global_batch: int,
+              world_size: int, prepared: bool) -> str | None:
+    """Why ``split`` of a layout (``meta``: its metadata.json) cannot fill one batch of
+    ``global_batch`` rows of ``seq_len + 1`` tokens, with what to change (None: it can). The
+    eval loader's batch is training.micro_batch rows per data-parallel rank (``hooks.evaluate``);
+    the train loader's is training.global_batch."""
+    info = meta["splits"][split]
+    need = global_batch * seq_len + 1
+    if info["tokens"] >= need:
+        return None
+    docs = f"{info['docs']:,} document{'s' if info['docs'] != 1 else ''}"
+    shorter = "lower training.{} or training.seq_len"
+    if split == "train":
+        more = ("prepare more text into the folder (`kiln data prepare --input ...`)" if prepared
+                else "raise data.max_bytes or use a larger data.source")
+        return (f"the train split has {info['tokens']:,} tokens ({docs}), fewer than one global "
+                f"batch needs: {global_batch} x {seq_len} + 1 = {need:,} tokens "
+                f"(training.global_batch x training.seq_len + 1); {more}, or "
+                f"{shorter.format('global_batch')}")
+    micro = global_batch // world_size
+    rows, keys = (f"{micro} x {world_size}", "training.micro_batch x data-parallel ranks") \
+        if world_size > 1 else (str(micro), "training.micro_batch")
+    fraction = suggest_eval_fraction(int(meta["total_tokens"]), need)
+    now = meta.get("eval_fraction", "?")
+    if fraction is None:
+        hold = f"the corpus ({int(meta['total_tokens']):,} tokens) is too small to hold out that"
+        hold += " much: "
+    elif prepared:
+        hold = (f"hold out more documents (`kiln data prepare ... --eval-fraction {fraction}` "
+                f"into a new --out folder; this one has {now}), ")
+    else:
+        hold = f"hold out more documents (data.eval_fraction = {fraction}; now {now}), "
+    return (f"the eval split has {info['tokens']:,} tokens ({docs}), fewer than one evaluation "
+            f"batch needs: {rows} x {seq_len} + 1 = {need:,} tokens ({keys} x "
+            f"training.seq_len + 1); {hold}{shorter.format('micro_batch')}, or turn evaluation "
+            "off (eval.interval = 0 and eval.at_end = false)")
+
+
+def suggest_eval_fraction(total_tokens: int, need: int) -> float | None:
+    """A share of documents to hold out that should give ``need`` eval tokens (a quarter more,
+    for documents of uneven length); None when that is half the corpus or more."""
+    share = math.ceil(need / max(total_tokens, 1) * 1.25 * 100) / 100
+    return share if share < 0.5 else None
 
 
 def _raise_errors(batch: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,9 @@ def _prepare_inputs(args: argparse.Namespace) -> int:
           f" tokens/byte{rate})\n  tokenizer {result.manifest['tokenizer']['source']}"
           f"\n  skipped: {skipped['invalid_utf8']} documents with invalid UTF-8, "
           f"{skipped['empty']} empty files")
+    if not args.domain:
+        meta = json.loads((Path(out) / "metadata.json").read_text())
+        _warn_small_splits(meta, recipe, opts.seq_len, prepared=True)
     if args.domain:
         root = Path(out)
         domains = sorted(p.name for p in root.iterdir() if (p / "shards.json").is_file())
@@ -153,8 +157,9 @@ def _prepare_inputs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _components(args: argparse.Namespace) -> tuple[Any, Any, int, int]:
-    """(data config, tokenizer, seq_len, seed) from the recipe (if any) and the flags."""
+def _components(args: argparse.Namespace) -> tuple[Any, Any, Any, int, int]:
+    """(recipe or None, data config, tokenizer, seq_len, seed) from the recipe (if any) and
+    the flags."""
     from kiln.components.base import default_config
 
     recipe = _recipe(args)
@@ -175,7 +180,25 @@ def _components(args: argparse.Namespace) -> tuple[Any, Any, int, int]:
         raise RecipeError(f"data type {data.type!r} has no source to prepare; use --input "
                           "(and --domain for balanced_shards)")
     seed = args.seed if args.seed is not None else seed
-    return data, _tokenizer(args, recipe), args.seq_len or seq_len, seed
+    return recipe, data, _tokenizer(args, recipe), args.seq_len or seq_len, seed
+
+
+def _warn_small_splits(meta: dict[str, Any], recipe: Any, seq_len: int, *,
+                       prepared: bool) -> None:
+    """Warn (stderr) when a split cannot fill one batch of the recipe's batch plan (or the
+    default one) on one process: training, or evaluation, would stop at start-up."""
+    from kiln.components.data.packed_loader import too_small
+    from kiln.recipes.schema import TrainingConfig
+
+    tr = recipe.training if recipe is not None else TrainingConfig()
+    plan = "the recipe's" if recipe is not None else "the default"
+    for split, rows, stops in (("train", tr.global_batch, "training cannot start"),
+                               ("eval", tr.micro_batch, "evaluation stops a run at start-up")):
+        problem = too_small(meta, split, seq_len=seq_len, global_batch=rows, world_size=1,
+                            prepared=prepared)
+        if problem:
+            print(f"kiln data: warning: {problem} ({stops}; with {plan} batch plan on one "
+                  "process)", file=sys.stderr)
 
 
 def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
@@ -247,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         return _info(args.folder)
     if args.input:
         return _prepare_inputs(args)
-    data, (tokenizer, tok_overrides), seq_len, seed = _components(args)
+    recipe, data, (tokenizer, tok_overrides), seq_len, seed = _components(args)
     dataset = data.build(tokenizer=tokenizer, seq_len=seq_len, seed=seed)
     existed = dataset.folder.exists()
     t0 = time.perf_counter()
@@ -255,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     verb = "reused" if existed else f"built in {took:.1f} s:"
     print(f"{verb} {_summary(folder, dataset.meta, seq_len)}")
+    _warn_small_splits(dataset.meta, recipe, seq_len, prepared=bool(args.out))
     print(_hint(args, [f"--data.path={folder}", *tok_overrides]))
     return 0
 

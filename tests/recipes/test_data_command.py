@@ -201,3 +201,44 @@ def test_info_reads_every_token_id_of_shards(tmp_path, texts, capsys):
     assert main(["data", "info", str(out)]) == 1
     err = capsys.readouterr().err
     assert f"{shard}: token id 40000 (token 3)" in err and "kiln data prepare --domain" in err
+
+
+def small_corpus(folder, docs: int = 13):
+    """13 documents of about 300 characters: the default 2% eval share holds out one."""
+    folder.mkdir()
+    for i in range(docs):
+        (folder / f"{i:02d}.txt").write_text(f"document {i}: " + "alpha beta gamma " * 18)
+    return folder
+
+
+def test_prepare_warns_when_the_eval_split_cannot_fill_a_batch(tmp_path, capsys):
+    texts, out = small_corpus(tmp_path / "small"), tmp_path / "data"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--workers", "0",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["splits"]["eval"]["docs"] == 1
+    assert "kiln data: warning: the eval split has" in err and "(1 document)" in err
+    assert "4 x 256 + 1 = 1,025 tokens (training.micro_batch x training.seq_len + 1)" in err
+    assert "--eval-fraction 0.3" in err and "evaluation stops a run at start-up" in err
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(tmp_path / "d2"),
+                 "--workers", "0", "--no-progress", "--eval-fraction", "0.4"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_train_stops_before_step_1_when_the_eval_split_cannot_fill_a_batch(tmp_path, capsys):
+    texts, out = small_corpus(tmp_path / "small"), tmp_path / "data"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--workers", "0",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    run = tmp_path / "run"
+    from tests.conftest import CONFIGS
+
+    argv = ["train", str(CONFIGS / "debug.toml"), f"--data.path={out}", "--training.steps=2",
+            f"--run.folder={run}", "--model.dim=32", "--model.n_layers=1",
+            "--model.attention.n_heads=4", "--training.global_batch=4"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "the eval split has" in captured.err and "--eval-fraction" in captured.err
+    assert "step " not in captured.out and not run.exists()
+    assert main([*argv, "--eval.at_end=false"]) == 0  # no evaluation, nothing to check

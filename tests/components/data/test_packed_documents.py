@@ -222,3 +222,22 @@ def test_concurrent_prepare_builds_once(tmp_path, corpus, monkeypatch):
     with ThreadPoolExecutor(3) as pool:
         folders = list(pool.map(lambda ds: ds.prepare(), datasets))
     assert len(set(folders)) == 1 and len(builds) == 1
+
+
+def test_an_eval_split_too_small_for_one_batch_says_what_to_change(tmp_path, make_dataset):
+    """The eval loader's batch is micro_batch rows per rank: the message gives those numbers
+    and the eval_fraction to hold out, in the words of a cache build or a prepared folder."""
+    ds = make_dataset(seq_len=L)
+    with pytest.raises(DataError) as err:
+        ds.loader("eval", micro_batch=64, global_batch=64)
+    msg = str(err.value)
+    assert f"the eval split has {ds.meta['splits']['eval']['tokens']:,} tokens (4 documents)" in msg
+    assert "64 x 8 + 1 = 513 tokens (training.micro_batch x training.seq_len + 1)" in msg
+    assert "(data.eval_fraction = 0.2" in msg and "now 0.1)" in msg and "eval.interval = 0" in msg
+    cfg = PackedDocumentsConfig(type="packed_documents", path=str(ds.folder))
+    prepared = cfg.build(tokenizer=ByteTokenizer(), seq_len=L, seed=0)
+    with pytest.raises(DataError) as err:
+        prepared.loader("eval", micro_batch=32, global_batch=64, world_size=2)
+    msg = str(err.value)
+    assert "32 x 2 x 8 + 1 = 513 tokens (training.micro_batch x data-parallel ranks" in msg
+    assert "`kiln data prepare ... --eval-fraction 0.2" in msg and "data.eval_fraction" not in msg
