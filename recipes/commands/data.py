@@ -26,6 +26,10 @@ from pydantic import ValidationError
 
 from kiln.components.errors import RecipeError
 
+# The [training] defaults that matter here, for a prepare without a RECIPE (tests pin them to
+# TrainingConfig): importing the recipe schema would import torch, and `prepare` stays light.
+DEFAULT_TRAINING = {"seq_len": 256, "micro_batch": 4, "global_batch": 8, "seed": 0}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -100,9 +104,9 @@ def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
     data = recipe.data if recipe is not None else None
     pick = lambda flag, key, default: flag if flag is not None else getattr(  # noqa: E731
         data, key, default)
-    return {"seq_len": args.seq_len or (recipe.training.seq_len if recipe else 256),
-            "seed": args.seed if args.seed is not None else (recipe.training.seed if recipe
-                                                             else 0),
+    tr = recipe.training.model_dump() if recipe is not None else DEFAULT_TRAINING
+    return {"seq_len": args.seq_len or tr["seq_len"],
+            "seed": args.seed if args.seed is not None else tr["seed"],
             "num_epochs": pick(args.num_epochs, "num_epochs", 4),
             "eval_fraction": pick(args.eval_fraction, "eval_fraction", 0.02)}
 
@@ -166,7 +170,8 @@ def _components(args: argparse.Namespace) -> tuple[Any, Any, Any, int, int]:
     if recipe is not None:
         data, seq_len, seed = recipe.data, recipe.training.seq_len, recipe.training.seed
     else:
-        data, seq_len, seed = default_config("dataset", "packed_documents"), 256, 0
+        data = default_config("dataset", "packed_documents")
+        seq_len, seed = DEFAULT_TRAINING["seq_len"], DEFAULT_TRAINING["seed"]
     flags = {"source": args.source, "path": args.out, "max_bytes": args.max_bytes,
              "num_epochs": args.num_epochs, "eval_fraction": args.eval_fraction}
     updates = {k: v for k, v in flags.items() if v is not None}
@@ -187,13 +192,12 @@ def _warn_small_splits(meta: dict[str, Any], recipe: Any, seq_len: int, *,
                        prepared: bool) -> None:
     """Warn (stderr) when a split cannot fill one batch of the recipe's batch plan (or the
     default one) on one process: training, or evaluation, would stop at start-up."""
-    from kiln.components.data.packed_loader import too_small
-    from kiln.recipes.schema import TrainingConfig
+    from kiln.components.data.layout_fit import too_small
 
-    tr = recipe.training if recipe is not None else TrainingConfig()
+    tr = recipe.training.model_dump() if recipe is not None else DEFAULT_TRAINING
     plan = "the recipe's" if recipe is not None else "the default"
-    for split, rows, stops in (("train", tr.global_batch, "training cannot start"),
-                               ("eval", tr.micro_batch, "evaluation stops a run at start-up")):
+    for split, rows, stops in (("train", tr["global_batch"], "training cannot start"),
+                               ("eval", tr["micro_batch"], "evaluation stops a run at start-up")):
         problem = too_small(meta, split, seq_len=seq_len, global_batch=rows, world_size=1,
                             prepared=prepared)
         if problem:

@@ -242,3 +242,26 @@ def test_train_stops_before_step_1_when_the_eval_split_cannot_fill_a_batch(tmp_p
     assert "the eval split has" in captured.err and "--eval-fraction" in captured.err
     assert "step " not in captured.out and not run.exists()
     assert main([*argv, "--eval.at_end=false"]) == 0  # no evaluation, nothing to check
+
+
+def test_prepare_knows_the_default_batch_plan_and_stays_light(tmp_path):
+    """Without a RECIPE, prepare warns with the [training] defaults, which it keeps as constants
+    so that it never imports torch (the recipe schema does)."""
+    import subprocess
+    import sys
+
+    from kiln.recipes.commands.data import DEFAULT_TRAINING
+    from kiln.recipes.schema import TrainingConfig
+    from tests.conftest import REPO
+
+    defaults = TrainingConfig()
+    assert {k: getattr(defaults, k) for k in DEFAULT_TRAINING} == DEFAULT_TRAINING
+    texts = small_corpus(tmp_path / "small")
+    code = ("import sys\nfrom kiln.recipes.cli import main\n"
+            f"assert main(['data', 'prepare', '--input', {str(texts)!r}, '--out', "
+            f"{str(tmp_path / 'out')!r}, '--workers', '0', '--no-progress']) == 0\n"
+            "assert 'torch' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "warning: the eval split" in out.stderr
