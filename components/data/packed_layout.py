@@ -244,7 +244,7 @@ def id_error(folder: Path, value: int, offset: int, vocab: int, why: str) -> Dat
     """A token id ``value`` at ``offset`` of tokens.bin that the vocabulary does not have."""
     return DataError(
         f"dataset folder {folder}: token id {value} (token {offset:,} of {TOKENS}) is beyond "
-        f"the vocabulary of {vocab} ids that {META} records; {why}"
+        f"the vocabulary ({vocab} ids); {why}"
     )
 
 

@@ -151,3 +151,17 @@ def test_ids_beyond_the_vocabulary_fail_the_batch_that_reads_them(tmp_path, reco
             next(iter(loader))
         assert str(err.value).startswith(f"dataset folder {folder}: token id 300")
         assert "kiln data info" in str(err.value) and "Traceback" not in str(err.value)
+
+
+def test_a_tokenizer_that_gives_ids_beyond_its_vocabulary_fails_the_build(tmp_path):
+    class Overflowing(ByteTokenizer):
+        def encode_batch(self, texts):
+            out = super().encode_batch(texts)
+            out[0][0] = 300
+            return out
+
+    with pytest.raises(DataError, match=r"token id 300 \(token 1 of tokens.bin\) .*258 ids\); "
+                                        "the tokenizer gave ids beyond its own vocab_size"):
+        write_layout(tmp_path / "d", TEXTS, Overflowing(), seq_len=16, num_epochs=1, seed=0,
+                     eval_fraction=0.2, source="test")
+    assert list(tmp_path.iterdir()) == []
