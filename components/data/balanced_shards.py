@@ -21,7 +21,6 @@ shards in stream order with their row counts, the pass queue and the shards seen
 
 from __future__ import annotations
 
-import json
 import zlib
 from bisect import bisect_right
 from pathlib import Path
@@ -33,7 +32,7 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.prefetch import Prefetcher
-from kiln.components.data.shard_source import FolderSource, HubSource, Shard
+from kiln.components.data.shard_source import FolderSource, HubSource, Shard, read_shards_json
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.registry import register
 
@@ -213,7 +212,7 @@ class BalancedShards:
         if self.tokenizer is None or not isinstance(self.source, FolderSource) or \
                 not info.is_file():
             return
-        meta = json.loads(info.read_text())
+        meta = read_shards_json(info.parent)
         if meta.get("tokenizer") != self.tokenizer.fingerprint():
             ours = getattr(self.tokenizer, "source", "") or type(self.tokenizer).__name__
             raise DataError(

@@ -17,6 +17,7 @@ instead, and ``hf_hub_download`` serves files from (and fills) the usual Hub cac
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,6 +26,28 @@ import numpy as np
 from kiln.components.errors import DataError
 
 _INT_DTYPES = (np.uint16, np.int16, np.int32, np.uint32, np.int64, np.uint8)
+
+
+SHARDS_JSON = "shards.json"  # what `kiln data prepare --domain` records about a domain
+_SHARDS_KEYS = ("shards", "total_tokens", "num_docs", "token_dtype", "vocab_size", "tokenizer",
+                "tokenizer_source")
+
+
+def read_shards_json(domain: Path) -> dict:
+    """A domain folder's shards.json, checked: one DataError naming the file when it is
+    unreadable, not JSON (or not UTF-8) or lacks a key."""
+    path = domain / SHARDS_JSON
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        meta = exc
+    missing = [k for k in _SHARDS_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        why = f"unreadable ({meta})" if isinstance(meta, Exception) else \
+            f"lacks {', '.join(missing)}"
+        raise DataError(f"{path}: {why}; delete the domain folder and rerun "
+                        "`kiln data prepare --domain`")
+    return meta
 
 
 class Shard:

@@ -222,9 +222,10 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
 def _info(folder: str) -> int:
     path = Path(folder)
     from kiln.components.data.packed_layout import DAMAGED, check_ids, open_layout
+    from kiln.components.data.shard_source import read_shards_json
 
     if (path / "shards.json").is_file():
-        meta = json.loads((path / "shards.json").read_text())
+        meta = read_shards_json(path)
         largest = _check_shard_ids(path, int(meta["vocab_size"]))
         print(f"balanced_shards domain {path.name}: {meta['shards']} shards, "
               f"{meta['total_tokens']:,} tokens in {meta['num_docs']:,} documents "

@@ -40,6 +40,9 @@ def _prompts(args) -> list[str]:
             text = Path(args.prompts_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise RecipeError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise RecipeError(f"--prompts-file {args.prompts_file}: byte {exc.start} is not "
+                              "UTF-8 text; save the file as UTF-8") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise RecipeError("give at least one --prompt TEXT (or --prompts-file FILE)")

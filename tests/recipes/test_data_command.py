@@ -265,3 +265,16 @@ def test_prepare_knows_the_default_batch_plan_and_stays_light(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "warning: the eval split" in out.stderr
+
+
+def test_a_damaged_shards_json_is_one_message(tmp_path, texts, capsys):
+    out = tmp_path / "sh"
+    assert main(["data", "prepare", "--input", str(texts), "--out", str(out), "--domain", "a",
+                 "--workers", "0", "--no-progress"]) == 0
+    for damage in (b"{not json", b"caf\xe9", b"{}"):
+        (out / "a" / "shards.json").write_bytes(damage)
+        capsys.readouterr()
+        assert main(["data", "info", str(out / "a")]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"{out / 'a' / 'shards.json'}: " in err
+        assert "kiln data prepare --domain" in err

@@ -167,3 +167,10 @@ def test_kiln_generate_keeps_the_space_a_metaspace_decoder_strips(tmp_path, caps
     assert main(["generate", str(folder), "--prompt", "a", "--prompt", "a a"]) == 0
     out = capsys.readouterr().out
     assert "--- [0] ---\na 1 1 1\n" in out and "--- [1] ---\na a 1 1 1\n" in out
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
+    (tmp_path / "p.txt").write_bytes(b"caf\xe9\n")
+    assert main(["generate", str(tmp_path), "--prompts-file", str(tmp_path / "p.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "p.txt: byte 3 is not UTF-8" in err
