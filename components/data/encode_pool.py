@@ -8,16 +8,22 @@ this process (the ``tokenizers`` library then uses its own threads).
 
 Worker processes are spawned (not forked: the parent may hold torch's or the tokenizer's
 thread pools) and each runs one tokenizer thread, so N workers use N cores.
+
+Ctrl-C reaches the whole foreground process group, workers included. Only the parent acts on it
+(it stops, shuts the pool down and leaves the partial build to be continued); a worker ignores
+SIGINT from birth, so it neither prints a ``KeyboardInterrupt`` traceback nor dies under the
+pool, which would leave the parent's shutdown waiting for it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Any
 
 import numpy as np
@@ -43,8 +49,27 @@ def encode(tokenizer: Any, texts: list[str], dtype: np.dtype) -> Encoded:
     return Encoded(ids, lengths, nbytes)
 
 
+class _WorkerProcess(SpawnProcess):
+    """A spawned process that starts with SIGINT blocked: the mask survives fork and exec, so
+    a Ctrl-C while the worker is still importing (before ``_init`` runs) is held back instead
+    of raising in the middle of an import. The parent's own SIGINT stays pending during the
+    start and arrives right after (the stdlib's resource tracker is started the same way)."""
+
+    def start(self) -> None:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _WorkerContext(SpawnContext):
+    Process = _WorkerProcess
+
+
 def _init(tokenizer: Any) -> None:
     global _TOKENIZER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C (module doc)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
     _TOKENIZER = tokenizer  # the parent's own object, sent by multiprocessing's pipe
@@ -61,7 +86,7 @@ def encode_batches(tokenizer: Any, batches: Iterable[tuple[Any, list[str]]], *, 
         for tag, texts in batches:
             yield tag, encode(tokenizer, texts, dtype)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init,
+    pool = ProcessPoolExecutor(workers, mp_context=_WorkerContext(), initializer=_init,
                                initargs=(tokenizer,))
     pending: deque[tuple[Any, Future]] = deque()
     try:

@@ -273,8 +273,17 @@ def _check_shard_ids(domain: Path, vocab: int) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action == "info":
         return _info(args.folder)
-    if args.input:
-        return _prepare_inputs(args)
+    try:
+        return _prepare_inputs(args) if args.input else _prepare_source(args)
+    except KeyboardInterrupt:  # Ctrl-C: the workers ignore it, the partial build is kept
+        sys.stdout.flush()
+        what = ("rerun the same command to continue" if args.input else
+                "nothing was kept; rerun the same command to build it")
+        print(f"kiln data prepare: interrupted; {what}", file=sys.stderr)
+        return 130
+
+
+def _prepare_source(args: argparse.Namespace) -> int:
     recipe, data, (tokenizer, tok_overrides), seq_len, seed = _components(args)
     dataset = data.build(tokenizer=tokenizer, seq_len=seq_len, seed=seed)
     existed = dataset.folder.exists()

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from kiln.components.data.byte_tokenizer import ByteTokenizer
+from kiln.components.data.packed_layout import open_layout
 from kiln.recipes.cli import main
+from tests.components.data.corpora import DOCS, write_jsonl
+from tests.conftest import REPO
 
 
 @pytest.fixture
@@ -278,3 +287,39 @@ def test_a_damaged_shards_json_is_one_message(tmp_path, texts, capsys):
         err = capsys.readouterr().err
         assert "Traceback" not in err and f"{out / 'a' / 'shards.json'}: " in err
         assert "kiln data prepare --domain" in err
+
+
+def test_ctrl_c_says_rerun_and_the_rerun_continues(tmp_path, capsys):
+    files = [write_jsonl(tmp_path / "in" / f"{i:02d}.jsonl", DOCS) for i in range(40)]
+    out = tmp_path / "out"
+    args = ["data", "prepare", "--input", *map(str, files), "--out", str(out), "--workers", "2",
+            "--no-progress"]
+    # `kiln data prepare` with the byte tokenizer slowed down (50 ms a batch), so the build is
+    # still running when Ctrl-C comes: SIGINT to the whole process group, workers included.
+    code = ("import sys, kiln.components.data.byte_tokenizer as b;"
+            "from tests.components.data.slow_tokenizer import SlowByteTokenizer;"
+            "b.ByteTokenizer = SlowByteTokenizer; from kiln.recipes.cli import main;"
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    progress = tmp_path / ".out.partial" / "progress.json"
+    try:
+        while proc.poll() is None and not (
+                progress.exists() and json.loads(progress.read_text())["docs"] >= 2 * len(DOCS)):
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stdout + stderr and not out.exists()
+    assert stderr == "kiln data prepare: interrupted; rerun the same command to continue\n"
+    assert main(args) == 0  # the same command (the plain byte tokenizer: the same ids)
+    printed = capsys.readouterr().out
+    assert "continuing the interrupted build" in printed and "resumed in" in printed
+    layout = open_layout(out, ByteTokenizer())
+    assert layout.meta["num_docs"] == len(DOCS) * len(files)
+    assert len(layout.tokens) == sum(len(d.encode()) + 2 for d in DOCS) * len(files)

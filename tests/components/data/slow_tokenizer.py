@@ -28,3 +28,17 @@ class FailingByteTokenizer(ByteTokenizer):
         if self.calls == self.fail_at:
             raise KeyboardInterrupt("killed")
         return super().encode_batch(texts)
+
+
+class SignalProbeTokenizer(ByteTokenizer):
+    """Encodes every text as two ids telling how the encoding process treats SIGINT:
+    (handler is SIG_IGN, SIGINT is blocked)."""
+
+    def encode_batch(self, texts):
+        import signal
+
+        import numpy as np
+
+        state = [signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+                 signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+        return [np.array(state, dtype=np.uint16) for _ in texts]
