@@ -1,8 +1,8 @@
 """kiln's one exception hierarchy: every message says what is wrong, what is valid and what to do.
 
 The command line prints ``KilnError`` messages without a traceback; ``RecipeError`` (a bad
-recipe or command line), ``CheckpointError`` and ``TrainingAborted`` exit with status 2, the
-others with status 1.
+recipe or command line), ``CheckpointError``, ``TrainingAborted`` and ``RunFolderInUse`` exit
+with status 2, the others with status 1.
 
 A leaf module: every package may import it and it imports nothing of kiln.
 """
@@ -34,5 +34,11 @@ class CheckpointError(KilnError):
 
 class TrainingAborted(KilnError):
     """A guard aborted training (loss spikes, too many skipped steps)."""
+
+    exit_code = 2
+
+
+class RunFolderInUse(KilnError):
+    """Another live run holds the run folder (``recipes/run_lock.py``)."""
 
     exit_code = 2

@@ -12,11 +12,14 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from kiln.components import distributed
+    from kiln.recipes.run_lock import hold_run_folder
     from kiln.recipes.trainer import Trainer
 
     ok = False
     try:
-        Trainer(recipe).fit()
+        world = distributed.init(recipe.training.device, recipe.parallelism.backend)
+        with hold_run_folder(recipe.run.folder, world):  # one run per folder (run_lock.py)
+            Trainer(recipe).fit()
         ok = True
     finally:
         distributed.shutdown(together=ok)
