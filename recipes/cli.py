@@ -60,6 +60,7 @@ def _looks_like_override(arg: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launch.bind_to_launcher()  # a torchrun worker of kiln.recipes.launch dies with it
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
