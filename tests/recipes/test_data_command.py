@@ -323,3 +323,15 @@ def test_ctrl_c_says_rerun_and_the_rerun_continues(tmp_path, capsys):
     layout = open_layout(out, ByteTokenizer())
     assert layout.meta["num_docs"] == len(DOCS) * len(files)
     assert len(layout.tokens) == sum(len(d.encode()) + 2 for d in DOCS) * len(files)
+
+
+def test_ctrl_c_in_a_recipe_build_keeps_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    def interrupted(self, texts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", interrupted)
+    out = tmp_path / "built"
+    assert main(["data", "prepare", "--out", str(out), "--max-bytes", "3000"]) == 130
+    assert capsys.readouterr().err == ("kiln data prepare: interrupted; nothing was kept; rerun "
+                                       "the same command to build it\n")
+    assert not out.exists() and not list(tmp_path.glob(".built.tmp-*"))
