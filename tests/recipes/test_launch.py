@@ -121,7 +121,7 @@ def test_two_processes_fail_with_one_message_and_kiln_status(tmp_path):
     text = missing.stdout + missing.stderr
     assert missing.returncode == 1, text
     assert "Traceback" not in text and text.count("error:") == 1
-    assert "kiln train: error: dataset folder" in missing.stderr
+    assert "kiln train: error: data.path = " in missing.stderr  # no dataset folder there
     # Resuming with a changed model shape: every rank refuses, status 2 (a checkpoint error).
     assert _run_train(tmp_path, 1).returncode == 0
     two = _run_train(tmp_path, 2, "--training.steps=2", "--model.dim=48")
