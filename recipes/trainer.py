@@ -29,6 +29,7 @@ from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import peak_flops
 from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
+from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.process_stats import Phases, peak_rss_bytes
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
@@ -176,6 +177,11 @@ class Trainer:
             self.chunk_loss = compile_loss(chunk_loss_sum, pcfg, self.device)
         for line in details:
             self.print(f"parallelism: {line}")
+        self.model_inputs = ModelInputs(getattr(self.recipe.model, "attention", None),
+                                        self.device)
+        self.model_inputs.check_model(self.model)
+        if line := self.model_inputs.describe():
+            self.print(line)
         kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
         if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
             self.print(f"model: {line}")
@@ -249,16 +255,16 @@ class Trainer:
         through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
         # not under tensor parallel: the logits are vocabulary shards (see chunked_loss_note)
         chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
+        ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
         if chunk:
             with self.autocast:
-                loss = self.model(batch["input_ids"],
-                                  head=LossHead(batch["labels"], chunk, self.chunk_loss))
+                loss = self.model(ids, head=LossHead(labels, chunk, self.chunk_loss), **extra)
         else:
             with self.autocast:
-                logits = self.model(batch["input_ids"])  # (B, T, V)
+                logits = self.model(ids, **extra)  # (B, T, V)
             # Through the plan: with loss parallel the logits are sharded over the vocabulary.
             loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
-                                      batch["labels"].flatten())
+                                      labels.flatten())
         pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
         aux = pop_aux() if pop_aux is not None else None
         # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.

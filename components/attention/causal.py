@@ -18,11 +18,13 @@ rank sees only its heads (the projections return local shards).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
+from kiln.components.attention.context import AttentionContext, sdpa
 from kiln.components.attention.kv_cache import KVCache, cached_sdpa
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
@@ -43,6 +45,23 @@ class CausalAttentionConfig(ComponentConfig):
     head_dim: int = Field(0, ge=0, description="width of a head (0 = dim / n_heads)")
     qk_norm_eps: float = Field(1e-5, gt=0, description="eps of the QK-norm RMSNorms")
     position: Sub("position") = component("position", "rope", "position encoding of q and k")
+    document_mask: bool = Field(
+        False, description="training: a token attends only to earlier tokens of its own document "
+        "(packed rows; the batch's doc_ids, given by every built-in dataset)")
+    positions: Literal["sequence", "per_document"] = Field(
+        "sequence", description="training: RoPE positions count from the row's start (sequence) "
+        "or restart at every document (per_document; needs document_mask)")
+    mask_kernel: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="kernel of a document mask or context parallel: sdpa (a boolean "
+        "mask, any device), flex (FlexAttention block mask, CUDA), auto = flex on CUDA, sdpa "
+        "elsewhere")
+
+    @model_validator(mode="after")
+    def _check_positions(self):
+        if self.positions == "per_document" and not self.document_mask:
+            raise ValueError("positions = \"per_document\" needs document_mask = true (the "
+                             "positions restart where the mask starts a new document)")
+        return self
 
     def heads_problem(self, dim: int) -> str | None:
         """Why these head counts do not fit a model of width ``dim`` (None: they fit)."""
@@ -127,16 +146,23 @@ class CausalAttention(nn.Module):
         if reset is not None:
             reset()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+    def forward(self, x: torch.Tensor, *,
+                context: AttentionContext | None = None) -> torch.Tensor:  # (B, T, dim) -> same
+        """``context``: document mask / context parallel of a training forward
+        (``attention/context.py``); None = causal over ``x``'s tokens."""
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = self.kv_cache
         if cache is None:
-            q, k = self.position(q, k)
+            if context is None:
+                q, k = self.position(q, k)
+            else:  # rotated at their positions; context parallel: every rank's keys and values
+                q, k = self.position(q, k, **context.rope_args())
+                k, v = context.gather(k), context.gather(v)  # (B, T_all, Hk, D)
             # SDPA wants (B, H, T, D); a transpose is a view.
-            out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context)
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             q, k = self.position(q, k, positions=cache.session.positions)
             k, v = cache.update(k, v)  # (B, S, Hk, D)
@@ -183,18 +209,5 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int,
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA on (B, H, T, D); kv heads broadcast to q heads (GQA) without copies.
-
-    `enable_gqa` was as fast as `repeat_interleave` on CPU and does not materialise repeats.
-    On CPU with bf16 inputs and small heads (D <= 32) the attention runs in fp32: the CPU
-    flash kernel was 1.6x slower in bf16 there (forward + backward, (4, 16, 256, 16), casts
-    included); with larger heads or longer sequences bf16 is as fast or faster, so it stays.
-    """
-    gqa = k.shape[1] != q.shape[1]
-    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] <= 32:
-        with torch.autocast("cpu", enabled=False):
-            out = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa
-            )
-        return out.to(v.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    """Causal SDPA on (B, H, T, D) with GQA (``context.sdpa`` without a context)."""
+    return sdpa(q, k, v)

@@ -44,6 +44,7 @@ from pydantic import Field
 from torch import nn
 
 from kiln.components.attention.causal import CausalAttention, CausalAttentionConfig
+from kiln.components.attention.context import AttentionContext, sdpa
 from kiln.components.attention.kv_cache import cached_sdpa
 from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
 from kiln.components.registry import register
@@ -150,7 +151,9 @@ class DifferentialAttention(CausalAttention):
             return per_head
         return per_head.narrow(0, self.head_offset, heads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+    def forward(self, x: torch.Tensor, *,
+                context: AttentionContext | None = None) -> torch.Tensor:  # (B, T, dim) -> same
+        """``context``: document mask / context parallel (``attention/context.py``)."""
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, T, H, 2d), (B, T, Hk, 2d), (B, T, Hk, 2d)
         h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2  # this rank's heads
@@ -159,7 +162,11 @@ class DifferentialAttention(CausalAttention):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = self.kv_cache
-        if cache is None:
+        if cache is None and context is not None:  # both maps under the context's mask
+            q, k = self.position(q, k, **context.rope_args())
+            k, v = context.gather(k), context.gather(v)  # (B, T_all, 2Hk, d), (B, T_all, Hk, 2d)
+            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, context)  # noqa: E731
+        elif cache is None:
             q, k = self.position(q, k)
             attend = lambda q_, k_, v_: F.scaled_dot_product_attention(  # noqa: E731
                 q_, k_, v_, is_causal=True, enable_gqa=hk != h)

@@ -31,6 +31,7 @@ import torch
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
+from kiln.components.data import documents
 from kiln.components.data.prefetch import Prefetcher
 from kiln.components.data.shard_source import FolderSource, HubSource, Shard, read_shards_json
 from kiln.components.errors import DataError, RecipeError
@@ -236,7 +237,8 @@ class BalancedShards:
 
 
 class BalancedLoader:
-    """Micro-batches ``{"input_ids", "labels"}`` (int64 (micro_batch, seq_len)) of one rank.
+    """Micro-batches ``{"input_ids", "labels"}`` (int64 (micro_batch, seq_len)) of one rank, with
+    ``doc_ids`` from the BOS tokens when the dataset has a tokenizer (``data/documents.py``).
 
     ``train`` runs forever and resumes from ``state_dict``; ``eval`` is one pass over the held-out
     rows each time it is iterated. ``train`` batches are made ``prefetch`` micro-batches ahead
@@ -291,8 +293,13 @@ class BalancedLoader:
             + micro * self.micro_batch
 
     def _batch(self, pos: int) -> dict[str, torch.Tensor]:
-        rows = torch.from_numpy(self._rows(self._first_row(pos)))  # (mb, L + 1)
-        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        rows = self._rows(self._first_row(pos))  # (mb, L + 1)
+        t = torch.from_numpy(rows)
+        batch = {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+        bos = getattr(self.ds.tokenizer, "bos_id", None)
+        if bos is not None:  # shards hold bare ids: documents start at BOS (kiln's writers)
+            batch["doc_ids"] = torch.from_numpy(documents.from_bos(rows[:, :-1], bos))
+        return batch
 
     def __len__(self) -> int:
         if self.split == "train":

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kiln.components.data import documents
 from kiln.components.data.layout_fit import too_small
 from kiln.components.data.packed_layout import (
     DAMAGED,
@@ -68,6 +69,11 @@ class _Windows:
 
     def read(self, epoch: int, first: int, rows: int) -> np.ndarray:
         """Windows ``first .. first+rows-1`` of ``epoch``: int64 (rows, seq_len + 1)."""
+        return self.read_documents(epoch, first, rows)[0]
+
+    def read_documents(self, epoch: int, first: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(windows int64 (rows, seq_len + 1), their inputs' ``doc_ids`` int32 (rows, seq_len)):
+        the document of every stream position is known, so its boundaries come with it."""
         if self._tokens is None:
             self._tokens = np.memmap(self.folder / TOKENS, self.dtype, "r", shape=(self.total,))
         doc_start, cum = self._order(epoch)
@@ -79,7 +85,7 @@ class _Windows:
             bad = np.argmax(out >= self.vocab)
             raise id_error(self.folder, int(out.flat[bad]), int(at.flat[bad]), self.vocab,
                            f"{DAMAGED} (`kiln data info {self.folder}` checks every token)")
-        return out
+        return out, documents.relative(doc[:, :-1])
 
 
 class _MicroBatches(Dataset):
@@ -95,11 +101,12 @@ class _MicroBatches(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         epoch, first, rows = _locate(self.start + i, *self.loader_plan)
         try:
-            w = self.windows.read(epoch, first, rows)  # (mb, L + 1)
+            w, docs = self.windows.read_documents(epoch, first, rows)  # (mb, L + 1), (mb, L)
         except DataError as exc:  # handed over as data: raised by a worker, torch would wrap
             return {"error": str(exc)}  # it in its traceback text; `_raise_errors` raises it
         return {"input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),  # (mb, L)
-                "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:]))}  # (mb, L)
+                "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:])),  # (mb, L)
+                "doc_ids": torch.from_numpy(docs)}  # (mb, L) int32, see data/documents.py
 
 
 def _locate(pos: int, per_step: int, steps: int, gb: int, per_rank: int, rank: int,
@@ -111,7 +118,8 @@ def _locate(pos: int, per_step: int, steps: int, gb: int, per_rank: int, rank: i
 
 
 class Loader:
-    """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) of one rank.
+    """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) of one rank,
+    with ``doc_ids`` (int32, same shape: the document of each input token, ``data/documents.py``).
 
     ``prepared``: the folder came from `kiln data prepare` (data.path), not from the recipe's
     source built into the cache; it picks the advice of a split too small for one batch.

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.components.data import documents
 from kiln.components.data.text_sources import ReadStats, SourceFile, read_documents
 from kiln.components.errors import DataError
 
@@ -111,8 +112,9 @@ class Lanes:
         for (j, addr, _), arr in zip(texts, ids, strict=True):
             self.docs[j % self.gb].append([j, addr, np.concatenate([bos, arr, eos])])
 
-    def window(self, lane: int) -> np.ndarray:
-        """The lane's next window (int64 (seq_len + 1,)) and the position after it."""
+    def window(self, lane: int) -> tuple[np.ndarray, np.ndarray]:
+        """The lane's next window (int64 (seq_len + 1,)) and its inputs' ``doc_ids`` (int32
+        (seq_len,): one per piece it is cut from, ``data/documents.py``); moves the position."""
         need, pos, docs = self.seq_len + 1, self.pos[lane], self.docs[lane]
         while sum(len(d[2]) for d in docs) - pos["off"] < need:
             self._refill(lane)
@@ -127,4 +129,5 @@ class Lanes:
         while pos["off"] >= len(docs[0][2]):
             pos["off"] -= len(docs.popleft()[2])
         pos["doc"], pos["addr"] = docs[0][0], docs[0][1]
-        return np.concatenate(parts).astype(np.int64)
+        doc_ids = documents.from_lengths([len(p) for p in parts], self.seq_len)
+        return np.concatenate(parts).astype(np.int64), doc_ids

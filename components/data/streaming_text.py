@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kiln.components.base import ComponentConfig
+from kiln.components.data import documents
 from kiln.components.data.packed_loader import _check_batch_plan
 from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts
 from kiln.components.data.text_sources import expand_inputs
@@ -75,12 +76,12 @@ class _LaneStream(IterableDataset):
         turn = self._turn  # the next of this worker's slots, round after round
         while True:
             s = slots[turn]
-            rows = np.stack([self._lanes.window(self.base + s * self.mb + i)
-                             for i in range(self.mb)])  # (mb, L + 1)
+            windows = [self._lanes.window(self.base + s * self.mb + i) for i in range(self.mb)]
             turn = (turn + 1) % len(slots)
             self._state, self._turn = self._lanes.state_dict(), turn
-            t = torch.from_numpy(rows)
-            yield {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+            t = torch.from_numpy(np.stack([w for w, _ in windows]))  # (mb, L + 1)
+            yield {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(),
+                   "doc_ids": torch.from_numpy(np.stack([d for _, d in windows]))}
 
     def state_dict(self) -> dict[str, Any]:
         return {"lanes": self._state, "turn": self._turn}
@@ -90,8 +91,9 @@ class _LaneStream(IterableDataset):
 
 
 class StreamLoader:
-    """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) of one
-    rank's train stream; endless. ``state_dict`` is the StatefulDataLoader's (JSON-able)."""
+    """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) and their
+    ``doc_ids`` (``data/documents.py``) of one rank's train stream; endless. ``state_dict`` is
+    the StatefulDataLoader's (JSON-able)."""
 
     steps_per_epoch = None  # endless stream: the recipe sets training.steps or tokens
 
@@ -148,8 +150,8 @@ class _EvalLoader:
     """One pass over the eval documents packed into windows, this rank's slice of each batch."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, rank: int,
-                 world_size: int) -> None:
-        self.tokens, self.seq_len, self.mb = tokens, seq_len, micro_batch
+                 world_size: int, bos_id: int) -> None:
+        self.tokens, self.seq_len, self.mb, self.bos_id = tokens, seq_len, micro_batch, bos_id
         self.rank, self.world = rank, world_size
         self.batches = (len(tokens) - 1) // seq_len // (micro_batch * world_size)
         if self.batches == 0:
@@ -165,8 +167,10 @@ class _EvalLoader:
             first = (b * self.world + self.rank) * self.mb
             pos = (first + np.arange(self.mb))[:, None] * self.seq_len + np.arange(
                 self.seq_len + 1)
-            rows = torch.from_numpy(self.tokens[pos].astype(np.int64))  # (mb, L + 1)
-            yield {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+            rows = self.tokens[pos].astype(np.int64)  # (mb, L + 1)
+            t = torch.from_numpy(rows)
+            yield {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(),
+                   "doc_ids": torch.from_numpy(documents.from_bos(rows[:, :-1], self.bos_id))}
 
 
 @register("dataset", "streaming_text")
@@ -212,7 +216,7 @@ class StreamingText:
         self.prepare()
         if split == "eval":
             return _EvalLoader(self._eval_split()[0], self.seq_len, micro_batch, rank,
-                               world_size)
+                               world_size, self.tokenizer.bos_id)
         if split != "train":
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         return StreamLoader(self, micro_batch=micro_batch, global_batch=global_batch, rank=rank,

@@ -61,8 +61,11 @@ class Block(nn.Module):
             nn.init.constant_(self.attention_scale, self.layerscale_init)
             nn.init.constant_(self.ffn_scale, self.layerscale_init)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
-        a = self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, context: Any = None) -> torch.Tensor:  # (B, T, dim)
+        """``context``: the forward's ``AttentionContext`` (document mask, context parallel),
+        handed to the attention; None = plain causal (an attention without the keyword works)."""
+        h = self.attention_norm(x)
+        a = self.attention(h) if context is None else self.attention(h, context=context)
         x = x + a if self.attention_scale is None else x + self.attention_scale * a
         f = self.feed_forward(self.ffn_norm(x))
         return x + f if self.ffn_scale is None else x + self.ffn_scale * f

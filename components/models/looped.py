@@ -27,6 +27,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.distributed import is_dtensor
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
@@ -221,14 +222,16 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             self._window = None
 
     def forward(self, input_ids: torch.Tensor, *, loops: int | None = None,
-                head: HeadFn | None = None) -> torch.Tensor:
+                head: HeadFn | None = None,
+                context: AttentionContext | None = None) -> torch.Tensor:
         """(B, T) -> logits (B, T, V); ``loops`` = H_eff for evaluation (early exit); with
-        ``head``, ``head(hidden, weight, softcap)`` instead (the chunked loss, ``lm_head``)."""
+        ``head``, ``head(hidden, weight, softcap)`` instead (the chunked loss, ``lm_head``);
+        ``context``: every block's attention layout (``attention/context.py``)."""
         if loops is not None and not 1 <= loops <= self.loops:
             raise ValueError(f"loops must be in [1, {self.loops}], got {loops}")
         e = self.tok_embeddings(input_ids)  # (B, T, dim)
         for i in self.prelude_ids:
-            e = self.layers[i](e)
+            e = self.layers[i](e, context=context)
         w, slot = self._window, None
         if w is not None:
             start, stop, slot = w.start, w.stop, w.slot
@@ -240,14 +243,14 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             s = w.state_in
         else:
             s = self._initial_state(e, input_ids, slot)
-        s = self._run_loops(s, e, start, stop)
+        s = self._run_loops(s, e, start, stop, context)
         if w is not None:
             w.state_out = s
         if self.carry is not None and self.training and slot is not None and (
                 w is None or stop == self.loops):
             self.carry.stage(slot, s, input_ids)
         for i in self.coda_ids:
-            s = self.layers[i](s)
+            s = self.layers[i](s, context=context)
         s = self.norm(s)
         if head is not None:
             return head(s, self.output.weight, self.cfg.logit_softcap)
@@ -280,7 +283,8 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
             return self.carry.initial(slot, fresh)
         return fresh
 
-    def _run_loops(self, s: torch.Tensor, e: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def _run_loops(self, s: torch.Tensor, e: torch.Tensor, start: int, stop: int,
+                   context: AttentionContext | None = None) -> torch.Tensor:
         k = self.cfg.backprop_loops
         first_grad = stop - k if (k and self.training) else start
         lam = self.loop_scale()
@@ -291,7 +295,7 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
                 u = lam * s
                 u = u + e if self.adapter is None else self.adapter(torch.cat([u, e], -1))
                 for j in self.recurrent_ids:
-                    u = self.layers[j](u)
+                    u = self.layers[j](u, context=context)
                 s = u if self.state_norm is None else self.state_norm(u)
         return s
 

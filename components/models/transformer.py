@@ -19,6 +19,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models.block import (
@@ -102,12 +103,14 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
             out_std = self.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
-    def forward(self, input_ids: torch.Tensor, *, head: HeadFn | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, head: HeadFn | None = None,
+                context: AttentionContext | None = None) -> torch.Tensor:
         """(B, T) -> logits (B, T, V); with ``head``, ``head(hidden, weight, softcap)`` instead
-        (the trainer's chunked loss, ``lm_head``)."""
+        (the trainer's chunked loss, ``lm_head``); ``context``: every block's attention layout
+        (document mask, context parallel: ``attention/context.py``)."""
         h = self.tok_embeddings(input_ids)  # (B, T, dim)
         for block in self.layers.values():
-            h = block(h)
+            h = block(h, context=context)
         h = self.norm(h)
         if head is not None:
             return head(h, self.output.weight, self.logit_softcap)

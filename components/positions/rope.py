@@ -98,16 +98,21 @@ class RoPE(nn.Module):
         table = torch.stack((angles.cos(), angles.sin()), dim=-1) * scale  # (T, D/2, 2)
         buf.copy_(table.to(device=buf.device, dtype=buf.dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None,
+                limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, T, Hq, D) and k (B, T, Hk, D) by their positions: 0..T-1, or
-        ``positions`` (B, T) long (tokens appended to a KV cache, left-padded rows).
+        ``positions`` (B, T) or (T,) long (tokens appended to a KV cache, left-padded rows,
+        per-document positions, a context-parallel rank's share of the sequence). ``limit``: the
+        caller knows every position is below it (no device-to-host read to check them).
 
-        A position component is called as ``position(q, k, positions=None) -> (q, k)``; it is
-        `forward`, not `apply`, because `nn.Module.apply(fn)` recurses into children.
+        A position component is called as ``position(q, k, positions=None, limit=None) ->
+        (q, k)``; it is `forward`, not `apply`, because `nn.Module.apply(fn)` recurses into
+        children.
         """
         t = q.shape[1]
-        last = t if positions is None else int(positions.max()) + 1
+        if positions is not None and limit is None:
+            limit = int(positions.max()) + 1
+        last = t if positions is None else limit
         if last > self.max_seq_len:
             raise ValueError(
                 f"sequence length {last} exceeds the RoPE table ({self.max_seq_len}); raise the "

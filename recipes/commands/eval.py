@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.hooks import bits_per_byte
+from kiln.recipes.model_inputs import ModelInputs
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
 
@@ -50,15 +51,21 @@ def parse_loops(text: str, model: torch.nn.Module) -> list[int | None]:
 
 
 @torch.no_grad()
-def eval_loss(model, loader, budget: int, loops: int | None, device, autocast) -> tuple[float, int]:
-    """Mean next-token loss over the first ``budget`` tokens of the eval split; (loss, tokens)."""
+def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
+              inputs=None) -> tuple[float, int]:
+    """Mean next-token loss over the first ``budget`` tokens of the eval split; (loss, tokens).
+    ``inputs``: the run's ``ModelInputs`` (a document-masked run evaluates with its mask)."""
     total, count = 0.0, 0
     for batch in loader:
         if count >= budget:
             break
-        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        ids, labels, extra = inputs(batch) if inputs is not None else (
+            batch["input_ids"], batch["labels"], {})
+        if loops is not None:
+            extra["loops"] = loops
         with autocast:
-            logits = model(ids) if loops is None else model(ids, loops=loops)
+            logits = model(ids, **extra)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         total += float(loss)
         count += labels.numel()
@@ -88,9 +95,11 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16)
                 if tr.mixed_precision == "bf16" else contextlib.nullcontext())
     budget = tokens or data_recipe.eval.tokens
+    inputs = ModelInputs(getattr(recipe.model, "attention", None), dev)  # as trained
+    inputs.check_model(model)
     rows = []
     for h in values:
-        loss, n = eval_loss(model, loader, budget, h, dev, autocast)
+        loss, n = eval_loss(model, loader, budget, h, dev, autocast, inputs)
         rows.append({"loops": h if h is not None else getattr(model, "loops", None),
                      "loss": loss, "bpb": bits_per_byte(loss, dataset), "tokens": n})
     return {"checkpoint": str(ckpt), "rows": rows, **verdict([r["loss"] for r in rows])}

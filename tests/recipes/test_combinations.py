@@ -179,6 +179,26 @@ def test_every_combination_trains(tmp_path, family, step, float8, ac, eval_first
     assert losses == _reference[key]
 
 
+DOC_MASK = ("--model.attention.document_mask=true", "--model.attention.positions=per_document")
+
+
+@pytest.mark.parametrize("family, step, ac", [
+    pytest.param(f, s, ac, id=f"{f}-{s}-{ac}") for f in discovered() for s in steps_for(f)
+    for ac in ("none", "full", "selective_ops")])
+def test_document_mask_in_every_family_step_and_checkpointing_mode(tmp_path, family, step, ac):
+    """``model.attention.document_mask`` (per-document positions) with float8: finite, and
+    activation checkpointing recomputes the masked attention exactly."""
+    args = [*DOC_MASK, "--parallelism.float8=rowwise", f"--training.step.type={step}"]
+    if step == "segmented_bptt":
+        args.append("--training.step.segment_loops=2")
+    losses, trainer = train(recipe_for(family, tmp_path / "run", *args, *ac_modes()[ac]))
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
+    assert trainer.model_inputs.document_mask
+    if ac != "none":
+        ref, _ = train(recipe_for(family, tmp_path / "ref", *args))
+        assert losses == ref
+
+
 def test_the_matrix_covers_what_kiln_ships():
     """Every model family of the brief, every registered model/attention/ffn, every AC mode."""
     families = discovered()

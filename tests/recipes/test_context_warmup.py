@@ -32,8 +32,9 @@ def test_off_and_clamped():
 
 def test_truncate_keeps_inputs_and_labels_aligned():
     ids = torch.arange(20).view(2, 10)
-    batch = {"input_ids": ids, "labels": ids + 1}
+    batch = {"input_ids": ids, "labels": ids + 1, "doc_ids": (ids % 10 > 2).int()}
     cut = truncate(batch, 4)
     assert cut["input_ids"].shape == (2, 4)
+    assert cut["doc_ids"].tolist() == [[0, 0, 0, 1]] * 2  # the document boundaries go along
     assert torch.equal(cut["labels"], cut["input_ids"] + 1)
     assert truncate(batch, 64)["input_ids"] is ids

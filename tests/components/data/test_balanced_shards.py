@@ -278,3 +278,21 @@ def test_ids_beyond_the_tokenizers_vocabulary_are_a_data_error(root):
     with pytest.raises(DataError, match="kiln data prepare --domain"):
         next(loader)
     loader.close()
+
+
+def test_rows_carry_documents_from_bos_with_a_tokenizer(root):
+    """Shards hold bare ids: a new document starts at each BOS of the dataset's tokenizer (here
+    the token 3 + tag of every row's third position); no tokenizer, no ``doc_ids``."""
+    from types import SimpleNamespace
+
+    assert "doc_ids" not in next(dataset(root).loader("train", micro_batch=3, global_batch=3))
+    cfg = default_config("dataset", "balanced_shards", path=str(root), domains=DOMAINS,
+                         eval_rows=4)
+    ds = cfg.build(tokenizer=SimpleNamespace(bos_id=int(tag(0, 0, 4)) + 2,
+                                          vocab_size=1 << 16), seq_len=L, seed=0)
+    ds.prepare()
+    batch = next(ds.loader("train", micro_batch=3, global_batch=3))
+    ids, docs = batch["input_ids"], batch["doc_ids"]
+    want = torch.zeros_like(docs)
+    want[ids[:, :1].eq(tag(0, 0, 4)).squeeze(1), 2:] = 1
+    assert docs.dtype == torch.int32 and torch.equal(docs, want)

@@ -95,3 +95,21 @@ def test_too_small_split_is_a_data_error(make_dataset):
     ds = make_dataset(seq_len=L)
     with pytest.raises(DataError, match="fewer than one global batch"):
         loader(ds, global_batch=1 << 16, micro_batch=1 << 16)
+
+
+def test_batches_carry_each_tokens_document(make_dataset):
+    """``doc_ids`` number the documents of each row from 0; every document of the layout starts
+    with BOS, so a new id begins exactly at each BOS after the row's first token."""
+    from kiln.components.data import documents
+
+    ds = make_dataset(seq_len=32)
+    epoch = loader(ds, micro_batch=2, global_batch=8)
+    batches = list(itertools.islice(epoch, len(epoch)))
+    changes = 0
+    for b in batches:
+        ids, docs = b["input_ids"], b["doc_ids"]
+        assert docs.dtype == torch.int32 and docs.shape == ids.shape and (docs[:, 0] == 0).all()
+        want = documents.from_bos(ids.numpy(), ds.tokenizer.bos_id)
+        assert np.array_equal(docs.numpy(), want)
+        changes += int((docs[:, 1:] != docs[:, :-1]).sum())
+    assert changes > 10  # short documents: many boundaries, so the check is not vacuous

@@ -129,3 +129,20 @@ def test_no_training_documents_is_an_error(tmp_path):
     ds = _ds(tmp_path / "a.jsonl")
     with pytest.raises(DataError, match="no training documents after the first eval_docs = 4"):
         _take(ds.loader("train", micro_batch=MB, global_batch=GB), 1)
+
+
+def test_windows_carry_their_documents(inputs):
+    """A lane window's ``doc_ids`` change where its next document (its BOS) begins."""
+    from kiln.components.data import documents
+
+    tok = ByteTokenizer()
+    ds = _ds(inputs)
+    it = iter(ds.loader("train", micro_batch=MB, global_batch=GB))
+    evals = list(ds.loader("eval", micro_batch=MB, global_batch=MB))
+    changes = 0
+    for b in [next(it) for _ in range(12)] + evals:
+        ids, docs = b["input_ids"].numpy(), b["doc_ids"].numpy()
+        assert docs.shape == ids.shape and (docs[:, 0] == 0).all()
+        assert (docs == documents.from_bos(ids, tok.bos_id)).all()
+        changes += int((docs[:, 1:] != docs[:, :-1]).sum())
+    assert changes >= 3  # documents of 20-160 tokens in rows of 16: boundaries occur
