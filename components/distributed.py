@@ -4,7 +4,8 @@ Every collective in kiln goes through the helpers here (tests/test_imports.py ch
 source). Each helper hands the collective a tensor on the process group's device -- the current
 CUDA device for NCCL, which takes CUDA tensors only; the CPU for gloo -- and copies the result
 back to the caller's tensor, so call sites never need to know the backend. Outside a process
-group (one process) every helper is the identity.
+group (one process) every helper is the identity. ``all_gather_autograd`` is torch's functional
+all-gather (traceable by ``torch.compile``, with a reduce-scatter backward).
 
 A leaf module: every package may import it; it imports only ``kiln.components.errors``.
 """
@@ -141,6 +142,21 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[
     out = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, work, group=group)
     return [o.to(t.device) for o in out]
+
+
+def all_gather_autograd(t: torch.Tensor, dim: int = 0,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``t`` (same shape) concatenated along ``dim`` in rank order, differentiable:
+    the backward reduce-scatters (sums) the gradient, so each rank gets the gradient of its own
+    part from every rank's use of the whole (context-parallel keys and values). torch's
+    functional collective, so ``torch.compile`` traces it; on ``t``'s device."""
+    if not is_initialized():
+        return t
+    from torch.distributed import _functional_collectives as funcol
+
+    work = t.to(group_device(group)).movedim(dim, 0).contiguous()  # gathers along dim 0
+    out = funcol.all_gather_single(work, 0, group)  # (n * t.shape[dim], ...)
+    return out.movedim(0, dim).to(t.device)
 
 
 def all_to_all_single_(

@@ -12,7 +12,8 @@ from kiln.components.base import Config
 class ParallelismConfig(Config):
     """How the model is spread over devices and sped up; applied by `kiln.parallelisms.parallelize`
     in a fixed order: float8 -> expert parallel -> tensor parallel -> activation checkpointing ->
-    per-block compile -> FSDP2."""
+    per-block compile -> FSDP2 (context parallel shards the batch and gathers keys and values
+    in attention, so it changes no module)."""
 
     # --------------------------------------------------------------------- data parallelism
     dp_shard: int = Field(
@@ -51,6 +52,13 @@ class ParallelismConfig(Config):
         True,
         description="tp > 1: keep the LM head's logits sharded over the vocabulary and compute "
         "the cross-entropy on the shards (never gathers the full logits)",
+    )
+    # ------------------------------------------------------------------- context parallelism
+    cp: int = Field(
+        1, ge=1,
+        description="context-parallel degree: every sequence split over cp ranks (each a head "
+        "and a tail chunk, so causal work is even), keys and values all-gathered per layer; "
+        "training.seq_len must divide into 2 x cp chunks; FSDP2 shards over dp_shard x cp",
     )
     # -------------------------------------------------------------------- expert parallelism
     ep: int = Field(

@@ -50,9 +50,10 @@ def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh,
 
 
 def fsdp_summary(cfg: ParallelismConfig, mesh: DeviceMesh) -> str:
-    rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    rep, shard, cp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size()
     kind = "HSDP" if rep > 1 else "FSDP2"
-    text = f"{kind} over {rep * shard} ranks (shard {shard} x replicate {rep})"
+    shards = f"{shard * cp} (dp_shard {shard} x cp {cp})" if cp > 1 else f"{shard}"
+    text = f"{kind} over {rep * shard * cp} ranks (shard {shards} x replicate {rep})"
     if cfg.param_dtype != "float32" or cfg.reduce_dtype != "float32":
         text += f", params {cfg.param_dtype}, grads reduced in {cfg.reduce_dtype}"
     return text

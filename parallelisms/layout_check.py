@@ -7,6 +7,8 @@ with the same words on a laptop and on the cluster.
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from kiln.components.errors import RecipeError
@@ -21,12 +23,18 @@ def _divides(problems: list[str], value: int, what: str, degree: int, key: str,
             problems.append(line)
 
 
-def model_problems(model: nn.Module, tp: int, ep: int = 1) -> list[str]:
+def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
     """Dimensions of ``model`` that ``tp`` tensor-parallel ranks or ``ep`` expert-parallel
-    ranks cannot split evenly."""
+    ranks cannot split evenly; what ``cp`` context-parallel ranks cannot run."""
     problems: list[str] = []
     if ep > 1:
         _expert_problems(problems, model, ep)
+    if cp > 1 and getattr(model, "carry", None) is not None:
+        problems.append(
+            f"model.carry = true cannot run with parallelism.cp = {cp}: the carry is each row's "
+            "final state per token, but context parallel splits a row's tokens over ranks (the "
+            "checkpoint regroups the carry by whole rows, and carry_reset_token would see only "
+            "a rank's chunks); set model.carry = false or parallelism.cp = 1")
     if tp <= 1:
         return problems
     vocab = getattr(model, "vocab_size", None)
@@ -56,18 +64,38 @@ def _expert_problems(problems: list[str], model: nn.Module, ep: int) -> None:
         _divides(problems, layer.n_experts, "model.ffn.n_experts", ep, "ep")
 
 
-def training_problems(training, tp: int) -> list[str]:
-    """``[training]`` lengths that sequence parallelism (T split over ``tp`` ranks) cannot
-    split."""
+def training_problems(training, tp: int, cp: int = 1) -> list[str]:
+    """``[training]`` lengths that context parallelism (T in ``2 cp`` chunks, two per rank) and
+    sequence parallelism (a rank's T / cp split over ``tp`` ranks) cannot split."""
     problems: list[str] = []
-    if tp <= 1:
+    if cp <= 1:
+        if tp > 1:
+            _divides(problems, training.seq_len, "training.seq_len", tp, "tp",
+                     " (sequence-parallel slices)")
+            if training.context_warmup.steps:
+                _divides(problems, training.context_warmup.multiple,
+                         "training.context_warmup.multiple", tp, "tp",
+                         " (every warmup length is a multiple of it)")
         return problems
-    _divides(problems, training.seq_len, "training.seq_len", tp, "tp",
-             " (sequence-parallel slices)")
+    unit = math.lcm(2 * cp, cp * tp)
+    lengths = [("training.seq_len", training.seq_len, "")]
     if training.context_warmup.steps:
-        _divides(problems, training.context_warmup.multiple, "training.context_warmup.multiple",
-                 tp, "tp", " (every warmup length is a multiple of it)")
+        lengths.append(("training.context_warmup.multiple", training.context_warmup.multiple,
+                        " (every warmup length is a multiple of it)"))
+    for key, value, note in lengths:
+        if value % unit:
+            near = sorted({max(unit, value // unit * unit), -(-value // unit) * unit})
+            problems.append(f"{key} = {value}{note} does not split: {_unit_text(tp, cp)}; valid "
+                            f"values are multiples of {unit}, e.g. {' or '.join(map(str, near))}")
     return problems
+
+
+def _unit_text(tp: int, cp: int) -> str:
+    parts = [f"parallelism.cp = {cp} cuts every sequence into 2 x {cp} chunks"]
+    if tp > 1:
+        parts.append(f"parallelism.tp = {tp} splits each rank's T / cp into {tp} "
+                     "sequence-parallel slices")
+    return " and ".join(parts)
 
 
 def raise_problems(problems: list[str], layout_text: str) -> None:

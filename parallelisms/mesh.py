@@ -1,16 +1,24 @@
-"""The device mesh: ``(dp_replicate, dp_shard, tp)``, tensor parallel innermost.
+"""The device mesh: ``(dp_replicate, dp_shard, cp, tp)``, tensor parallel innermost.
 
 ``tp`` ranks split every block's heads and hidden units (``kiln.parallelisms.tensor_parallel``);
-they see the same batch. ``dp_shard`` groups of them share one copy of the model (FSDP2 shards
-parameters, gradients and optimizer state over them); ``dp_replicate`` such groups hold replicas
-(HSDP: gradients all-reduced across them). The product must be the world size. Tensor parallel is
-innermost so that its ranks are neighbours (one node: its collectives run every layer). The
-process group itself (gloo on CPU, nccl on CUDA, or ``parallelism.backend``) is created by
+they see the same batch. ``cp`` groups of them split every sequence of that batch (context
+parallel, ``kiln.parallelisms.context_parallel``: each holds a head and a tail chunk, keys and
+values are all-gathered). ``dp_shard`` groups of those share one copy of the model (FSDP2 shards
+parameters, gradients and optimizer state over them, and over ``cp``: its ranks train different
+tokens of the same rows, as torchtitan's ``dp_shard_cp``); ``dp_replicate`` such groups hold
+replicas (HSDP: gradients all-reduced across them). The product must be the world size. Tensor
+parallel is innermost so that its ranks are neighbours (one node: its collectives run every
+layer), context parallel next (a K/V all-gather per layer). The process group itself (gloo on
+CPU, nccl on CUDA, or ``parallelism.backend``) is created by
 ``kiln.components.distributed.init`` before this.
+
+Dimensions are named (``MESH_DIMS``, outermost first); rank ``r``'s index in each is its
+mixed-radix digit (``Layout.coordinate``), so a new dimension is one more name and size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +30,7 @@ from kiln.parallelisms.config import ParallelismConfig
 if TYPE_CHECKING:  # torch.distributed's mesh is imported when a mesh is built (start-up time)
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -33,26 +41,40 @@ class Layout:
     dp_shard: int
     tp: int = 1
     ep: int = 1  # borrowed from the data-parallel ranks: experts split over ep of them
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return math.prod(self.shape)
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: each sees its own slice of the global batch."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are averaged: each trains different tokens (dp x cp)."""
+        return self.dp * self.cp
+
+    def coordinate(self, rank: int, dim: str) -> int:
+        """``rank``'s index along mesh dimension ``dim`` (row-major over ``MESH_DIMS``)."""
+        i = MESH_DIMS.index(dim)
+        return rank // math.prod(self.shape[i + 1:]) % self.shape[i]
+
     def dp_rank(self, rank: int) -> int:
-        """The slice of the global batch ``rank`` trains on (its tensor-parallel peers share it)."""
-        return rank // self.tp
+        """The slice of the global batch ``rank`` trains on (its context- and tensor-parallel
+        peers share it)."""
+        return rank // (self.cp * self.tp)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp
+    def shape(self) -> tuple[int, ...]:
+        """Sizes in ``MESH_DIMS`` order."""
+        return self.dp_replicate, self.dp_shard, self.cp, self.tp
 
     def describe(self) -> str:
-        dims = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.shape, strict=True))
+        dims = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.shape, strict=True)
+                          if n != "cp" or s > 1)
         experts = f" (experts over ep {self.ep} of the dp ranks)" if self.ep > 1 else ""
         return f"{dims} = {self.world_size} ranks{experts}"
 
@@ -63,14 +85,25 @@ def layout(cfg: ParallelismConfig, world_size: int) -> Layout:
     if shape.dp % cfg.ep:
         raise RecipeError(
             f"parallelism.ep = {cfg.ep} does not divide the data-parallel size {shape.dp} "
-            f"(world size {world_size} / tp {shape.tp}); expert parallelism splits the experts "
+            f"(world size {world_size} / {_inner(shape)}); expert parallelism splits the experts "
             f"over data-parallel ranks: use a divisor of {shape.dp}"
         )
-    return Layout(shape.dp_replicate, shape.dp_shard, shape.tp, cfg.ep)
+    if cfg.ep > 1 and shape.cp > 1:
+        raise RecipeError(
+            f"parallelism.ep = {cfg.ep} with parallelism.cp = {shape.cp} is not supported: the "
+            "expert mesh groups data-parallel ranks of one tensor-parallel index and does not "
+            "place context-parallel peers yet; use ep = 1 or cp = 1")
+    return Layout(shape.dp_replicate, shape.dp_shard, shape.tp, cfg.ep, shape.cp)
+
+
+def _inner(shape: Layout) -> str:
+    """"cp 2 x tp 4" (the dims inside data parallel that are in use), or "tp 1"."""
+    used = [f"{n} {s}" for n, s in (("cp", shape.cp), ("tp", shape.tp)) if s > 1]
+    return " x ".join(used) or "tp 1"
 
 
 def _data_layout(cfg: ParallelismConfig, world_size: int) -> Layout:
-    rep, tp = cfg.dp_replicate, cfg.tp
+    rep, tp, cp = cfg.dp_replicate, cfg.tp, cfg.cp
     if cfg.dp_shard == 0:
         raise RecipeError("parallelism.dp_shard = 0 is not valid; use -1 (auto) or a degree >= 1")
     if world_size % tp:
@@ -78,31 +111,38 @@ def _data_layout(cfg: ParallelismConfig, world_size: int) -> Layout:
             f"parallelism.tp = {tp} does not divide the world size {world_size}; use a divisor "
             f"of {world_size} (usually the GPUs of one node)"
         )
+    if (world_size // tp) % cp:
+        valid = [d for d in range(1, world_size // tp + 1) if (world_size // tp) % d == 0]
+        raise RecipeError(
+            f"parallelism.cp = {cp} does not divide the world size {world_size}"
+            + (f" / tp {tp}" if tp > 1 else "") + f"; valid values: {valid}"
+        )
+    inner = tp * cp
     if cfg.dp_shard == -1:
-        if (world_size // tp) % rep:
+        if (world_size // inner) % rep:
             raise RecipeError(
                 f"parallelism.dp_replicate = {rep} does not divide the world size {world_size}"
-                + (f" / tp {tp}" if tp > 1 else "") + f"; use a divisor of {world_size // tp} "
-                "(dp_shard = -1 takes the rest)"
+                + (f" / ({_inner(Layout(1, 1, tp, cp=cp))})" if inner > 1 else "")
+                + f"; use a divisor of {world_size // inner} (dp_shard = -1 takes the rest)"
             )
-        return Layout(rep, world_size // tp // rep, tp)
-    if rep * cfg.dp_shard * tp != world_size:
-        tp_text = f" x tp ({tp})" if tp > 1 else ""
+        return Layout(rep, world_size // inner // rep, tp, cp=cp)
+    if rep * cfg.dp_shard * inner != world_size:
+        inner_text = "".join(f" x {n} ({s})" for n, s in (("cp", cp), ("tp", tp)) if s > 1)
         raise RecipeError(
-            f"parallelism.dp_replicate ({rep}) x dp_shard ({cfg.dp_shard}){tp_text} = "
-            f"{rep * cfg.dp_shard * tp}, but the world size is {world_size}; make the product "
-            "equal the number of processes, or set dp_shard = -1 to derive it"
+            f"parallelism.dp_replicate ({rep}) x dp_shard ({cfg.dp_shard}){inner_text} = "
+            f"{rep * cfg.dp_shard * inner}, but the world size is {world_size}; make the "
+            "product equal the number of processes, or set dp_shard = -1 to derive it"
         )
-    return Layout(rep, cfg.dp_shard, tp)
+    return Layout(rep, cfg.dp_shard, tp, cp=cp)
 
 
-def mesh_shape(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) for ``world_size`` ranks (see ``layout``)."""
+def mesh_shape(cfg: ParallelismConfig, world_size: int) -> tuple[int, ...]:
+    """Sizes of ``MESH_DIMS`` for ``world_size`` ranks (see ``layout``)."""
     return layout(cfg, world_size).shape
 
 
 def build_mesh(cfg: ParallelismConfig, world_size: int, device_type: str) -> DeviceMesh:
-    """A 3-D mesh named ("dp_replicate", "dp_shard", "tp") over the initialised process group."""
+    """A mesh named ``MESH_DIMS`` over the initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, mesh_shape(cfg, world_size), mesh_dim_names=MESH_DIMS)
@@ -114,20 +154,37 @@ def expert_mesh(shape: Layout, device_type: str) -> DeviceMesh:
     data-parallel rank and every tensor-parallel peer), over which expert gradients are summed."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(shape.world_size).view(shape.dp // shape.ep, shape.ep, shape.tp)
+    ranks = torch.arange(shape.world_size).view(shape.dp // shape.ep, shape.ep, shape.tp)  # cp 1
     grid = ranks.transpose(1, 2).reshape(-1, shape.ep)
     return DeviceMesh(device_type, grid, mesh_dim_names=("ep_replicate", "ep"))
 
 
+def _shard_dim(mesh: DeviceMesh) -> tuple[DeviceMesh, str]:
+    """The dimension FSDP2 shards over: ``dp_shard``, or ``dp_shard`` x ``cp`` flattened."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp_shard"], "dp_shard"
+    return _flat(mesh, ("dp_shard", "cp"), "dp_shard_cp"), "dp_shard_cp"
+
+
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 uses: 1-D (shard) without replication, 2-D (HSDP) with it."""
+    """The mesh FSDP2 uses: 1-D (shard, with cp folded in) without replication, 2-D (HSDP)
+    with it."""
+    shard, name = _shard_dim(mesh)
     if mesh["dp_replicate"].size() == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]
+        return shard
+    return mesh["dp_replicate", name]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """All data-parallel ranks as one dimension (gradient averaging without FSDP)."""
-    if mesh["dp_replicate"].size() == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """All ranks training different tokens (data parallel and context parallel) as one
+    dimension: gradient averaging without FSDP."""
+    used = [n for n in ("dp_replicate", "dp_shard", "cp") if mesh[n].size() > 1]
+    if len(used) <= 1:
+        return mesh[used[0] if used else "dp_shard"]
+    return _flat(mesh, tuple(used), "dp_cp")
+
+
+def _flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """``dims`` of ``mesh`` flattened into one dimension ``name`` (torch returns the same mesh
+    when asked again; slicing it from the root is deprecated)."""
+    return mesh[dims]._flatten(name)

@@ -8,9 +8,14 @@
    dimension (torchao's float8 all-gather styles for tensorwise float8 layers);
 4. activation checkpointing — wraps blocks;
 5. per-block ``torch.compile`` — compiles the (wrapped) blocks, so recomputation is compiled too;
-6. FSDP2 ``fully_shard`` per block, then the root, over the data-parallel dimensions —
-   outermost, so its hooks (all-gather, reduce-scatter) run around the compiled, checkpointed
-   blocks; with tp > 1 the parameters become 2-D (or 3-D with HSDP) DTensors.
+6. FSDP2 ``fully_shard`` per block, then the root, over the data-parallel dimensions (and the
+   context-parallel one: its ranks train different tokens) — outermost, so its hooks
+   (all-gather, reduce-scatter) run around the compiled, checkpointed blocks; with tp > 1 the
+   parameters become 2-D (or 3-D with HSDP) DTensors.
+
+Context parallel (``parallelism.cp``) changes no module: the plan carries its group
+(``plan.cp``), the trainer gives each rank its chunks of every row and the attention gathers
+keys and values (``context_parallel.py``).
 
 Works on a model built on ``meta`` (then ``meta_init.materialize``) or on a real device.
 """
@@ -40,6 +45,7 @@ if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: s
     # runs skip them (about 1 s to the first step on a small CPU)
     from torch.distributed.device_mesh import DeviceMesh
 
+    from kiln.parallelisms.context_parallel import ContextParallel
     from kiln.parallelisms.expert_parallel import ExpertParallel
     from kiln.parallelisms.tensor_parallel import TensorParallel
 
@@ -68,8 +74,9 @@ class ParallelPlan:
     bucket_mb: int = 25
     tp: TensorParallel | None = None
     ep: ExpertParallel | None = None
-    dp_size: int = 0  # data-parallel ranks (world size / tp); 0 = the world size
+    dp_size: int = 0  # ranks training different tokens (dp x cp); 0 = the world size
     dp_group: object = None  # their process group, for the replicated (non-FSDP) all-reduce
+    cp: ContextParallel | None = None  # context parallel: the trainer shards each row by it
 
     @property
     def summary(self) -> str:
@@ -159,26 +166,33 @@ def parallelize(
     """Apply float8 -> expert parallel -> tensor parallel -> activation checkpointing -> compile
     -> FSDP2 to ``model`` in place (after checking that the layout divides the model)."""
     shape = layout(cfg, world.world_size)
-    raise_problems(model_problems(model, shape.tp, shape.ep), shape.describe())
-    fsdp, note = _use_fsdp(cfg, shape.dp)
+    raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp), shape.describe())
+    grad_ranks = shape.grad_ranks  # ranks training different tokens: data and context parallel
+    fsdp, note = _use_fsdp(cfg, grad_ranks)
     plan = ParallelPlan(model=model, world_size=world.world_size, fsdp=fsdp,
-                        bucket_mb=cfg.grad_bucket_mb, float8=cfg.float8, dp_size=shape.dp)
+                        bucket_mb=cfg.grad_bucket_mb, float8=cfg.float8, dp_size=grad_ranks)
     if note:
         plan.notes.append(note)
-    if fsdp or shape.tp > 1 or (shape.dp > 1 and shape.dp < world.world_size):
+    if fsdp or shape.tp > 1 or shape.cp > 1 or 1 < grad_ranks < world.world_size:
         from kiln.parallelisms.mesh import build_mesh
 
         plan.mesh = mesh or build_mesh(cfg, world.world_size, world.device.type)
+    if shape.cp > 1:
+        from kiln.parallelisms.context_parallel import context_parallel
+
+        plan.cp = context_parallel(plan.mesh)
+        plan.parts.append(plan.cp.describe())
     if fsdp:
         from kiln.parallelisms.fsdp import fsdp_summary
 
         plan.parts.append(fsdp_summary(cfg, plan.mesh))
-    elif shape.dp > 1:
+    elif grad_ranks > 1:
         from kiln.parallelisms.mesh import dp_mesh
 
         plan.replicated = True
         plan.dp_group = dp_mesh(plan.mesh).get_group() if plan.mesh is not None else None
-        plan.parts.append(f"data parallel over {shape.dp} ranks (gradient all-reduce)")
+        what = "data and context parallel" if shape.cp > 1 else "data parallel"
+        plan.parts.append(f"{what} over {grad_ranks} ranks (gradient all-reduce)")
 
     converted, f8_note = apply_float8(model, cfg, world.device, fsdp)
     plan.float8_modules = converted

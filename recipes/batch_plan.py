@@ -21,15 +21,16 @@ class BatchPlan:
         return self.global_batch * self.seq_len
 
 
-def plan(training, world_size: int, tp: int = 1) -> BatchPlan:
+def plan(training, world_size: int, tp: int = 1, cp: int = 1) -> BatchPlan:
     """Derive (or check) gradient accumulation; errors say which numbers do not divide.
 
-    ``world_size`` is the number of data-parallel ranks: the world size / ``tp`` (tensor-parallel
-    peers share their batch)."""
+    ``world_size`` is the number of data-parallel ranks: the world size / (``cp`` x ``tp``)
+    (context- and tensor-parallel peers share their batch)."""
     gb, mb, acc = training.global_batch, training.micro_batch, training.grad_accum
     if gb % world_size:
-        what = (f"the data-parallel size {world_size} (world size / parallelism.tp {tp})"
-                if tp > 1 else f"the world size {world_size}")
+        inner = " x ".join(f"parallelism.{k} {v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
+        what = (f"the data-parallel size {world_size} (world size / {inner})"
+                if inner else f"the world size {world_size}")
         raise RecipeError(
             f"training.global_batch = {gb} is not divisible by {what}; "
             f"use a multiple of {world_size}"

@@ -69,15 +69,16 @@ class Trainer:
         # fails before that leaves no folder behind, nor changes an earlier run's.
         self.run_dir = Path(recipe.run.folder)
         self.recipe_toml = render_recipe(recipe)  # also written into every checkpoint
-        # This rank's share of each global batch: tensor-parallel peers train on the same batch,
-        # so data is split over the data-parallel ranks only (data_rank = rank // tp).
+        # This rank's share of each global batch: context- and tensor-parallel peers train on the
+        # same batch, so data is split over the data-parallel ranks only (rank // (cp x tp)).
         # Rows [data_rank * per_rank, ...) of each global batch are this rank's; checkpoints map
         # the per-row state (carry) and the data cursor by these rows on a layout change.
         self.mesh_layout = layout(recipe.parallelism, self.world.world_size)
         self.data_rank = self.mesh_layout.dp_rank(self.world.rank)
         self.data_ranks = self.mesh_layout.dp
-        raise_problems(training_problems(tr, self.mesh_layout.tp), self.mesh_layout.describe())
-        self.plan = batch_plan.plan(tr, self.data_ranks, tp=self.mesh_layout.tp)
+        shape = self.mesh_layout
+        raise_problems(training_problems(tr, shape.tp, shape.cp), shape.describe())
+        self.plan = batch_plan.plan(tr, self.data_ranks, tp=shape.tp, cp=shape.cp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -178,7 +179,7 @@ class Trainer:
         for line in details:
             self.print(f"parallelism: {line}")
         self.model_inputs = ModelInputs(getattr(self.recipe.model, "attention", None),
-                                        self.device)
+                                        self.device, cp=self.parallel.cp)
         self.model_inputs.check_model(self.model)
         if line := self.model_inputs.describe():
             self.print(line)
@@ -196,9 +197,9 @@ class Trainer:
         per_rank = self.plan.global_batch // self.data_ranks
         return {
             "world_size": self.world.world_size,
-            # data-parallel dims always, tensor / expert parallel ones when used
+            # data-parallel dims always, context / tensor / expert parallel ones when used
             "mesh": {**{name: mesh.size(i) for i, name in enumerate(names)
-                        if name != "tp" or mesh.size(i) > 1},
+                        if name not in ("cp", "tp") or mesh.size(i) > 1},
                      **({"ep": self.mesh_layout.ep} if self.mesh_layout.ep > 1 else {})},
             "fsdp": self.parallel.fsdp,
             "global_batch": self.plan.global_batch,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import torch
 
@@ -15,6 +16,7 @@ from kiln.parallelisms.layout_check import model_problems, raise_problems, train
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.layout_report import layout_report
+from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 
@@ -49,10 +51,13 @@ def describe(recipe, world_size: int = 1) -> str:
     more than one process the mesh and per-rank memory."""
     shape = layout(recipe.parallelism, world_size)
     tr = recipe.training
-    bp = batch_plan.plan(recipe.training, shape.dp, tp=shape.tp)
+    bp = batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
     model = build_meta_model(recipe)
-    raise_problems(training_problems(tr, shape.tp) + model_problems(model, shape.tp, shape.ep),
-                   shape.describe())
+    raise_problems(training_problems(tr, shape.tp, shape.cp)
+                   + model_problems(model, shape.tp, shape.ep, shape.cp), shape.describe())
+    inputs = ModelInputs(getattr(recipe.model, "attention", None), torch.device("meta"),
+                         cp=SimpleNamespace(size=shape.cp))
+    inputs.check_model(model)
     total = model.num_params()
     lines = [batch_plan.describe_budget(recipe.training, bp),
              f"parameters: {total:,} ({human_count(total)})"]
