@@ -4,8 +4,10 @@ The model is built on the meta device and parallelized for N fake ranks
 (``kiln.parallelisms.layout_plan``); the report gives the mesh, and rank 0's parameter, gradient
 and optimizer-state bytes. Optimizer state per element is measured, not assumed: each optimizer
 of the recipe takes one step on a probe matrix in this process, and its state bytes per element
-(moments, momentum, 8-bit codes and scales) scale rank 0's elements routed to it. Activations are
-not counted (they depend on the batch, checkpointing and kernels: ``kiln bench`` measures them).
+(moments, momentum, 8-bit codes and scales) scale rank 0's elements routed to it. Activations of
+one micro-batch are measured on the meta device (``activation_memory``) at the recipe's
+``parallelism.cp`` and at the other context-parallel degrees the world size allows, to pick cp
+for a long context; ``kiln bench`` measures a real run.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from kiln.components.optimizers.memory import optimizer_state_bytes
-from kiln.parallelisms.layout_check import chunked_loss_note
+from kiln.parallelisms.layout_check import chunked_loss_note, training_problems
 from kiln.parallelisms.layout_plan import dry_parallelize, fake_world, local_bytes, local_numel
 from kiln.parallelisms.mesh import layout
+from kiln.recipes.activation_memory import measure
 from kiln.recipes.optimizer_set import OptimizerSet
 
 PROBE = (256, 256)  # large enough for blockwise 8-bit states, small enough to step at once
@@ -57,13 +60,38 @@ def layout_report(recipe, model_builder, world_size: int) -> str:
     lines = [
         f"layout at world size {world_size}: mesh {shape.describe()}",
         f"  plan: {plan.summary}",
-        "  per rank (rank 0, the largest shards; activations not counted: kiln bench):",
+        "  per rank (rank 0, the largest shards):",
         f"    parameters        {_gib(param_bytes)}",
         f"    gradients         {_gib(grad_bytes)}",
         "    optimizer state   " + _gib(sum(per_opt.values())) + " ("
         + ", ".join(f"{k} {_gib(v)}" for k, v in per_opt.items()) + ")",
-        f"    total             {_gib(total)}",
+        f"    total             {_gib(total)} (parameters, gradients, optimizer state)",
     ]
+    lines += activation_lines(recipe, model_builder, world_size, shape)
     if note := chunked_loss_note(recipe.training, shape.tp):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def activation_lines(recipe, model_builder, world_size: int, shape) -> list[str]:
+    """Activations per rank at the recipe's cp, and at every other cp the layout allows."""
+    tr = recipe.training
+    options = [c for c in range(1, world_size // shape.tp + 1)
+               if (world_size // shape.tp) % c == 0 and not training_problems(tr, shape.tp, c)]
+    try:
+        measured = {c: measure(recipe, model_builder, c) for c in options}
+    except Exception as exc:  # noqa: BLE001 - a model whose forward cannot run on meta
+        return [f"    activations       not measured: the forward does not run on the meta "
+                f"device ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"]
+    total, mask = measured.get(shape.cp, (0, 0))
+    tokens = f"{tr.micro_batch} x {tr.seq_len // shape.cp} tokens"
+    tp = f"; tensor parallel divides most of it by {shape.tp}" if shape.tp > 1 else ""
+    lines = [f"    activations       {_gib(total)} per micro-batch ({tokens}, fp32, measured on "
+             f"meta{tp})"]
+    if mask:
+        lines.append(f"      of which the boolean attention mask {_gib(mask)} (sdpa kernel; "
+                     "CUDA's flex kernel keeps a block mask instead)")
+    if len(measured) > 1:
+        lines.append("  activations by parallelism.cp (seq_len " + f"{tr.seq_len}): " + ", ".join(
+            f"cp {c}: {_gib(t)}" for c, (t, _) in measured.items()))
+    return lines

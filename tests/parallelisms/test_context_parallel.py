@@ -91,7 +91,7 @@ def test_validate_shows_cp_in_the_mesh_and_activation_memory(tmp_path):
 
     text = describe(_recipe(tmp_path / "r", "--parallelism.cp=2", *MASK), 2)
     assert "mesh dp_replicate 1 x dp_shard 1 x cp 2 x tp 1 = 2 ranks" in text
-    assert "context parallel 2" in text and "activations" in text, text
+    assert "context parallel 2" in text and "activations by parallelism.cp" in text, text
 
 
 # ------------------------------------------------------------------ gloo processes vs one

@@ -7,9 +7,10 @@ The families cover every registered model, attention and feed-forward component;
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
 blocks, and 2 gloo processes under FSDP2, tensor parallel and expert parallel (also the device
-check of every collective), each family's 2-process FSDP2 checkpoint then resumed on one process
-(elastic resume). The chunked loss (``training.loss_chunk_tokens``) runs in every family beside
-the unchunked one, and in every FSDP2 run.
+check of every collective), context parallel with the document mask, each family's 2-process
+FSDP2 checkpoint then resumed on one process (elastic resume). The chunked loss
+(``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
+FSDP2 run. The document mask runs in every family and step under the checkpointing modes.
 """
 
 from __future__ import annotations
@@ -272,6 +273,10 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
 # ------------------------------------------------------------------- 2 processes, FSDP2
 FSDP2_SAVED = ("--parallelism.fsdp=on", "--training.init_check=true", CHUNK,
                "--checkpoint.enable=true")
+# context parallel with the document mask, a looped MoE core under segmented BPTT, full
+# activation checkpointing, float8 and the chunked loss
+CP2 = ("--parallelism.cp=2", *DOC_MASK, "--parallelism.activation_checkpoint=full",
+       "--parallelism.float8=rowwise", CHUNK)
 
 
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
@@ -292,6 +297,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         for name, family, flags in (
             ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise", CHUNK)),
             ("ep2", "moe", ("--parallelism.ep=2",)),
+            ("cp2", "looped_moe", CP2),
         ):
             args = (*flags, "--checkpoint.enable=true")
             results[name], trainer = train(recipe_for(family, f"{folder}/{name}", *args))
@@ -327,7 +333,8 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
     assert len(ranks[0]["replicated"]) == STEPS and len(ranks[0]["resumed"]) == 1
     assert "tensor parallel 2" in ranks[0]["tp2_plan"] and "float8" in ranks[0]["tp2_plan"]
     assert "expert parallel 2" in ranks[0]["ep2_plan"]
-    for name in ("tp2", "ep2"):
+    assert "context parallel 2" in ranks[0]["cp2_plan"]
+    for name in ("tp2", "ep2", "cp2"):
         losses = ranks[0][name]
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (name, losses)
         assert ranks[1][name] == losses, f"{name}: ranks disagree"
@@ -343,6 +350,7 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
     for name, family, flags, mesh in (
         ("tp2", "dense", ("--parallelism.float8=rowwise", CHUNK), "dp_shard=1 x tp=2"),
         ("ep2", "moe", (), "dp_shard=2 x ep=2, FSDP"),
+        ("cp2", "looped_moe", CP2[1:], "dp_shard=1 x cp=2, FSDP"),
     ):
         out = io.StringIO()
         losses, _ = train(recipe_for(family, tmp_path / name, *flags, "--checkpoint.enable=true",

@@ -63,3 +63,46 @@ def test_validate_refuses_layouts_that_do_not_divide(capsys, monkeypatch, world,
     assert main(args) == 2
     out = capsys.readouterr().out
     assert "INVALID" in out and message in out
+
+
+@pytest.mark.parametrize("extra", [(), ("--model.attention.document_mask=true",),
+                                   ("--parallelism.activation_checkpoint=full",)],
+                         ids=["causal", "document_mask", "full_ac"])
+def test_activations_measured_on_meta_match_a_real_cpu_forward(extra):
+    """`kiln validate`'s activation figure (meta device, the fused kernel spelled out) is what
+    the real CPU kernels save for the backward."""
+    import torch
+
+    from kiln.components.models.block import padded_vocab
+    from kiln.recipes.activation_memory import measure
+
+    recipe = load_recipe(CONFIGS / "debug.toml", ["--model.dim=64", "--model.n_layers=2",
+                                                   "--training.seq_len=64", *extra])
+
+    def real():
+        torch.manual_seed(0)
+        return recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=64)
+
+    meta, mask = measure(recipe, lambda: build_meta_model(recipe), 1)
+    cpu, _ = measure(recipe, real, 1, device="cpu")
+    assert meta == pytest.approx(cpu, rel=0.02), (meta, cpu)
+    assert (mask > 0) == bool(extra and "document_mask" in extra[0])
+    if extra and "activation_checkpoint" in extra[0]:
+        assert meta < measure(load_recipe(CONFIGS / "debug.toml", [
+            "--model.dim=64", "--model.n_layers=2", "--training.seq_len=64"]),
+            lambda: build_meta_model(recipe), 1)[0] / 3
+
+
+def test_validate_reports_activations_by_context_parallel_degree(capsys, monkeypatch):
+    monkeypatch.delenv("NGPU", raising=False)
+    args = ["validate", str(CONFIGS / "debug.toml"), "--world-size", "4", "--parallelism.cp=2",
+            "--model.attention.document_mask=true"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 = 4 ranks" in out
+    by_cp = dict(re.findall(r"cp (\d): ([0-9.,]+) MiB", out))
+    assert set(by_cp) == {"1", "2", "4"}
+    a1, a2, a4 = (float(by_cp[c].replace(",", "")) for c in "124")
+    assert a1 > a2 > a4  # each rank holds 1/cp of the tokens (and every key and value)
+    assert _gib(out, "activations") * 1024 == pytest.approx(a2, rel=1e-3)
+    assert "of which the boolean attention mask" in out
