@@ -10,10 +10,10 @@ activation memory of the step's peak, in fp32 (the meta model's dtype; bf16 auto
 halves it). With activation
 checkpointing the checkpointed blocks keep only their inputs; tensor parallel (heads, hidden
 units and sequence-parallel norms split over tp) divides most of it by tp, which is not
-measured here. The boolean mask of the ``sdpa`` kernel (document mask or context parallel) is
-shown apart: the CPU kernel saves it for the backward as fp32, (micro_batch, T / cp, T) x 4
-bytes per layer, and CUDA's ``flex`` kernel replaces it with a block mask of a few bytes per
-128 x 128 tile.
+measured here. The dense mask of the ``sdpa`` kernel (document mask or context parallel) is
+shown apart: SDPA saves it for the backward, (micro_batch, T / cp, T) x 4 bytes (fp32, one
+shared by the layers), and CUDA's ``flex`` kernel replaces it with a block mask of a few bytes
+per 128 x 128 tile.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kiln.recipes.model_inputs import ModelInputs
 def measure(recipe, model_builder: Callable[[], torch.nn.Module], cp: int,
             device: str = "meta") -> tuple[int, int]:
     """(bytes autograd saves in one micro-batch forward on one rank at ``cp``, of which the
-    boolean attention mask). ``model_builder()`` builds the recipe's model on ``device`` (on a
+    dense attention mask). ``model_builder()`` builds the recipe's model on ``device`` (on a
     real device the real kernels run: the test compares the two)."""
     tr = recipe.training
     model = model_builder()
@@ -49,7 +49,7 @@ def measure(recipe, model_builder: Callable[[], torch.nn.Module], cp: int,
             describe=lambda: f"context parallel {cp}")
     inputs = ModelInputs(getattr(recipe.model, "attention", None), torch.device(device),
                          cp=fake_cp)
-    inputs.kernel = "sdpa"  # the boolean mask: counted, and shown apart
+    inputs.kernel = "sdpa"  # the dense mask: counted, and shown apart
     ids = torch.zeros(mb, length, dtype=torch.long, device=device)
     batch = {"input_ids": ids, "labels": ids, "doc_ids": torch.zeros_like(ids, dtype=torch.int)}
     ids, labels, extra = inputs(batch)
@@ -89,7 +89,8 @@ def _fused_sdpa(masks: set[int], q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                 scale=None, enable_gqa=False) -> torch.Tensor:
     """SDPA as the fused kernels run it, on meta: SDPA itself would take its math path there and
     save the (B, H, Tq, T) attention probabilities, which no fused kernel keeps. The CPU kernel
-    turns a boolean mask into an fp32 one and saves it (recorded in ``masks``); GQA keys and
+    saves the mask it attends with (a boolean one turned into an fp32 copy; recorded in
+    ``masks``); GQA keys and
     values are expanded, as it does. Values wider than the keys (differential attention) widen
     q and k with zeros (the kernel takes one width; this counts q and k at the value width)."""
     if k.shape[1] != q.shape[1]:
@@ -100,7 +101,8 @@ def _fused_sdpa(masks: set[int], q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         scale = scale or q.shape[-1] ** -0.5
         q, k = F.pad(q, pad), F.pad(k, pad)
     if attn_mask is not None:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+        if attn_mask.dtype != q.dtype:  # what the kernel saves: an fp32 (query dtype) copy
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
         masks.add(attn_mask.untyped_storage()._cdata)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

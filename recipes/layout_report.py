@@ -89,7 +89,7 @@ def activation_lines(recipe, model_builder, world_size: int, shape) -> list[str]
     lines = [f"    activations       {_gib(total)} per micro-batch ({tokens}, fp32, measured on "
              f"meta{tp})"]
     if mask:
-        lines.append(f"      of which the boolean attention mask {_gib(mask)} (sdpa kernel; "
+        lines.append(f"      of which the dense attention mask {_gib(mask)} (sdpa kernel; "
                      "CUDA's flex kernel keeps a block mask instead)")
     if len(measured) > 1:
         lines.append("  activations by parallelism.cp (seq_len " + f"{tr.seq_len}): " + ", ".join(

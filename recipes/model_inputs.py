@@ -22,7 +22,7 @@ from kiln.components.attention.context import build_context, choose_kernel
 from kiln.components.errors import DataError, RecipeError
 
 _KERNEL_TEXT = {
-    "sdpa": "SDPA with a boolean mask (FlexAttention has no CPU backward in torch 2.13)",
+    "sdpa": "SDPA with a dense mask (FlexAttention has no CPU backward in torch 2.13)",
     "flex": "FlexAttention with a block mask (compiled; fully masked tiles skipped)",
 }
 

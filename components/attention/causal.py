@@ -52,7 +52,7 @@ class CausalAttentionConfig(ComponentConfig):
         "sequence", description="training: RoPE positions count from the row's start (sequence) "
         "or restart at every document (per_document; needs document_mask)")
     mask_kernel: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="kernel of a document mask or context parallel: sdpa (a boolean "
+        "auto", description="kernel of a document mask or context parallel: sdpa (a dense "
         "mask, any device), flex (FlexAttention block mask, CUDA), auto = flex on CUDA, sdpa "
         "elsewhere")
 

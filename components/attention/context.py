@@ -9,11 +9,15 @@ micro-batch) and handed by the model to every block's attention (``attention(x, 
 Without either (``build_context`` returns None) attention is SDPA's plain causal kernel, as
 before; generation and evaluation of single documents never build one.
 
-Kernels (``mask_kernel``): ``sdpa`` gives SDPA a boolean (B, 1, Tq, T) mask, built once per
-forward and shared by the layers (any device; it trains on CPU). ``flex`` builds a FlexAttention
-``BlockMask`` (block-sparse: fully masked 128 x 128 tiles are skipped, so a long row of short
-documents costs what its documents cost) and runs the compiled ``flex_attention``; torch 2.13 has
-no FlexAttention backward on CPU, so ``auto`` is ``flex`` on CUDA and ``sdpa`` elsewhere.
+Kernels (``mask_kernel``): ``sdpa`` gives SDPA an additive fp32 (B, 1, Tq, T) mask (0 where a
+key is visible, -inf elsewhere), built once per forward and shared by the layers (any device; it
+trains on CPU). Additive rather than boolean: SDPA's CPU kernel turns a boolean mask into an
+fp32 one in every call and saves that for the backward, one per layer; a shared fp32 mask is
+saved once (converted per layer only to a lower-precision query dtype). ``flex`` builds a
+FlexAttention ``BlockMask`` (block-sparse: fully masked 128 x 128 tiles are skipped, so a long
+row of short documents costs what its documents cost) and runs the compiled
+``flex_attention``; torch 2.13 has no FlexAttention backward on CPU, so ``auto`` is ``flex`` on
+CUDA and ``sdpa`` elsewhere.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ class AttentionContext:
     """One forward's attention layout (see the module doc).
 
     ``length``: T, tokens of the whole sequence (all context-parallel ranks); ``rope_positions``:
-    the RoPE position of each local query, (Tq,) or (B, Tq) long, None = 0..T-1; ``mask``: a
-    boolean (B or 1, 1, Tq, T) tensor (``sdpa``) or a ``BlockMask`` (``flex``), None = causal;
+    the RoPE position of each local query, (Tq,) or (B, Tq) long, None = 0..T-1; ``mask``: an
+    additive fp32 (B or 1, 1, Tq, T) tensor (``sdpa``) or a ``BlockMask`` (``flex``), None =
+    causal;
     ``gather_kv``: context parallel, this rank's keys or values (B, Tq, H, D) -> the whole
     sequence's (B, T, H, D) in sequence order (with a backward that returns each rank its part).
     """
@@ -68,7 +73,7 @@ def choose_kernel(choice: str, device: torch.device) -> str:
     if choice == "flex" and device.type != "cuda":
         raise RecipeError(
             "model.attention.mask_kernel = \"flex\" needs CUDA: torch 2.13 has no FlexAttention "
-            f"backward on {device.type}; use \"sdpa\" (a boolean mask) or \"auto\"")
+            f"backward on {device.type}; use \"sdpa\" (a dense mask) or \"auto\"")
     return choice
 
 
@@ -110,11 +115,12 @@ def build_context(length: int, *, doc_ids: torch.Tensor | None = None,
     if kernel == "flex":
         mask = _block_mask(length, q_pos, doc_ids, device)
     else:
-        mask = _bool_mask(length, q_pos, doc_ids)
+        visible = visibility(length, q_pos, doc_ids)
+        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
     return AttentionContext(length, rope, mask, kernel, gather_kv)
 
 
-def _bool_mask(length: int, q_pos: torch.Tensor,
+def visibility(length: int, q_pos: torch.Tensor,
                doc_ids: torch.Tensor | None) -> torch.Tensor:
     """(B or 1, 1, Tq, T) bool: key j is visible to query i (at q_pos[i]) when j <= q_pos[i] and,
     with documents, both are in the same document."""
@@ -176,6 +182,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = None if context is None else context.mask
     if mask is not None and context.kernel == "flex":
         return _flex(q, k, v, mask, gqa)
+    if mask is not None and mask.dtype != q.dtype and not (
+            q.device.type == "cpu" and q.shape[-1] <= 32):  # else the fp32 path below
+        mask = mask.to(q.dtype)
     kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] <= 32:
         with torch.autocast("cpu", enabled=False):

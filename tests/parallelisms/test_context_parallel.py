@@ -1,7 +1,8 @@
 """Context parallelism (``parallelism.cp``): the load-balanced chunks, the refusals, and gloo
 processes against one process — cp = 2 equals one process to rtol 1e-5 with and without the
-document mask, checkpoints move between cp = 2 and cp = 1 both ways, and cp 2 x tp 2 on four
-processes. One spawn per world size runs all its parts (the multi-process tests are few)."""
+document mask and with per-block compile, checkpoints move between cp = 2 and cp = 1 both ways,
+and cp 2 x tp 2 on four processes. One spawn per world size runs all its parts (the
+multi-process tests are few)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def test_model_inputs_keep_this_ranks_tokens_and_the_whole_rows_documents():
     assert got_ids.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]] and torch.equal(labels, got_ids + 1)
     ctx = extra["context"]
     assert ctx.rope_positions.tolist() == [2, 3, 4, 5] and ctx.mask.shape == (2, 1, 4, 8)
-    assert ctx.mask[0, 0].int().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0],
-                                             [0, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 0, 0]]
+    visible = (ctx.mask[0, 0] == 0).int().tolist()
+    assert visible == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0],
+                       [0, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 0, 0]]
     assert "document mask + context parallel 2" in inputs.describe()
 
 
@@ -151,12 +153,17 @@ def test_two_processes_cp2_equal_one_and_checkpoints_move_between_cp2_and_cp1(tm
              for name, extra in TWO.items()}
     parts["cut"] = ("cp2_cut", ("--parallelism.cp=2", *MASK), K)  # continued on one process
     parts["one_to_cp2"] = ("one_cut", ("--parallelism.cp=2", *MASK), None)
+    # per-block torch.compile traces the K/V all-gather (a functional collective) into the block
+    parts["compile"] = ("cp2_compile", ("--parallelism.cp=2", "--parallelism.compile=true",
+                                        *MASK), None)
     ranks = _spawn(2, tmp_path, parts)
     for name in TWO:
         for r in range(2):
             losses, out = ranks[r][name]
             assert losses == pytest.approx(ref[name], rel=1e-5), (name, r, losses, ref[name])
         assert "context parallel 2" in ranks[0][name][1]
+    losses, out = ranks[0]["compile"]
+    assert losses == pytest.approx(ref["mask"], rel=1e-5) and "compile per block" in out, losses
     losses, out = ranks[0]["one_to_cp2"]
     assert losses == pytest.approx(ref["mask"][K:], rel=1e-5), losses
     assert "layout: 1 process -> 2 processes" in out, out

@@ -34,3 +34,29 @@ def test_parse_loops():
         parse_loops("1,x", looped)
     with pytest.raises(RecipeError, match="looped model"):
         parse_loops("1", torch.nn.Linear(2, 2))
+
+
+def test_a_document_masked_run_is_evaluated_with_its_mask():
+    """`kiln eval` hands the run's document mask to the model, as training did."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from kiln.components.attention.context import build_context
+    from kiln.recipes.commands.eval import eval_loss
+    from kiln.recipes.model_inputs import ModelInputs
+    from tests.parallelisms.tiny import VOCAB, tiny_model
+
+    model = tiny_model().eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    doc_ids = (torch.arange(16) >= 6).int().expand(2, -1)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "doc_ids": doc_ids}
+    masked = ModelInputs(SimpleNamespace(document_mask=True), torch.device("cpu"))
+    got, n = eval_loss(model, [batch], 10**6, None, "cpu", contextlib.nullcontext(), masked)
+    with torch.no_grad():
+        want = F.cross_entropy(model(ids, context=build_context(16, doc_ids=doc_ids))
+                               .flatten(0, 1), batch["labels"].flatten())
+    assert n == 32 and got == pytest.approx(float(want), rel=1e-6)
+    plain, _ = eval_loss(model, [batch], 10**6, None, "cpu", contextlib.nullcontext())
+    assert plain != pytest.approx(got, rel=1e-6)  # the untrained model: a small difference

@@ -105,4 +105,4 @@ def test_validate_reports_activations_by_context_parallel_degree(capsys, monkeyp
     a1, a2, a4 = (float(by_cp[c].replace(",", "")) for c in "124")
     assert a1 > a2 > a4  # each rank holds 1/cp of the tokens (and every key and value)
     assert _gib(out, "activations") * 1024 == pytest.approx(a2, rel=1e-3)
-    assert "of which the boolean attention mask" in out
+    assert "of which the dense attention mask" in out

@@ -75,21 +75,22 @@ def test_masks_positions_and_context_parallel_queries():
     ctx = build_context(6, doc_ids=doc_ids, per_document=True)
     want = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
                          [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]).bool()
-    assert ctx.mask.shape == (1, 1, 6, 6) and torch.equal(ctx.mask[0, 0], want)
+    assert ctx.mask.shape == (1, 1, 6, 6) and torch.equal(ctx.mask[0, 0] == 0, want)
+    assert ctx.mask.dtype == torch.float32 and ctx.mask[0, 0, 0, 1] == float("-inf")
     assert ctx.rope_args() == {"positions": ctx.rope_positions, "limit": 6}
     assert ctx.rope_positions.tolist() == [[0, 1, 0, 1, 2, 0]]
     # a context-parallel rank's queries (positions 1 and 4): their rows of the whole mask
     part = build_context(6, doc_ids=doc_ids, query_positions=torch.tensor([1, 4]))
-    assert torch.equal(part.mask[0, 0], want[[1, 4]])
+    assert torch.equal(part.mask[0, 0] == 0, want[[1, 4]])
     assert part.rope_positions.tolist() == [1, 4]
     causal = build_context(6, query_positions=torch.tensor([1, 4]))
-    assert torch.equal(causal.mask[0, 0], torch.ones(6, 6).tril().bool()[[1, 4]])
+    assert torch.equal(causal.mask[0, 0] == 0, torch.ones(6, 6).tril().bool()[[1, 4]])
     assert build_context(6) is None  # no documents, the whole sequence: plain causal SDPA
     with pytest.raises(RecipeError, match="document_mask"):
         build_context(6, per_document=True)
 
 
-def test_the_flex_block_mask_attends_like_the_boolean_mask():
+def test_the_flex_block_mask_attends_like_the_dense_mask():
     """The CUDA kernel's mask on CPU (forward only: torch 2.13 has no CPU flex backward)."""
     torch.manual_seed(0)
     doc_ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2, [0] * 11 + [1] * 5])
