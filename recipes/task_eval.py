@@ -7,7 +7,6 @@ left in ``pending_downstream_eval.json``."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -23,8 +22,12 @@ from kiln.components.evals.scorer import Scorer
 from kiln.recipes.downstream import PENDING, greedy_generate, model_context, plan_tasks
 from kiln.recipes.schema import Recipe
 
-warn = functools.partial(print, file=sys.stderr)  # notes stay off stdout (--json)
 RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
+
+
+def warn(text: str) -> None:
+    """Notes go to stderr: stdout stays one JSON object under --json."""
+    print(text, file=sys.stderr)
 
 
 def task_file_tables(path: str, overrides: list[str]) -> dict:
