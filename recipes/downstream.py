@@ -97,6 +97,12 @@ class DownstreamEvalHook(Hook):
         self.scorer = Scorer(trainer.model, max_len=self.max_len,
                              vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
                              generate=greedy_generate(), lockstep=trainer.world.distributed)
+        generating = [n for n, t in self.tasks.items() if hasattr(t, "generations")]
+        if generating and trainer.world.distributed and not self.scorer.use_cache:
+            raise RecipeError(f"task {generating[0]!r} generates text on several processes, "
+                              "which needs a model whose attention has a KV cache (prompts of "
+                              "several lengths decode in step); this model has none: run it "
+                              "offline with `kiln eval RUN --tasks`")
 
     def _due(self, trainer, step: int, *, end: bool) -> list[str]:
         last = step == trainer.total_steps

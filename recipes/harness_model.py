@@ -44,8 +44,12 @@ class KilnLM(TemplateLM):
     def __init__(self, path: str = "", step: int = 0, device: str | None = "cpu",
                  batch_size: int | str | None = 16, max_batch_size: int | None = None,
                  dtype: str = "float32", max_length: int = 0, max_gen_toks: int = 256,
-                 add_bos: bool | str = True, **unused) -> None:
+                 add_bos: bool | str = True, **unknown) -> None:
         super().__init__()
+        if unknown:
+            raise RecipeError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} "
+                              "for the kiln model; valid: path, step, device, batch_size, dtype, "
+                              "max_length, max_gen_toks, add_bos")
         if not path:
             raise RecipeError("--model kiln needs --model_args path=RUN (a run folder, a "
                               "checkpoint or a Hugging Face model folder)")

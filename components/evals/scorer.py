@@ -12,13 +12,16 @@ right-padded row, as lm-evaluation-harness's ``hf`` model does.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.components import distributed
 from kiln.components.attention import kv_cache
+from kiln.components.models.lm_head import soft_cap
 
 Group = tuple[list[int], list[list[int]]]  # a context's ids and its continuations' ids
 
@@ -44,11 +47,17 @@ class Scorer:
         self.loops = loops
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        # a model taking head= (docs/design.md) computes only the logits asked for
+        self.head = "head" in inspect.signature(model.forward).parameters
 
     # ------------------------------------------------------------------------ log-likelihoods
-    def _logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, ids: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Log-probabilities (B, T, V), or (B, 1, V) of the last position only."""
+        kwargs = {**self.kwargs, "head": _last_logits} if last and self.head else self.kwargs
         with self.autocast:
-            logits = self.model(ids, **self.kwargs)  # (B, T, V)
+            logits = self.model(ids, **kwargs)  # (B, T, V) or (B, 1, V)
+        if last:
+            logits = logits[:, -1:]
         return logits[..., :self.vocab_size].float().log_softmax(-1)
 
     @torch.no_grad()
@@ -95,7 +104,8 @@ class Scorer:
         dev = self.device
         with kv_cache.attach(self.model, len(groups), width + tail, dev) as session:
             session.begin(valid.to(dev))
-            first = self._logprobs(ids.to(dev))[:, -1]  # (G, V): the first continuation token
+            first = self._logprobs(ids.to(dev), last=True)[:, -1]  # (G, V): predicts the
+            # first continuation token; the LM head runs on the last position only
             session.end()
             rows = torch.tensor(owner, device=dev)
             session.select(rows)
@@ -128,6 +138,11 @@ class Scorer:
                                     eos_id=eos_id, vocab_size=self.vocab_size,
                                     pad_id=self.pad_id, loops=self.loops, until=until,
                                     all_done=all_done, use_cache=self.use_cache)
+
+
+def _last_logits(hidden: torch.Tensor, weight: torch.Tensor, cap: float) -> torch.Tensor:
+    """The model's head on the last position only: (B, T, D) -> (B, 1, V)."""
+    return soft_cap(F.linear(hidden[:, -1:], weight), cap)
 
 
 def _pick(logp: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:

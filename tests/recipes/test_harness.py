@@ -120,3 +120,6 @@ def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatc
     assert "|kiln_mc|" in capsys.readouterr().out
     assert main(["harness", "--model", "kiln", "--tasks", str(tasks / "mc.yaml")]) == 2
     assert "needs --model_args path=RUN" in capsys.readouterr().err
+    assert main(["harness", "--model", "kiln", "--model_args", f"path={folder},btach_size=2",
+                 "--tasks", str(tasks / "mc.yaml")]) == 2
+    assert "unknown argument(s) btach_size for the kiln model" in capsys.readouterr().err
