@@ -155,7 +155,10 @@ class DownstreamEvalHook(Hook):
         if hook.manager.last_saved_step != step:
             hook.manager.save(trainer, extra={"loss": loss})
         hook.manager.wait()
-        folder = hook.root / layout.step_name(step)
+        folder = (hook.root / layout.step_name(step)).resolve()
+        run_dir = Path(trainer.run_dir).resolve()
+        if folder.is_relative_to(run_dir):  # the request moves with the run folder
+            folder = folder.relative_to(run_dir)
         if trainer.world.is_main:
             write_pending(Path(trainer.run_dir), step, folder, {
                 n: trainer.recipe.evals[n].model_dump(mode="json") for n in names}, trainer.print)

@@ -147,7 +147,8 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
             raise RecipeError(f"{file}: not a pending-evaluation file ({exc}); delete it or "
                               "write step, checkpoint and tasks") from None
         configs = build_config(Recipe, {"evals": tables}, "", Layered()).evals
-        recipe, tokenizer, model, label = open_model(checkpoint)
+        # a path inside the run folder is written relative to it
+        recipe, tokenizer, model, label = open_model(run / checkpoint)
         results = evaluate_model(model, tokenizer, recipe, configs, device=device, log=log)
         record = {"step": step, "checkpoint": checkpoint, "tasks": results}
         with (run / RESULTS).open("a", encoding="utf-8") as f:

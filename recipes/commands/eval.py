@@ -169,9 +169,9 @@ def run_tasks(args) -> int:
 
         if not args.run:
             raise RecipeError("--harness needs RUN (a run, checkpoint or Hugging Face folder)")
-        return run_harness(["--model", "kiln", "--model_args", f"path={args.run}",
-                            "--tasks", args.harness, "--device", args.device
-                            if args.device != "auto" else "cpu"])
+        step = f",step={args.step}" if args.step else ""
+        return run_harness(["--model", "kiln", "--model_args", f"path={args.run}{step}",
+                            "--tasks", args.harness, "--device", pick_device(args.device).type])
     if args.pending:
         if not args.run:
             raise RecipeError("--pending needs RUN (the paused run's folder)")
