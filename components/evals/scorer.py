@@ -27,8 +27,10 @@ Group = tuple[list[int], list[list[int]]]  # a context's ids and its continuatio
 
 
 class Scorer:
-    """``model`` in eval mode under ``torch.no_grad``; ``vocab_size`` (the tokenizer's) keeps the
-    padding rows of a rounded-up vocabulary out of the softmax. ``generate(model, prompts,
+    """``model`` in eval mode under ``torch.no_grad``. Log-likelihoods are over the model's whole
+    output (as lm-evaluation-harness computes them: rows of a rounded-up vocabulary keep their
+    share of the probability); ``vocab_size`` (the tokenizer's) keeps greedy decoding on ids the
+    tokenizer can decode. ``generate(model, prompts,
     max_new_tokens=, eos_id=, vocab_size=, pad_id=, loops=, until=, all_done=)`` is the greedy
     decoder (``recipes/generate.py``, passed in by the caller). With ``lockstep`` (several
     ranks) generation runs until every rank's rows are done, so all make the same forwards."""
@@ -58,7 +60,7 @@ class Scorer:
             logits = self.model(ids, **kwargs)  # (B, T, V) or (B, 1, V)
         if last:
             logits = logits[:, -1:]
-        return logits[..., :self.vocab_size].float().log_softmax(-1)
+        return logits.float().log_softmax(-1)
 
     @torch.no_grad()
     def loglikelihoods(self, groups: Sequence[Group]) -> list[list[tuple[float, bool]]]:

@@ -41,7 +41,7 @@ def _brute(model, tokenizer, prompt: str, choice: str) -> float:
     ctx, cont = encode_pair(tokenizer, prompt, " " + choice, bos=True)
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
-        logp = model(ids[:, :-1]).float()[..., :258].log_softmax(-1)[0]
+        logp = model(ids[:, :-1]).float().log_softmax(-1)[0]  # the whole vocabulary
     return float(sum(logp[len(ctx) - 1 + j, t] for j, t in enumerate(cont)))
 
 
