@@ -36,6 +36,9 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.data.packed_documents",
     "kiln.components.data.balanced_shards",
     "kiln.components.data.streaming_text",
+    "kiln.components.evals.multiple_choice",
+    "kiln.components.evals.exact_match",
+    "kiln.components.evals.bits_per_byte",
 )
 
 

@@ -32,6 +32,7 @@ KINDS = (
     "guard",
     "step",
     "logger",
+    "task",
 )
 
 

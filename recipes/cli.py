@@ -37,6 +37,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "Hugging Face model -> recipe that continues training it (checkpoint.init_from)"),
     "generate": ("kiln.recipes.commands.generate",
                  "sample text from a run's checkpoint (KV cache, streaming, batched prompts)"),
+    "harness": ("kiln.recipes.commands.harness",
+                "lm-evaluation-harness with the kiln model: kiln harness --model kiln "
+                "--model_args path=RUN --tasks ..."),
 }
 
 
@@ -73,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
+    if getattr(module, "RAW_ARGS", False):  # a command with its own parser (kiln harness)
+        argv_rest = argv[1:]
+        try:
+            return int(module.run(argparse.Namespace(argv=argv_rest, overrides=[])) or 0)
+        except KilnError as exc:
+            return _fail(name, exc.exit_code, str(exc))
     cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
     # Recipe overrides (--a.b=c) are not argparse options: split them off first.

@@ -66,25 +66,33 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              sampling: Sampling = Sampling(), eos_id: int | None = None, use_cache: bool = True,
              loops: int | None = None, pad_id: int = 0, vocab_size: int | None = None,
              on_tokens: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             ) -> list[list[int]]:
+             until: Callable[[list[int]], bool] | None = None,
+             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """New tokens per prompt (a row stops after EOS, which it keeps). ``on_tokens(ids (B,),
     live (B,) bool)`` sees every step's tokens (those of finished rows are not live);
     ``loops`` is a looped model's loop count; ``vocab_size`` (the tokenizer's) keeps sampling
-    off the padding rows of a model whose vocabulary was rounded up (``vocab_multiple``)."""
+    off the padding rows of a model whose vocabulary was rounded up (``vocab_multiple``).
+    ``until(row's new ids)`` stops a row when true (stop strings); ``all_done(this batch is
+    done) -> every rank's is`` keeps data-parallel ranks stepping together (evaluation)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one non-empty prompt")
     device = next(model.parameters()).device
     model.eval()
     kwargs = {} if loops is None else {"loops": loops}
     ids, valid = _padded(prompts, pad_id, device)
+    stops = _Stops(eos_id, until, all_done)
     if not use_cache or not kv_cache.supports_cache(model):
         if len({len(p) for p in prompts}) > 1:  # padding needs the cache's attention mask
+            if all_done is not None:
+                raise ValueError("generating prompts of several lengths in step with other "
+                                 "ranks needs a model whose attention has a KV cache")
             return [generate(model, [p], max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_id=eos_id, use_cache=use_cache, loops=loops, pad_id=pad_id,
-                             vocab_size=vocab_size, on_tokens=None)[0] for p in prompts]
+                             vocab_size=vocab_size, on_tokens=None, until=until)[0]
+                    for p in prompts]
         step = lambda new: model(  # noqa: E731
             torch.cat([ids, *new], 1), **kwargs)[:, -1, :vocab_size]
-        return _loop(step, ids, max_new_tokens, sampling, eos_id, on_tokens)
+        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens)
     with kv_cache.attach(model, len(prompts), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
             session.begin(valid if not new else torch.ones_like(new[-1], dtype=torch.bool))
@@ -92,10 +100,31 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
             session.end()
             return logits
 
-        return _loop(step, ids, max_new_tokens, sampling, eos_id, on_tokens)
+        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens)
 
 
-def _loop(step, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+@dataclass(frozen=True)
+class _Stops:
+    """When rows and the batch stop: EOS, a row's own test, every rank done."""
+
+    eos_id: int | None
+    until: Callable[[list[int]], bool] | None
+    all_done: Callable[[bool], bool] | None
+
+    def finished(self, done: torch.Tensor, token: torch.Tensor, out: list[list[int]]):
+        finished = done | (token == self.eos_id) if self.eos_id is not None else done.clone()
+        if self.until is not None:
+            for i, d in enumerate(finished.tolist()):
+                if not d and self.until(out[i]):
+                    finished[i] = True
+        return finished
+
+    def batch_done(self, done: torch.Tensor) -> bool:
+        local = bool(done.all())
+        return local if self.all_done is None else self.all_done(local)
+
+
+def _loop(step, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, stops: _Stops,
           on_tokens) -> list[list[int]]:
     """Sample ``max_new_tokens`` steps; ``step(new_columns) -> logits (B, V)``."""
     generator = torch.Generator(ids.device).manual_seed(sampling.seed)
@@ -108,11 +137,11 @@ def _loop(step, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_
         for i, (t, d) in enumerate(zip(token.tolist(), done.tolist(), strict=True)):
             if not d:
                 out[i].append(t)
-        finished = done | (token == eos_id) if eos_id is not None else done
+        finished = stops.finished(done, token, out)
         if on_tokens is not None:
             on_tokens(token, ~done)
         done = finished
         new.append(token[:, None])
-        if bool(done.all()):
+        if stops.batch_done(done):
             break
     return out

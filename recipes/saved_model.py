@@ -70,3 +70,49 @@ def export_trainer_model(trainer, out_dir: Path) -> dict[str, Any]:
         max_shard_size=recipe.checkpoint.export_max_shard_size,
         tokenizer_files=tokenizer_files(trainer.tokenizer),
         rank=trainer.world.rank, world_size=trainer.world.world_size)
+
+
+def load_hf_folder(folder: Path, overrides: list[str] | tuple[str, ...] = ()):
+    """(recipe, tokenizer, model) of a Hugging Face model folder: the recipe ``kiln import``
+    writes for it (in a temporary file), the weights loaded through ``checkpointing.hf_import``."""
+    import tempfile
+
+    from kiln.checkpointing import hf_import
+    from kiln.recipes.pretrained import import_recipe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{Path(folder).name or 'model'}.toml"
+        import_recipe(str(folder), path)
+        recipe = load_recipe(path, overrides)
+    tokenizer = recipe.tokenizer.build()
+    model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
+                               seq_len=recipe.training.seq_len)
+    hf_import.load_weights(model, Path(folder), hf_import.read_config(Path(folder)))
+    return recipe, tokenizer, model
+
+
+def open_model(path: str | Path, *, step: int = 0, overrides: list[str] | tuple[str, ...] = ()):
+    """(recipe, tokenizer, model on the CPU, label) of a run folder (its newest checkpoint, or
+    ``step``), a checkpoint folder or a Hugging Face model folder (config.json + safetensors).
+    ``overrides`` apply to the recipe (e.g. ``--evals.NAME.limit=10``)."""
+    from kiln.checkpointing.resume import find_checkpoint
+    from kiln.components.errors import CheckpointError
+
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file() and not (path / "recipe.toml").is_file():
+        if step:
+            raise CheckpointError(f"{path} is a Hugging Face model folder: it has no steps "
+                                  "(drop --step)")
+        recipe, tokenizer, model = load_hf_folder(path, overrides)
+        return recipe, tokenizer, model, str(path)
+    ckpt = find_checkpoint(path)
+    if step:
+        ckpt = ckpt.parent / layout.step_name(step)
+        if not layout.is_complete(ckpt):
+            steps = [s for s, p in layout.list_checkpoints(ckpt.parent) if layout.is_complete(p)]
+            raise CheckpointError(f"{ckpt}: no complete checkpoint of step {step}; steps there: "
+                                  f"{', '.join(map(str, steps)) or 'none'}")
+    recipe, tokenizer, model = load_model(ckpt)
+    if overrides:
+        recipe = load_recipe(ckpt, overrides)
+    return recipe, tokenizer, model, str(ckpt)

@@ -111,6 +111,10 @@ class Recipe(Config):
         default_factory=dict, description="step guards (e.g. loss-spike skipping), by name"
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    evals: dict[str, Sub("task")] = Field(
+        default_factory=dict, description="downstream tasks scored during training and by "
+        "`kiln eval --tasks`, by name (docs/evaluation.md)"
+    )
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 

@@ -121,7 +121,12 @@ class Trainer:
         self.hooks: list[Hook] = []
         if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
             self.hooks.append(self._checkpoint_hook())
-        self.hooks += [LogHook(), EvalHook(), ProgressHook()]
+        self.hooks += [LogHook(), EvalHook()]
+        if recipe.evals:  # [evals.NAME] downstream tasks
+            from kiln.recipes.downstream import DownstreamEvalHook
+
+            self.hooks.append(DownstreamEvalHook())
+        self.hooks.append(ProgressHook())
         self.hooks += hooks or []
         phase("optimizers, hooks")
 

@@ -66,6 +66,13 @@ class CacheSession:
     def end(self) -> None:
         self.start = self.stop
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Between forwards: row i of the cache becomes old row ``rows[i]`` (rows may repeat:
+        several continuations scored after one cached context)."""
+        self.valid = self.valid[rows]
+        for cache in self.caches:
+            cache.slots = [(k[rows], v[rows]) for k, v in cache.slots]
+
     @property
     def causal(self) -> bool:
         """Whether the new tokens still need a causal mask among themselves (T > 1)."""

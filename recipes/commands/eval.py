@@ -1,7 +1,12 @@
 """`kiln eval RUN [--loops 1,2,4,8] [--tokens N] [--json] [--data.key=value ...]`: the held-out
 loss of a run's newest checkpoint (or a given one). For a looped model, ``--loops`` evaluates
 the same weights at each loop count H_eff <= H (early exit: the coda reads the state after
-H_eff loops) and says whether deeper is better (loss non-increasing in H_eff)."""
+H_eff loops) and says whether deeper is better (loss non-increasing in H_eff).
+
+Downstream tasks (docs/evaluation.md): ``--tasks NAME[,NAME]`` scores the ``[evals.NAME]`` tasks
+(of the recipe, a ``--task-file`` or ``--evals.NAME.*`` overrides) on a run, a ``--step``, a
+checkpoint or a Hugging Face model folder; ``--list-tasks``; ``--pending`` (a paused run's
+requests); ``--harness TASKS`` hands the model to lm-evaluation-harness (``kiln harness``)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not c
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("run", help="run folder, its checkpoints folder, or a step_XXXXXXX folder")
+    parser.add_argument("run", nargs="?", default="", help="run folder, its checkpoints folder, "
+                        "a step_XXXXXXX folder, or (with --tasks / --harness) a Hugging Face "
+                        "model folder")
     parser.add_argument("--loops", default="", help="comma-separated H_eff values, e.g. 1,2,4,8 "
                         "(looped models; default: the model's own H)")
     parser.add_argument("--tokens", type=int, default=0,
@@ -29,6 +36,21 @@ def add_arguments(parser) -> None:
                         help="sequences per forward (0 = the recipe's training.micro_batch)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tasks", default="", help="downstream tasks to score: names of "
+                        "[evals.NAME] tables, comma-separated, or all")
+    parser.add_argument("--task-file", default="", help="a TOML file of [evals.NAME] tables "
+                        "(used instead of the recipe's; --evals.* overrides apply to it)")
+    parser.add_argument("--list-tasks", action="store_true",
+                        help="task kinds, presets and the tasks of RUN / --task-file")
+    parser.add_argument("--step", type=int, default=0, help="this step's checkpoint of the run")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="first N examples of every task (0 = each task's own limit)")
+    parser.add_argument("--pending", action="store_true", help="evaluate the requests a "
+                        "paused run wrote (pending_downstream_eval.json); results appended "
+                        "to downstream_eval.jsonl in the run folder")
+    parser.add_argument("--harness", default="", metavar="TASKS", help="run lm-evaluation-"
+                        "harness tasks (names or task YAML files) on the model: short for "
+                        "`kiln harness --model kiln --model_args path=RUN --tasks TASKS`")
 
 
 def parse_loops(text: str, model: torch.nn.Module) -> list[int | None]:
@@ -146,7 +168,58 @@ def _why(rows: list[dict], yes: bool, gain: float) -> str:
     return f"no ({span})"
 
 
+def run_tasks(args) -> int:
+    """--tasks / --list-tasks / --pending / --harness."""
+    from kiln.components.distributed import pick_device
+    from kiln.recipes import task_eval
+
+    if args.harness:
+        from kiln.recipes.commands.harness import run_harness
+
+        if not args.run:
+            raise RecipeError("--harness needs RUN (a run, checkpoint or Hugging Face folder)")
+        step = f",step={args.step}" if args.step else ""
+        return run_harness(["--model", "kiln", "--model_args", f"path={args.run}{step}",
+                            "--tasks", args.harness, "--device", pick_device(args.device).type])
+    if args.pending:
+        if not args.run:
+            raise RecipeError("--pending needs RUN (the paused run's folder)")
+        done = task_eval.run_pending(Path(args.run), device=pick_device(args.device))
+        print(json.dumps(done) if args.json else
+              "\n".join(task_eval.render(d["label"], d["tasks"]) for d in done))
+        return 0
+    from kiln.recipes.saved_model import open_model
+
+    task_overrides = [o for o in args.overrides if o.lstrip("-").startswith("evals.")]
+    model_overrides = [o for o in args.overrides if o not in task_overrides or not args.task_file]
+    configs, source = {}, ""
+    if args.task_file:
+        configs = task_eval.task_file_tables(args.task_file, task_overrides)
+        source = args.task_file
+    if args.list_tasks:
+        if args.run and not args.task_file:
+            configs, source = task_eval.recipe_evals(args.run, args.step, model_overrides)
+        print(task_eval.list_tasks(configs, source))
+        return 0
+    if not args.run:
+        raise RecipeError("--tasks needs RUN (a run, checkpoint or Hugging Face folder)")
+    recipe, tokenizer, model, label = open_model(args.run, step=args.step,
+                                                 overrides=model_overrides)
+    if not args.task_file:
+        configs, source = recipe.evals, label
+    chosen = task_eval.select(configs, args.tasks, source)
+    results = task_eval.evaluate_model(model, tokenizer, recipe, chosen,
+                                       device=pick_device(args.device), limit=args.limit)
+    print(json.dumps({"model": label, "tasks": results}) if args.json
+          else task_eval.render(label, results))
+    return 0
+
+
 def run(args) -> int:
+    if args.tasks or args.list_tasks or args.pending or args.harness:
+        return run_tasks(args)
+    if not args.run:
+        raise RecipeError("give RUN (a run folder, its checkpoints folder or a step folder)")
     result = evaluate_run(args.run, args.loops, args.tokens, args.micro_batch, args.device,
                           args.overrides)
     print(json.dumps(result) if args.json else render(result))

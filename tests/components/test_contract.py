@@ -3,6 +3,8 @@ defaults, runs, and (for modules) gives a finite backward and a state-dict round
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -118,5 +120,15 @@ def test_component_contract(entry, tmp_path):
         guard.load_state_dict(guard.state_dict())
     elif kind == "dataset":
         assert _default(entry) is not None  # built with data in their own tests
+    elif kind == "task":  # one file with every kind's default fields, a tiny model
+        from kiln.components.evals import runner
+        from tests.components.evals import samples
+
+        path = samples.write_jsonl(tmp_path / "t.jsonl", samples.rows(4))
+        task = _default(entry, path=str(path)).build(name="t")
+        plan = task.plan(samples.byte_tokenizer(), 192)
+        assert plan.units >= plan.examples == 4 and plan.batches
+        metrics = runner.run(task, plan, samples.scorer(max_len=192))
+        assert metrics and all(map(math.isfinite, metrics.values())), metrics
     else:
         pytest.fail(f"no contract for kind {kind!r}: extend this test")

@@ -270,6 +270,16 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
     assert chunked == pytest.approx(plain, rel=1e-5), family
 
 
+@pytest.mark.parametrize("family", list(discovered()))
+def test_downstream_tasks_leave_training_unchanged_in_every_family(family, tmp_path):
+    """[evals.NAME] every step (multiple choice, exact match, bits per byte): the same losses."""
+    from tests.recipes.test_downstream import task_flags
+
+    plain, _ = train(recipe_for(family, tmp_path / "plain"))
+    scored, _ = train(recipe_for(family, tmp_path / "evals", *task_flags(tmp_path, interval=1)))
+    assert scored == plain, family
+
+
 # ------------------------------------------------------------------- 2 processes, FSDP2
 FSDP2_SAVED = ("--parallelism.fsdp=on", "--training.init_check=true", CHUNK,
                "--checkpoint.enable=true")
@@ -304,6 +314,11 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
             results[f"{name}_plan"] = trainer.parallel_summary
             results[f"{name}_resumed"], _ = train(recipe_for(
                 family, f"{folder}/{name}", *args, f"--training.steps={STEPS + 1}"))
+        # Downstream tasks under FSDP2: batches split over the ranks, scores reduced
+        from tests.recipes.test_downstream import task_flags
+
+        results["evals"], _ = train(recipe_for("dense", f"{folder}/evals", *task_flags(
+            None, path=f"{folder}/tasks.jsonl")))
         # Replicated (gradient all-reduce), checkpoint saved, then resumed one step further:
         # every other collective kiln makes (verify on load, preemption flag, eval, MoE loads).
         args = ("--parallelism.fsdp=off", "--checkpoint.enable=true", "--eval.at_end=true")
@@ -321,9 +336,12 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tmp_path):
+    from tests.components.evals import samples
     from tests.parallelisms.tiny import free_port
+    from tests.recipes.test_downstream import metrics_of, task_flags
 
     families = list(discovered())
+    samples.write_jsonl(tmp_path / "tasks.jsonl", samples.rows(6))
     torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path), families), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for family in families:
@@ -331,6 +349,13 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (family, losses)
         assert ranks[1][family] == losses, f"{family}: ranks disagree"
     assert len(ranks[0]["replicated"]) == STEPS and len(ranks[0]["resumed"]) == 1
+    one, _ = train(recipe_for("dense", tmp_path / "evals1",
+                              *task_flags(None, path=tmp_path / "tasks.jsonl")))
+    two, single = metrics_of(tmp_path / "evals")[STEPS], metrics_of(tmp_path / "evals1")[STEPS]
+    assert ranks[1]["evals"] == ranks[0]["evals"] and len(one) == STEPS
+    keys = [k for k in single if k.startswith("eval/") and k.count("/") == 2]
+    assert len(keys) == 5 and {k: two[k] for k in keys} == pytest.approx(
+        {k: single[k] for k in keys}, abs=1e-6)
     assert "tensor parallel 2" in ranks[0]["tp2_plan"] and "float8" in ranks[0]["tp2_plan"]
     assert "expert parallel 2" in ranks[0]["ep2_plan"]
     assert "context parallel 2" in ranks[0]["cp2_plan"]
