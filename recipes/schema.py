@@ -62,7 +62,10 @@ class TrainingConfig(Config):
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="autocast dtype for the forward pass"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+    device: Literal["auto", "cpu", "cuda", "npu", "xpu", "mps"] = Field(
+        "auto", description="auto = the accelerator torch.accelerator reports (cuda, npu with "
+        "torch_npu installed, xpu, mps), else cpu; each process takes device LOCAL_RANK",
+    )
     threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
     loss_chunk_tokens: int = Field(
         0, ge=0, description="chunked cross-entropy: the LM head and the loss run this many "

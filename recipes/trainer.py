@@ -31,7 +31,7 @@ from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loade
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.process_stats import Phases, peak_rss_bytes
+from kiln.recipes.process_stats import Phases, peak_memory_bytes
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
 
@@ -61,7 +61,9 @@ class Trainer:
         tr = recipe.training
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
         phase = Phases(self.startup_s)
-        self.world = distributed.init(tr.device, recipe.parallelism.backend)
+        pcfg = recipe.parallelism
+        self.world = distributed.init(tr.device, pcfg.backend, timeout_s=pcfg.collective_timeout_s,
+                                      flight_recorder=pcfg.flight_recorder)
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
@@ -338,9 +340,7 @@ class Trainer:
         return dict(fn()) if fn is not None else {}
 
     def memory_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return peak_rss_bytes()
+        return peak_memory_bytes(self.device)
 
     def print(self, text: str) -> None:
         if self.world.is_main:

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from kiln.components.distributed import pick_device
+from kiln.components import devices
+from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
@@ -44,8 +45,7 @@ class _Timer(Hook):
         self.fit_start = time.perf_counter()
 
     def on_step_end(self, trainer, result) -> None:
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
+        devices.synchronize(trainer.device)
         self.ends.append(time.perf_counter())
         self.waits.append(trainer.data_wait_s)
 
@@ -69,8 +69,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=sink)
             startup.update(trainer.startup_s)
-            if trainer.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+            devices.reset_peak_memory(trainer.device)
             trainer.fit()
     ends = timer.ends
     startup["first step"] = ends[0] - timer.fit_start

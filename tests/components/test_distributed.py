@@ -58,9 +58,11 @@ def test_helpers_hand_the_collective_tensors_on_the_group_device(fake_group, cal
 def test_group_device_follows_the_backend(monkeypatch):
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
     for backend, want in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu")),
-                          ("cpu:gloo,cuda:nccl", torch.device("cuda", 1))):
+                          ("cpu:gloo,cuda:nccl", torch.device("cuda", 1)),
+                          ("xccl", torch.device("xpu", 1)),
+                          ("cpu:gloo,xpu:xccl", torch.device("xpu", 1))):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         assert distributed.group_device() == want, backend
 
