@@ -47,6 +47,11 @@ class TrainingConfig(Config):
     steps: int = Field(0, ge=0, description="optimizer steps (0 = derive from epochs or tokens)")
     epochs: float = Field(0.0, ge=0, description="budget in data epochs (used when steps = 0)")
     tokens: int = Field(0, ge=0, description="budget in tokens (used when steps = epochs = 0)")
+    max_hours: float = Field(
+        0.0, ge=0, description="wall-clock budget of this process (one scheduler allocation): "
+        "stop at the last step boundary that leaves time for a checkpoint, exit 0; the same "
+        "command continues the run (0 = no limit)"
+    )
     min_steps: int = Field(
         0, ge=0, description="at least this many steps when the budget comes from epochs or "
         "tokens (ignored when steps is set)"
@@ -120,6 +125,16 @@ class Recipe(Config):
     )
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _budget_needs_checkpoints(self) -> Recipe:
+        if self.training.max_hours and not self.checkpoint.enable:
+            raise ValueError(
+                f"training.max_hours = {self.training.max_hours:g} stops the run early so that "
+                "the same command continues it from a checkpoint, but checkpoint.enable = false; "
+                "enable checkpoints or set training.max_hours = 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_optimizer_table(self) -> Recipe:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kiln.checkpointing.clock import process_age_s
 from kiln.components import devices
 from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
@@ -110,17 +111,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
 def _age_at(moment: float) -> float:
     """Seconds from process start to ``moment`` (perf_counter), so time to first step includes
     the interpreter start and the imports; 0 where /proc is missing."""
-    import os
-
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    age_now = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    return max(age_now - (time.perf_counter() - moment), 0.0)
+    return max(process_age_s() - (time.perf_counter() - moment), 0.0)
 
 
 def optimizer_state_bytes(trainer) -> dict[str, int]:
