@@ -156,6 +156,21 @@ def all_gather_autograd(t: torch.Tensor, dim: int = 0,
     return out.movedim(0, dim).to(t.device)
 
 
+def reduce_scatter_(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``input`` (group size x ``output``'s elements) over ``group`` and keep this rank's
+    slice in ``output`` (the collective FSDP2 reduces gradients with)."""
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"reduce_scatter_: op {op!r} is not one of sum, max, min")
+    if not is_initialized():
+        return _copy_back(output, input.reshape(output.shape))
+    work_out, work_in = _staged(output, group), _staged(input, group)
+    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(work_out, work_in, op=getattr(dist.ReduceOp, op.upper()), group=group)
+    return _copy_back(output, work_out)
+
+
 def all_to_all_single_(
     output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
     input_split_sizes: list[int], group: dist.ProcessGroup | None = None,
@@ -176,6 +191,15 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group, device=group_device(group))
     return box[0]
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's picklable ``obj``, in rank order (kiln's own values only: it unpickles)."""
+    if not is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def is_dtensor(t: object) -> bool:

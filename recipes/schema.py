@@ -9,7 +9,9 @@ from pydantic import Field, model_validator
 from kiln.checkpointing.config import CheckpointConfig
 from kiln.components.base import Config, OptionalSub, Sub, component, default_config
 from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.health import HealthCheckConfig
 from kiln.recipes.context_warmup import ContextWarmupConfig
+from kiln.recipes.watchdog import WatchdogConfig
 
 
 class WandbConfig(Config):
@@ -38,6 +40,16 @@ class RunConfig(Config):
     wandb: WandbConfig | None = Field(
         None, description="log to Weights & Biases too: a table with at least project (needs "
         "`pip install wandb`)"
+    )
+    health_check: HealthCheckConfig = Field(
+        default_factory=HealthCheckConfig,
+        description="before training: every collective on every process group (results and bus "
+        "bandwidth), a matmul on every device, the CUDA peer-to-peer matrix",
+    )
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        description="a step far slower than usual is a hang: every rank dumps its stacks to "
+        "RUN/hang/, the run exits 3 naming the slowest rank",
     )
 
 

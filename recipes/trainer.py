@@ -22,6 +22,7 @@ from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
+from kiln.parallelisms.health import run_health_check
 from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
@@ -34,6 +35,7 @@ from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.process_stats import Phases, peak_memory_bytes
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
+from kiln.recipes.watchdog import Watchdog
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Trainer:
         shape = self.mesh_layout
         raise_problems(training_problems(tr, shape.tp, shape.cp), shape.describe())
         self.plan = batch_plan.plan(tr, self.data_ranks, tp=shape.tp, cp=shape.cp)
+        self.health = run_health_check(recipe.run.health_check, pcfg, self.world, self.print)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -128,7 +131,8 @@ class Trainer:
             from kiln.recipes.downstream import DownstreamEvalHook
 
             self.hooks.append(DownstreamEvalHook())
-        self.hooks.append(ProgressHook())
+        self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
+        self.hooks += [ProgressHook(), self.watchdog]
         self.hooks += hooks or []
         phase("optimizers, hooks")
 
@@ -167,7 +171,8 @@ class Trainer:
         if not pcfg.meta_init and self.world.distributed:
             for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
                 distributed.broadcast_(t.data, src=0)
-        self.parallel = parallelize(self.model, pcfg, self.world)
+        self.parallel = parallelize(self.model, pcfg, self.world, mesh=self.health.mesh,
+                                    ep_mesh=self.health.ep_mesh)
         details = self.parallel.describe().splitlines()[1:]
         if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
             details.append(note)
@@ -326,6 +331,7 @@ class Trainer:
         bias moves once per global step from the loads of all its segments)."""
         self.progress.step += 1
         self.progress.tokens += result.tokens
+        self.watchdog.step_ends(self.progress.step)
         hook = getattr(self.model, "on_global_step", None)
         if hook is not None:
             hook(result.skipped)
@@ -373,6 +379,7 @@ class Trainer:
             warmup = self.recipe.training.context_warmup
             started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
+                self.watchdog.step_begins()
                 waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
                 self.data_wait_s += time.perf_counter() - waited
