@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -183,8 +184,18 @@ class Watchdog(Hook):
             return False
 
     def fire(self, reason: str | None) -> None:
-        """Dump, wait for the others' dumps, name the slowest rank, exit 3."""
+        """Dump, wait for the others' dumps, name the slowest rank, exit 3. Where the run folder
+        cannot be written, the stacks go to stderr and the run exits 3 all the same."""
         self.fired = True
+        try:
+            self._fire(reason)
+        except (OSError, ValueError, KeyError) as exc:  # unwritable folder, unreadable trigger
+            print(_stacks(), file=sys.stderr)
+            _leave(TrainingHung(f"hang: {reason or 'another rank saw one'}; the dumps could not "
+                                f"be written ({exc}): this rank's stacks are on stderr"),
+                   self.exit)
+
+    def _fire(self, reason: str | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if reason is not None and not (self.folder / TRIGGER).exists():
             _write_atomic(self.folder / TRIGGER, json.dumps({"rank": self.rank,
@@ -230,6 +241,14 @@ class Watchdog(Hook):
             except (OSError, ValueError):
                 headers[r] = None
         return headers
+
+
+def _stacks() -> str:
+    """Every thread's Python stack as text (faulthandler needs a real file)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items())
 
 
 def _flight_recorder() -> str | None:

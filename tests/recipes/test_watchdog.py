@@ -117,6 +117,22 @@ def test_another_ranks_trigger_makes_this_rank_dump_too(tmp_path, capsys):
     assert "slowest: rank 0: wrote no dump" in err  # rank 0 never wrote one here
 
 
+def test_an_unwritable_run_folder_still_ends_the_hang(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    dog, exits, done = _start(blocked, WatchdogConfig(timeout_s=0.2, poll_s=0.05))
+    try:
+        dog.step_begins()
+        dog.step_ends(1)
+        dog.step_begins()
+        assert done.wait(30), "the watchdog did not fire"
+    finally:
+        dog.close(None)
+    err = capsys.readouterr().err
+    assert exits == [3] and "the dumps could not be written" in err
+    assert "Thread MainThread" in err and "test_an_unwritable_run_folder" in err  # the stacks
+
+
 def test_a_quiet_run_never_fires(tmp_path):
     dog, exits, _ = _start(tmp_path, WatchdogConfig(timeout_s=5, poll_s=0.02))
     for step in range(5):
