@@ -83,7 +83,6 @@ class Trainer:
         shape = self.mesh_layout
         raise_problems(training_problems(tr, shape.tp, shape.cp), shape.describe())
         self.plan = batch_plan.plan(tr, self.data_ranks, tp=shape.tp, cp=shape.cp)
-        self.health = run_health_check(recipe.run.health_check, pcfg, self.world, self.print)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -92,6 +91,8 @@ class Trainer:
 
         torch.manual_seed(tr.seed)
         phase("process group, run folder")
+        self.health = run_health_check(recipe.run.health_check, pcfg, self.world, self.print)
+        phase("health check")
         self.tokenizer = recipe.tokenizer.build()
         self.dataset = recipe.data.build(tokenizer=self.tokenizer, seq_len=tr.seq_len, seed=tr.seed)
         if self.world.is_main:
