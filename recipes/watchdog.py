@@ -9,14 +9,13 @@ when set -- the rank
 1. writes ``RUN/hang/trigger.json`` (the first rank to fire), which makes every other rank's
    watchdog fire at its next poll whatever it is doing, so that every rank dumps;
 2. dumps the Python stacks of all its threads (``faulthandler``) to ``RUN/hang/rank_N.txt``,
-   after a JSON header line: its steps done, and whether its main thread waits inside
-   ``torch.distributed`` (a collective) or not; and torch's flight recorder (the process
-   groups' last collectives, ``parallelism.flight_recorder``) to
-   ``RUN/hang/rank_N.flight_recorder.json``;
-3. waits (at most ``grace_s``) for every rank's dump, names the slowest rank -- the fewest steps
-   done; among those, one not waiting in a collective while the others do; a rank that wrote no
-   dump at all -- and exits at once with status 3 (``TrainingHung``) and that message, so that
-   the scheduler restarts the run and the resume continues from the last checkpoint.
+   after a JSON header line: its steps done, the collectives it issued per process group (from
+   the flight recorder), and whether its main thread waits inside ``torch.distributed``; and
+   torch's flight recorder itself (the process groups' last collectives,
+   ``parallelism.flight_recorder``) to ``RUN/hang/rank_N.flight_recorder.json``;
+3. waits (at most ``grace_s``) for every rank's dump, names the slowest rank (``slowest``) and
+   exits at once with status 3 (``TrainingHung``) and that message, so that the scheduler
+   restarts the run and the resume continues from the last checkpoint.
 
 The watchdog arms after the first step (which compiles, warms up and initialises lazily). A
 ``RUN/hang/`` left by an earlier hang is renamed ``RUN/hang_<time>/`` when training starts.
@@ -68,8 +67,10 @@ class WatchdogConfig(Config):
 
 def slowest(headers: dict[int, dict | None]) -> tuple[list[int], str]:
     """The ranks holding the others up, and why, from every rank's dump header (None: no dump).
-    Fewest steps done first; among equals, ranks not waiting in a collective while another
-    waits; a rank without a dump beats all (it is frozen, dead or cannot write)."""
+    A rank without a dump first (it is frozen, dead or cannot write); then the fewest steps
+    done; among equals, the fewest collectives issued (flight recorder: on CUDA collectives are
+    asynchronous, so a rank waiting for a peer blocks at its next synchronisation, not inside
+    torch.distributed); then ranks not waiting in a collective while another waits."""
     missing = [r for r, h in headers.items() if h is None]
     if missing:
         return missing, "wrote no dump (frozen, killed, or its run folder is elsewhere)"
@@ -77,6 +78,12 @@ def slowest(headers: dict[int, dict | None]) -> tuple[list[int], str]:
     behind = [r for r, h in headers.items() if h["done"] == least]
     if len(behind) < len(headers):
         return behind, f"{least} steps done while the others finished step {least + 1}"
+    issued = {r: _issued(headers[r], headers.values()) for r in behind}
+    if len(set(issued.values())) > 1:
+        fewest = min(issued.values())
+        return [r for r in behind if issued[r] == fewest], (
+            f"issued {fewest} collectives where the others issued up to "
+            f"{max(issued.values())} (flight recorder)")
     computing = [r for r in behind if not headers[r]["in_collective"]]
     if computing and len(computing) < len(behind):
         where = "; ".join(f"rank {r}: {headers[r]['where']}" for r in computing)
@@ -85,6 +92,25 @@ def slowest(headers: dict[int, dict | None]) -> tuple[list[int], str]:
         return computing, "every rank is outside a collective (a hang in compute or input)"
     return behind, ("every rank waits in a collective: a mismatched collective or a network "
                     "fault; compare the flight recorder files")
+
+
+def _issued(header: dict, everyone) -> int:
+    """Collectives ``header``'s rank issued on the process groups every rank reported."""
+    common = set.intersection(*(set(h.get("collectives", {})) for h in everyone))
+    return sum(header["collectives"][name] for name in common)
+
+
+def collectives_issued(trace: str | None) -> dict[str, int]:
+    """The highest collective sequence number per process group in a flight recorder dump."""
+    issued: dict[str, int] = {}
+    try:
+        entries = json.loads(trace)["entries"] if trace else []
+    except (ValueError, KeyError, TypeError):
+        return issued
+    for e in entries:
+        name = "/".join(map(str, e.get("process_group", ["?"])))
+        issued[name] = max(issued.get(name, 0), int(e.get("collective_seq_id", 0)))
+    return issued
 
 
 def main_thread_position() -> tuple[bool, str]:
@@ -215,8 +241,10 @@ class Watchdog(Hook):
 
     def _dump(self) -> None:
         in_collective, where = main_thread_position()
+        trace = _flight_recorder()
         header = {"rank": self.rank, "host": socket.gethostname(), "device": self.device,
                   "done": self.done, "in_collective": in_collective, "where": where,
+                  "collectives": collectives_issued(trace),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         path = self.folder / f"rank_{self.rank}.txt"
         tmp = path.with_suffix(".tmp")
@@ -225,7 +253,6 @@ class Watchdog(Hook):
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         os.replace(tmp, path)
-        trace = _flight_recorder()
         if trace is not None:
             _write_atomic(self.folder / f"rank_{self.rank}.flight_recorder.json", trace)
 

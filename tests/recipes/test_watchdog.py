@@ -37,6 +37,27 @@ def test_among_equals_the_rank_outside_a_collective_is_the_slowest():
     assert ranks == [1] and "not in a collective" in why and "rank 1: data.py:9 read" in why
 
 
+def test_among_equals_the_rank_that_issued_fewer_collectives_is_the_slowest():
+    """On CUDA every rank may block outside torch.distributed (collectives are asynchronous);
+    the flight recorder's sequence numbers still show who is behind."""
+    heads = {0: header(3, False), 1: header(3, False), 2: header(3, False)}
+    for r, seq in ((0, 40), (1, 38), (2, 40)):
+        heads[r]["collectives"] = {"0/default_pg": seq, f"{r}/only_mine": 99}
+    ranks, why = slowest(heads)
+    assert ranks == [1] and "issued 38 collectives where the others issued up to 40" in why
+
+
+def test_collectives_issued_reads_the_flight_recorder():
+    from kiln.recipes.watchdog import collectives_issued
+
+    trace = json.dumps({"entries": [
+        {"collective_seq_id": 3, "process_group": ["0", "default_pg"]},
+        {"collective_seq_id": 5, "process_group": ["0", "default_pg"]},
+        {"collective_seq_id": 1, "process_group": ["1", "tp"]}]})
+    assert collectives_issued(trace) == {"0/default_pg": 5, "1/tp": 1}
+    assert collectives_issued(None) == {} == collectives_issued("not json")
+
+
 def test_a_rank_without_a_dump_is_named_first():
     assert slowest({0: header(3, True), 1: None})[0] == [1]
 
@@ -166,13 +187,15 @@ def test_the_slow_rank_of_two_is_named_and_every_rank_dumps(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     assert "kiln train: error: hang:" in out.stderr, out.stderr[-3000:]
-    assert "slowest: rank 1 (" in out.stderr and "not in a collective while the others" \
+    # rank 0 issued step 4's first all-gather (FSDP2), rank 1 stalled before it
+    assert "slowest: rank 1 (" in out.stderr and "collectives where the others issued" \
         in out.stderr, out.stderr[-3000:]
     hang = tmp_path / "run" / "hang"
     heads = {r: json.loads((hang / f"rank_{r}.txt").read_text().splitlines()[0])
              for r in range(2)}
     assert heads[0]["in_collective"] and not heads[1]["in_collective"]
     assert heads[0]["done"] == heads[1]["done"] == 3
+    assert heads[0]["collectives"]["0/default_pg"] > heads[1]["collectives"]["0/default_pg"]
     assert "hang_worker.py" in (hang / "rank_1.txt").read_text()
     trace = json.loads((hang / "rank_0.flight_recorder.json").read_text())
     assert trace["entries"], "the flight recorder kept no collective"
