@@ -20,8 +20,6 @@ built for the check are handed to ``parallelize`` (no second set of communicator
 
 from __future__ import annotations
 
-import hashlib
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -67,6 +65,8 @@ def _device_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def matmul_finding(size: int, device: torch.device) -> dict:
     """This device's seeded matmul: its error against a float64 CPU reference and a digest of
     its exact bits (ranks on identical hardware agree bit for bit)."""
+    import hashlib
+
     gen = torch.Generator().manual_seed(1234)
     a = torch.randn(size, size, generator=gen)
     b = torch.randn(size, size, generator=gen)
@@ -129,6 +129,8 @@ def run_health_check(cfg: HealthCheckConfig, pcfg, world, log=print) -> HealthRe
     report = HealthReport()
     if cfg.enable == "off" or (cfg.enable == "auto" and not world.distributed):
         return report
+    import socket
+
     from kiln.parallelisms.health_collectives import CASES, check
 
     started = time.perf_counter()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -240,6 +239,8 @@ class Watchdog(Hook):
         _leave(TrainingHung(message), self.exit)
 
     def _dump(self) -> None:
+        import socket
+
         in_collective, where = main_thread_position()
         trace = _flight_recorder()
         header = {"rank": self.rank, "host": socket.gethostname(), "device": self.device,
