@@ -32,7 +32,7 @@ from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loade
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.process_stats import Phases, peak_memory_bytes
+from kiln.recipes.process_stats import Phases
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
 from kiln.recipes.watchdog import Watchdog
@@ -345,9 +345,6 @@ class Trainer:
     def model_metrics(self) -> dict[str, float]:
         fn = getattr(self.model, "metrics", None)
         return dict(fn()) if fn is not None else {}
-
-    def memory_bytes(self) -> int:
-        return peak_memory_bytes(self.device)
 
     def print(self, text: str) -> None:
         if self.world.is_main:

@@ -18,6 +18,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.hooks import Hook
+from kiln.recipes.process_stats import peak_memory_bytes
 from kiln.recipes.recipe import load_recipe
 
 _BENCH_OVERRIDES = [
@@ -96,7 +97,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "achieved_flops": achieved,
         "peak_flops": peak,
         "mfu": achieved / peak if peak else None,
-        "peak_memory_bytes": trainer.memory_bytes(),
+        "peak_memory_bytes": peak_memory_bytes(trainer.device),
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,
         "time_to_first_step_s": first,

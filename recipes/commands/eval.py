@@ -172,7 +172,7 @@ def _why(rows: list[dict], yes: bool, gain: float) -> str:
 
 def run_tasks(args) -> int:
     """--tasks / --list-tasks / --pending / --harness."""
-    from kiln.components.distributed import pick_device
+    from kiln.components.devices import pick_device
     from kiln.recipes import task_eval
 
     if args.harness:
