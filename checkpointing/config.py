@@ -15,6 +15,10 @@ class CheckpointConfig(Config):
     enable: bool = Field(True, description="save checkpoints at all")
     folder: str = Field("checkpoints", description="under the run folder, unless absolute")
     interval: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
+    interval_minutes: float = Field(
+        0.0, ge=0, description="also save when this many minutes have passed since the last "
+        "save, whatever the step rate (0 = off; rank 0's clock decides for all)"
+    )
     keep_last: int = Field(
         3, ge=0, description="immutable step_XXXXXXX snapshots to keep (0 = all); `final` is kept"
     )

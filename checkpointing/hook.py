@@ -1,8 +1,10 @@
 """The trainer's checkpointing hook: resume at start, interval and preemption saves, final save.
 
-Policy (the ``[checkpoint]`` table): save every ``interval`` steps and at the end, keep the newest
-``keep_last`` snapshots plus ``final``; resume per ``resume``; on SIGTERM/SIGINT save at the next
-step boundary and stop (the trainer then returns normally, so the process exits 0).
+Policy (the ``[checkpoint]`` table): save every ``interval`` steps, every ``interval_minutes``
+and at the end, keep the newest ``keep_last`` snapshots plus ``final``; resume per ``resume``; on
+SIGTERM/SIGINT, or when ``training.max_hours`` is nearly spent (``clock.py``), save at the next
+step boundary and stop (the trainer then returns normally, so the process exits 0 and the same
+command continues the run).
 
 Unattended recovery: when the run's own newest snapshot fails verification (a hash mismatch,
 a missing file), ``resume = "auto"`` moves it to ``checkpoints/corrupt/``, warns (console,
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpointing import layout, resume
+from kiln.checkpointing.clock import WallClock, agree, estimate_save_s
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.checkpointing.preemption import Preemption
 from kiln.components import distributed
@@ -60,6 +63,8 @@ class CheckpointHook:
             on_publish=self.hub.upload_checkpoint if upload else None, log=trainer.print,
         )
         self.preemption = Preemption(log=trainer.print) if cfg.preemption else None
+        self.clock = WallClock(trainer.recipe.training.max_hours, cfg.interval_minutes)
+        self._load_s: float | None = None  # the resume's load: a save's duration until one ran
         self.resumed_from: Path | None = None
         self._hub_api = hub_api
         self._last_loss: float | None = None
@@ -68,6 +73,10 @@ class CheckpointHook:
     def on_train_start(self, trainer) -> None:
         if self.preemption is not None:
             self.preemption.install()
+        self._resume(trainer)
+        self.clock.begin()  # steps are timed from here, the resume's load not included
+
+    def _resume(self, trainer) -> None:
         cfg = self.cfg
         source = self._resolve(trainer)
         verified = False
@@ -88,8 +97,10 @@ class CheckpointHook:
                 trainer.print(f"kiln: rolling back: moved newer checkpoints {', '.join(moved)} to "
                               f"{self.root / 'abandoned'}")
         distributed.barrier()
+        started = time.monotonic()
         loaded = self.manager.load(trainer, source.folder, weights_only=weights_only,
                                    from_ema=cfg.from_ema and weights_only, verified=verified)
+        self._load_s = time.monotonic() - started
         self.resumed_from = source.folder
         if weights_only:
             trainer.print(f"kiln: started from the weights of {source.folder} (step "
@@ -183,17 +194,51 @@ class CheckpointHook:
 
     # ---------------------------------------------------------------------------------- steps
     def on_step_end(self, trainer, result) -> None:
-        step = trainer.progress.step
+        step, total = trainer.progress.step, trainer.total_steps
         self._last_loss = result.loss
-        stop = self.preemption is not None and self.preemption.requested(trainer.device)
-        due = self.cfg.interval and step % self.cfg.interval == 0 and step < trainer.total_steps
-        if due or stop:
+        self.clock.step_done()
+        signal, time_save, out_of_time = self._decide(trainer, step < total)
+        due = self.cfg.interval and step % self.cfg.interval == 0 and step < total
+        if due or time_save or signal or out_of_time:
+            started = time.monotonic()
             self.manager.save(trainer, extra={"loss": result.loss})
-        if stop:
-            self.manager.wait()
+            if signal or out_of_time:
+                self.manager.wait()
+            self.clock.saved(time.monotonic() - started)
+        if signal or out_of_time:
             trainer.stop_requested = True
-            trainer.print(f"kiln: stopped at step {step} on a signal; the checkpoint is saved. "
-                          "Rerun the same command to continue.")
+            trainer.print(self._stop_message(trainer, "a signal" if signal else "the budget"))
+
+    def _decide(self, trainer, more: bool) -> tuple[bool, bool, bool]:
+        """(signal, time-based save due, out of time), the same on every rank: a signal on any
+        rank counts; the clock's decisions are rank 0's. One all-reduce for all three."""
+        signal = self.preemption is not None and self.preemption.signum is not None
+        if self.preemption is None and not self.clock.active:
+            return False, False, False
+        main = trainer.world.is_main and more
+        time_save = main and self.clock.save_due()
+        out_of_time = main and self.clock.out_of_time(self.save_estimate(trainer))
+        signal, time_save, out_of_time = agree([signal, time_save, out_of_time], trainer.device)
+        return signal, time_save, out_of_time
+
+    def save_estimate(self, trainer) -> float:
+        """Seconds one save takes: the last one's, else the resume's load, else a guess."""
+        for seconds in (self.manager.last_save_s, self._load_s):
+            if seconds is not None:
+                return seconds
+        return estimate_save_s(trainer.model)
+
+    def _stop_message(self, trainer, why: str) -> str:
+        step, total = trainer.progress.step, trainer.total_steps
+        if why == "a signal":
+            return (f"kiln: stopped at step {step} on a signal; the checkpoint is saved. "
+                    "Rerun the same command to continue.")
+        hours = trainer.recipe.training.max_hours
+        return (f"kiln: stopped at step {step} of {total} ({step / total:.1%}) after "
+                f"{self.clock.elapsed():.1f} s: training.max_hours = {hours:g} "
+                f"({self.clock.budget_s:.0f} s) would end before another step and its save "
+                f"(~{self.clock.margin(self.save_estimate(trainer)):.1f} s); the checkpoint is "
+                "saved. Rerun the same command to continue.")
 
     # ------------------------------------------------------------------------------------ end
     def on_train_end(self, trainer) -> None:

@@ -79,6 +79,7 @@ class CheckpointManager:
         self.log = log
         self._pending: dict[str, Any] | None = None  # the one save in flight
         self.last_saved_step: int | None = None
+        self.last_save_s: float | None = None  # how long the last save took to write, in full
         self.failures: list[str] = []
         # Background saves need their own process group: DCP's collectives then never
         # interleave with the training loop's on the default group.
@@ -88,6 +89,7 @@ class CheckpointManager:
     def save(self, state, *, extra: dict[str, Any] | None = None) -> Path:
         """Save the state at its current step; returns the folder it will be published as."""
         self.wait()
+        started = time.monotonic()
         step = int(state.progress.step)
         name = layout.step_name(step)
         tmp = self.root / f"{layout.TMP_PREFIX}{name}"
@@ -138,6 +140,7 @@ class CheckpointManager:
                 self._publish(tmp, step, seal)
             distributed.barrier()
             self.last_saved_step = step
+            self.last_save_s = time.monotonic() - started
             return self.root / name
 
         storage.quiet_dcp()
@@ -145,6 +148,8 @@ class CheckpointManager:
                                 no_dist=not self.world.distributed)
         marker = self.root / f"{layout.TMP_PREFIX}{name}.done.{self.world.rank}"
         future.add_done_callback(lambda f: _write_marker(marker, f))
+        future.add_done_callback(
+            lambda f: setattr(self, "last_save_s", time.monotonic() - started))
         pending: dict[str, Any] = {"future": future, "step": step}
         if self.world.is_main:
             thread = threading.Thread(target=self._finish_async, args=(tmp, step, seal),

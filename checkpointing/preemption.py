@@ -2,7 +2,8 @@
 
 Every rank must stop at the same step or the next collective hangs, and a signal may reach only
 some ranks (or reach them during different steps). So each rank's flag is all-reduced (max) once
-per step: one tiny collective beside the step's own all-reduces.
+per step (with the wall clock's decisions, ``CheckpointHook``): one tiny collective beside the
+step's own all-reduces.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 
 import torch
 
-from kiln.components import distributed
+from kiln.checkpointing.clock import agree
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -48,9 +49,4 @@ class Preemption:
 
     def requested(self, device: torch.device | None = None) -> bool:
         """True on every rank if any rank got a signal (one all-reduce when distributed)."""
-        local = self.signum is not None
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        distributed.all_reduce_(flag, "max")
-        return bool(flag.item())
+        return agree([self.signum is not None], device)[0]

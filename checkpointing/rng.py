@@ -1,5 +1,6 @@
-"""Per-rank RNG state (python, numpy, torch CPU, CUDA) as tensors plus JSON, never pickle, and
-the per-step derivation that makes a resume on another layout need no RNG mapping.
+"""Per-rank RNG state (python, numpy, torch CPU, the accelerator's devices: CUDA, NPU, XPU or
+MPS) as tensors plus JSON, never pickle, and the per-step derivation that makes a resume on
+another layout need no RNG mapping.
 
 ``seed_step(seed, step)`` (called by the trainer before every step) sets every generator from
 (seed, step) alone: all ranks draw the same numbers, as they did from the shared start seed
@@ -21,6 +22,7 @@ import random
 import numpy as np
 import torch
 
+from kiln.components import devices
 from kiln.components.errors import CheckpointError
 
 PREFIX = "rng."
@@ -28,62 +30,66 @@ _MT_WORDS = 624  # Mersenne Twister state words (python and numpy's legacy gener
 
 
 def seed_step(seed: int, step: int) -> None:
-    """Seed python, numpy, torch and every CUDA device from (seed, step)."""
+    """Seed python, numpy, torch and every accelerator device from (seed, step)."""
     words = np.random.SeedSequence([seed % 2**64, int(step)]).generate_state(2, np.uint32)
     random.seed(int(words[0]) << 32 | int(words[1]))
     np.random.seed(int(words[0]))
-    torch.manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)  # also seeds all CUDA devices
+    # torch.manual_seed also seeds every CUDA, XPU, MPS and registered (NPU) device
+    torch.manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)
 
 
 def capture() -> tuple[dict[str, torch.Tensor], dict]:
     version, py_state, py_gauss = random.getstate()
-    kind, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    kind_np, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     tensors = {
         PREFIX + "torch": torch.get_rng_state(),  # uint8 (5056,)
         PREFIX + "python": torch.tensor(py_state, dtype=torch.int64),  # 624 words + position
         PREFIX + "numpy": torch.from_numpy(np.asarray(np_key, dtype=np.int64)),  # (624,)
     }
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    for i, state in enumerate(cuda):
-        tensors[f"{PREFIX}cuda.{i}"] = state.cpu()
+    kind = devices.rng_device_type()
+    states = devices.rng_states(kind) if kind is not None else []
+    for i, state in enumerate(states):
+        tensors[f"{PREFIX}{kind}.{i}"] = state
     info = {
         "python": {"version": version, "gauss_next": py_gauss},
-        "numpy": {"kind": kind, "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+        "numpy": {"kind": kind_np, "pos": int(np_pos), "has_gauss": int(np_has_gauss),
                   "cached_gaussian": float(np_gauss)},
-        "cuda_devices": len(cuda),
+        "accelerator": {"type": kind or "", "count": len(states)},
     }
     return tensors, info
 
 
 def restore(tensors: dict[str, torch.Tensor], info: dict, where: str = "checkpoint") -> None:
-    """Set every generator from a capture; raises CheckpointError before changing anything."""
-    py, npy = _validate(tensors, info, where)
+    """Set every generator from a capture; raises CheckpointError before changing anything.
+    The accelerator's generators are set when this process has that device type (a resume on
+    other hardware re-derives them from (seed, step) before the next step anyway)."""
+    py, npy, (kind, count) = _validate(tensors, info, where)
     torch_state = tensors[PREFIX + "torch"]
     random.setstate(py)
     np.random.set_state(npy)
     torch.set_rng_state(torch_state.contiguous())
-    n_cuda = info["cuda_devices"]
-    if n_cuda and torch.cuda.is_available():
-        states = [tensors[f"{PREFIX}cuda.{i}"] for i in range(n_cuda)]
-        if len(states) != torch.cuda.device_count():
+    if count and devices.accelerator_type() == kind:
+        if count != devices.device_count(kind):
             raise CheckpointError(
-                f"{where}: RNG state was saved for {n_cuda} CUDA devices per process, this process "
-                f"sees {torch.cuda.device_count()}; resume with the same devices"
+                f"{where}: RNG state was saved for {count} {kind} devices per process, this "
+                f"process sees {devices.device_count(kind)}; resume with the same devices"
             )
-        torch.cuda.set_rng_state_all(states)
+        devices.set_rng_states(kind, [tensors[f"{PREFIX}{kind}.{i}"] for i in range(count)])
 
 
-def _validate(tensors: dict[str, torch.Tensor], info: dict, where: str) -> tuple[tuple, tuple]:
+def _validate(tensors: dict[str, torch.Tensor], info: dict,
+              where: str) -> tuple[tuple, tuple, tuple[str, int]]:
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{where}: invalid RNG state ({what}); the file is corrupt or was "
                                "edited. Resume from another checkpoint.")
 
-    if not isinstance(info, dict) or set(info) != {"python", "numpy", "cuda_devices"}:
+    if not isinstance(info, dict):
         raise bad("fields")
-    n_cuda = info["cuda_devices"]
+    acc = _accelerator(info, bad)
+    kind, count = acc
     expected = {PREFIX + k for k in ("torch", "python", "numpy")}
-    expected |= {f"{PREFIX}cuda.{i}" for i in range(n_cuda if type(n_cuda) is int else 0)}
-    if type(n_cuda) is not int or n_cuda < 0 or set(tensors) != expected:
+    expected |= {f"{PREFIX}{kind}.{i}" for i in range(count)}
+    if set(tensors) != expected:
         raise bad(f"tensors {sorted(tensors)}")
     t, p, n = (tensors[PREFIX + k] for k in ("torch", "python", "numpy"))
     if t.dtype != torch.uint8 or t.dim() != 1:
@@ -106,7 +112,25 @@ def _validate(tensors: dict[str, torch.Tensor], info: dict, where: str) -> tuple
     py = (pi["version"], tuple(int(x) for x in p.tolist()), pi["gauss_next"])
     npy = ("MT19937", n.numpy().astype(np.uint32), ni["pos"], ni["has_gauss"],
            float(ni["cached_gaussian"]))
-    return py, npy
+    return py, npy, acc
+
+
+def _accelerator(info: dict, bad) -> tuple[str, int]:
+    """(device type, device count) of the saved accelerator generators. Checkpoints written
+    before other accelerators existed say ``cuda_devices: N`` instead."""
+    if set(info) == {"python", "numpy", "cuda_devices"}:
+        count = info["cuda_devices"]
+        kind = "cuda" if count else ""
+    elif set(info) == {"python", "numpy", "accelerator"} and isinstance(info["accelerator"], dict) \
+            and set(info["accelerator"]) == {"type", "count"}:
+        kind, count = info["accelerator"]["type"], info["accelerator"]["count"]
+    else:
+        raise bad("fields")
+    accelerators = ("", *(d for d in devices.DEVICES if d not in ("auto", "cpu")))
+    if type(count) is not int or count < 0 or kind not in accelerators \
+            or (count > 0) != bool(kind):
+        raise bad(f"accelerator {kind!r} x {count!r}")
+    return kind, count
 
 
 def _finite(x: object) -> bool:

@@ -2,12 +2,13 @@
 
 Every collective in kiln goes through the helpers here (tests/test_imports.py checks the
 source). Each helper hands the collective a tensor on the process group's device -- the current
-CUDA device for NCCL, which takes CUDA tensors only; the CPU for gloo -- and copies the result
-back to the caller's tensor, so call sites never need to know the backend. Outside a process
-group (one process) every helper is the identity. ``all_gather_autograd`` is torch's functional
-all-gather (traceable by ``torch.compile``, with a reduce-scatter backward).
+accelerator for NCCL / HCCL / XCCL, which take device tensors only; the CPU for gloo -- and
+copies the result back to the caller's tensor, so call sites never need to know the backend.
+Outside a process group (one process) every helper is the identity. ``all_gather_autograd`` is
+torch's functional all-gather (traceable by ``torch.compile``, with a reduce-scatter backward).
 
-A leaf module: every package may import it; it imports only ``kiln.components.errors``.
+A leaf module: every package may import it; it imports only ``kiln.components.devices`` (the
+device layer, itself a leaf) and ``kiln.components.errors``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kiln.components.errors import RecipeError
+from kiln.components import devices
 
 
 @dataclass(frozen=True)
@@ -39,29 +40,27 @@ class World:
         return self.world_size > 1
 
 
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RecipeError("training.device = \"cuda\" but CUDA is not available; use \"auto\"")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+def init(device_choice: str = "auto", backend: str = "auto", *, timeout_s: float = 1800.0,
+         flight_recorder: int = 0) -> World:
+    """Join the torchrun process group if there is one (WORLD_SIZE > 1).
 
-
-def init(device_choice: str = "auto", backend: str = "auto") -> World:
-    """Join the torchrun process group if there is one (WORLD_SIZE > 1)."""
+    ``backend`` "auto" is the device type's library (``devices.BACKENDS``); ``timeout_s`` is how
+    long a collective may wait for its peers before it fails; ``flight_recorder`` entries (0 =
+    off) keep the last collectives of each group for a hang report (``TORCH_FR_BUFFER_SIZE``,
+    unless the environment sets it)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device_choice)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = devices.pick_device(device_choice, world_size=world_size)
+    devices.set_current(device)
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = devices.backend_for(device.type)
+        if flight_recorder:
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(flight_recorder))
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(minutes=int(os.environ.get(
-                "KILN_DIST_TIMEOUT_MIN", "30"))),
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type not in ("cpu", "mps") else None,
         )
     return World(rank, world_size, local_rank, device)
 
@@ -89,10 +88,8 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device a collective on ``group`` (default: the world) takes its tensors on."""
     if not is_initialized():
         return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:  # also "cpu:gloo,cuda:nccl": device tensors take the NCCL route
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    # also "cpu:gloo,cuda:nccl": device tensors take the accelerator's route
+    return devices.device_of_backend(dist.get_backend(group))
 
 
 def _staged(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -159,6 +156,21 @@ def all_gather_autograd(t: torch.Tensor, dim: int = 0,
     return out.movedim(0, dim).to(t.device)
 
 
+def reduce_scatter_(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``input`` (group size x ``output``'s elements) over ``group`` and keep this rank's
+    slice in ``output`` (the collective FSDP2 reduces gradients with)."""
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"reduce_scatter_: op {op!r} is not one of sum, max, min")
+    if not is_initialized():
+        return _copy_back(output, input.reshape(output.shape))
+    work_out, work_in = _staged(output, group), _staged(input, group)
+    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(work_out, work_in, op=getattr(dist.ReduceOp, op.upper()), group=group)
+    return _copy_back(output, work_out)
+
+
 def all_to_all_single_(
     output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
     input_split_sizes: list[int], group: dist.ProcessGroup | None = None,
@@ -179,6 +191,15 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group, device=group_device(group))
     return box[0]
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's picklable ``obj``, in rank order (kiln's own values only: it unpickles)."""
+    if not is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def is_dtensor(t: object) -> bool:

@@ -2,7 +2,7 @@
 
 The command line prints ``KilnError`` messages without a traceback; ``RecipeError`` (a bad
 recipe or command line), ``CheckpointError``, ``TrainingAborted`` and ``RunFolderInUse`` exit
-with status 2, the others with status 1.
+with status 2, ``TrainingHung`` (the hang watchdog) with 3, the others with status 1.
 
 A leaf module: every package may import it and it imports nothing of kiln.
 """
@@ -42,3 +42,14 @@ class RunFolderInUse(KilnError):
     """Another live run holds the run folder (``recipes/run_lock.py``)."""
 
     exit_code = 2
+
+
+class HealthCheckFailed(KilnError):
+    """A collective, a device or a link failed the start-up health check."""
+
+
+class TrainingHung(KilnError):
+    """A step made no progress for longer than the hang watchdog's threshold. Its own status,
+    so that a scheduler script can requeue the run on it."""
+
+    exit_code = 3

@@ -121,6 +121,16 @@ class ParallelismConfig(Config):
     replica_init_max_params: int = Field(
         2_000_000_000, ge=0, description="init_mode = auto: largest model initialised as a replica"
     )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="process-group backend: auto = nccl on CUDA, gloo on CPU"
+    backend: Literal["auto", "gloo", "nccl", "hccl", "xccl"] = Field(
+        "auto", description="process-group backend: auto = the device type's (nccl on CUDA, "
+        "hccl on Ascend NPUs, xccl on Intel XPUs, gloo on CPU)"
+    )
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="seconds a collective waits for its peers before it fails "
+        "(torch.distributed's process-group timeout)"
+    )
+    flight_recorder: int = Field(
+        2000, ge=0, description="collectives kept per process group by torch's flight recorder "
+        "(TORCH_FR_BUFFER_SIZE, unless set in the environment) and written to RUN/hang/ by the "
+        "hang watchdog (0 = off)"
     )

@@ -161,10 +161,12 @@ def _use_fsdp(cfg: ParallelismConfig, dp_size: int) -> tuple[bool, str]:
 
 
 def parallelize(
-    model: nn.Module, cfg: ParallelismConfig, world: WorldLike, mesh: DeviceMesh | None = None
+    model: nn.Module, cfg: ParallelismConfig, world: WorldLike, mesh: DeviceMesh | None = None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> ParallelPlan:
     """Apply float8 -> expert parallel -> tensor parallel -> activation checkpointing -> compile
-    -> FSDP2 to ``model`` in place (after checking that the layout divides the model)."""
+    -> FSDP2 to ``model`` in place (after checking that the layout divides the model). ``mesh``
+    and ``ep_mesh``: meshes of this layout built earlier (the health check), reused."""
     shape = layout(cfg, world.world_size)
     raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp), shape.describe())
     grad_ranks = shape.grad_ranks  # ranks training different tokens: data and context parallel
@@ -208,7 +210,8 @@ def parallelize(
         from kiln.parallelisms.expert_parallel import apply_expert_parallel
         from kiln.parallelisms.mesh import expert_mesh
 
-        plan.ep = apply_expert_parallel(model, expert_mesh(shape, world.device.type), shape.dp)
+        plan.ep = apply_expert_parallel(model, ep_mesh or expert_mesh(shape, world.device.type),
+                                        shape.dp)
         plan.parts.insert(0, plan.ep.describe())
     if shape.tp > 1:
         from kiln.parallelisms.tensor_parallel import apply_tensor_parallel

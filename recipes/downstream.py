@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kiln.checkpointing import layout
+from kiln.components import devices
 from kiln.components.errors import RecipeError
 from kiln.components.evals import runner
 from kiln.components.evals.scorer import Scorer
@@ -58,18 +59,20 @@ def format_metrics(name: str, metrics: dict[str, float], examples: int, seconds:
 
 
 class RngState:
-    """Every generator training could read: torch (CPU and CUDA), Python's and NumPy's."""
+    """Every generator training could read: torch (CPU and the accelerator's), Python's and
+    NumPy's."""
 
     def __init__(self) -> None:
         self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.kind = devices.rng_device_type()  # the accelerator in use, if any
+        self.device = devices.rng_states(self.kind) if self.kind is not None else None
         self.python = random.getstate()
         self.numpy = np.random.get_state()
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+        if self.device is not None:
+            devices.set_rng_states(self.kind, self.device)
         random.setstate(self.python)
         np.random.set_state(self.numpy)
 

@@ -29,6 +29,8 @@ def peak_flops(device_type: str, dtype: torch.dtype = torch.float32) -> float:
             if key in name:
                 return value
         return 0.0
+    if device_type != "cpu":  # no datasheet table for other accelerators: MFU is not reported
+        return 0.0
     return matmul_probe(dtype)
 
 

@@ -22,7 +22,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from kiln.components.distributed import pick_device
+from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.evals.bits_per_byte import windows
 from kiln.components.evals.common import left_truncate

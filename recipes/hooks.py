@@ -10,6 +10,7 @@ import time
 import torch
 
 from kiln.components import distributed as dist_utils
+from kiln.recipes.process_stats import peak_memory_bytes
 
 
 class Hook:
@@ -62,7 +63,7 @@ class LogHook(Hook):
         values.update(trainer.model_metrics())
         for guard in trainer.guards.values():  # skip counters, baselines
             values.update(getattr(guard, "metrics", dict)())
-        values["memory_bytes"] = trainer.memory_bytes()
+        values["memory_bytes"] = peak_memory_bytes(trainer.device)
         trainer.metrics.log(step, values)
         if trainer.world.is_main:
             skip = f"  skipped: {result.reason}" if result.skipped else ""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from kiln.components import distributed
+from kiln.components import devices, distributed
 from kiln.components.errors import KilnError
 
 SAMPLE = 4096  # elements summed per tensor (strided over the whole tensor)
@@ -50,9 +50,10 @@ def fingerprint(model: nn.Module) -> tuple[list[str], torch.Tensor]:
         parts.append(_digest(t))
     names.append("<cpu rng state>")
     parts.append(_digest(torch.get_rng_state().to(torch.float64)))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        names.append("<cuda rng state>")
-        parts.append(_digest(torch.cuda.get_rng_state().to(torch.float64)))
+    kind = devices.rng_device_type()  # the accelerator in use, if any
+    if kind is not None:
+        names.append(f"<{kind} rng state>")
+        parts.append(_digest(torch.cat(devices.rng_states(kind)).to(torch.float64)))
     return names, torch.stack(parts)  # (n, 2)
 
 

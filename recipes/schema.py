@@ -9,7 +9,9 @@ from pydantic import Field, model_validator
 from kiln.checkpointing.config import CheckpointConfig
 from kiln.components.base import Config, OptionalSub, Sub, component, default_config
 from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.health import HealthCheckConfig
 from kiln.recipes.context_warmup import ContextWarmupConfig
+from kiln.recipes.watchdog import WatchdogConfig
 
 
 class WandbConfig(Config):
@@ -39,6 +41,16 @@ class RunConfig(Config):
         None, description="log to Weights & Biases too: a table with at least project (needs "
         "`pip install wandb`)"
     )
+    health_check: HealthCheckConfig = Field(
+        default_factory=HealthCheckConfig,
+        description="before training: every collective on every process group (results and bus "
+        "bandwidth), a matmul on every device, the CUDA peer-to-peer matrix",
+    )
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        description="a step far slower than usual is a hang: every rank dumps its stacks to "
+        "RUN/hang/, the run exits 3 naming the slowest rank",
+    )
 
 
 class TrainingConfig(Config):
@@ -47,6 +59,11 @@ class TrainingConfig(Config):
     steps: int = Field(0, ge=0, description="optimizer steps (0 = derive from epochs or tokens)")
     epochs: float = Field(0.0, ge=0, description="budget in data epochs (used when steps = 0)")
     tokens: int = Field(0, ge=0, description="budget in tokens (used when steps = epochs = 0)")
+    max_hours: float = Field(
+        0.0, ge=0, description="wall-clock budget of this process (one scheduler allocation): "
+        "stop at the last step boundary that leaves time for a checkpoint, exit 0; the same "
+        "command continues the run (0 = no limit)"
+    )
     min_steps: int = Field(
         0, ge=0, description="at least this many steps when the budget comes from epochs or "
         "tokens (ignored when steps is set)"
@@ -62,7 +79,10 @@ class TrainingConfig(Config):
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="autocast dtype for the forward pass"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+    device: Literal["auto", "cpu", "cuda", "npu", "xpu", "mps"] = Field(
+        "auto", description="auto = the accelerator torch.accelerator reports (cuda, npu with "
+        "torch_npu installed, xpu, mps), else cpu; each process takes device LOCAL_RANK",
+    )
     threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0 = torch default)")
     loss_chunk_tokens: int = Field(
         0, ge=0, description="chunked cross-entropy: the LM head and the loss run this many "
@@ -117,6 +137,16 @@ class Recipe(Config):
     )
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _budget_needs_checkpoints(self) -> Recipe:
+        if self.training.max_hours and not self.checkpoint.enable:
+            raise ValueError(
+                f"training.max_hours = {self.training.max_hours:g} stops the run early so that "
+                "the same command continues it from a checkpoint, but checkpoint.enable = false; "
+                "enable checkpoints or set training.max_hours = 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_optimizer_table(self) -> Recipe:

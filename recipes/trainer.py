@@ -22,6 +22,7 @@ from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
 from kiln.components.steps.common import GuardDecision
+from kiln.parallelisms.health import run_health_check
 from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
@@ -31,9 +32,10 @@ from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loade
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.process_stats import Phases, peak_rss_bytes
+from kiln.recipes.process_stats import Phases
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
 from kiln.recipes.schema import Recipe
+from kiln.recipes.watchdog import Watchdog
 
 
 @dataclass
@@ -61,7 +63,9 @@ class Trainer:
         tr = recipe.training
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
         phase = Phases(self.startup_s)
-        self.world = distributed.init(tr.device, recipe.parallelism.backend)
+        pcfg = recipe.parallelism
+        self.world = distributed.init(tr.device, pcfg.backend, timeout_s=pcfg.collective_timeout_s,
+                                      flight_recorder=pcfg.flight_recorder)
         self.device = self.world.device
         if tr.threads and self.device.type == "cpu":
             torch.set_num_threads(tr.threads)
@@ -87,6 +91,8 @@ class Trainer:
 
         torch.manual_seed(tr.seed)
         phase("process group, run folder")
+        self.health = run_health_check(recipe.run.health_check, pcfg, self.world, self.print)
+        phase("health check")
         self.tokenizer = recipe.tokenizer.build()
         self.dataset = recipe.data.build(tokenizer=self.tokenizer, seq_len=tr.seq_len, seed=tr.seed)
         if self.world.is_main:
@@ -126,7 +132,8 @@ class Trainer:
             from kiln.recipes.downstream import DownstreamEvalHook
 
             self.hooks.append(DownstreamEvalHook())
-        self.hooks.append(ProgressHook())
+        self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
+        self.hooks += [ProgressHook(), self.watchdog]
         self.hooks += hooks or []
         phase("optimizers, hooks")
 
@@ -165,7 +172,8 @@ class Trainer:
         if not pcfg.meta_init and self.world.distributed:
             for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
                 distributed.broadcast_(t.data, src=0)
-        self.parallel = parallelize(self.model, pcfg, self.world)
+        self.parallel = parallelize(self.model, pcfg, self.world, mesh=self.health.mesh,
+                                    ep_mesh=self.health.ep_mesh)
         details = self.parallel.describe().splitlines()[1:]
         if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
             details.append(note)
@@ -324,6 +332,7 @@ class Trainer:
         bias moves once per global step from the loads of all its segments)."""
         self.progress.step += 1
         self.progress.tokens += result.tokens
+        self.watchdog.step_ends(self.progress.step)
         hook = getattr(self.model, "on_global_step", None)
         if hook is not None:
             hook(result.skipped)
@@ -336,11 +345,6 @@ class Trainer:
     def model_metrics(self) -> dict[str, float]:
         fn = getattr(self.model, "metrics", None)
         return dict(fn()) if fn is not None else {}
-
-    def memory_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return peak_rss_bytes()
 
     def print(self, text: str) -> None:
         if self.world.is_main:
@@ -373,6 +377,7 @@ class Trainer:
             warmup = self.recipe.training.context_warmup
             started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
+                self.watchdog.step_begins()
                 waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
                 self.data_wait_s += time.perf_counter() - waited

@@ -20,9 +20,9 @@ SOURCE = tuple(str(REPO / top) + "/" for top in
 HELPERS = str(REPO / "components" / "distributed.py")
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
-    "scatter", "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object",
-    "gather_object", "scatter_object_list",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
 )
 
 

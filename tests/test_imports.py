@@ -13,7 +13,8 @@ FLOORS = {"components": 0, "parallelisms": 1, "checkpointing": 2, "recipes": 3}
 LEAVES = {  # module -> the kiln modules it may import
     "kiln.components.errors": set(),
     "kiln.components.registry": set(),
-    "kiln.components.distributed": {"kiln.components.errors"},
+    "kiln.components.devices": {"kiln.components.errors"},
+    "kiln.components.distributed": {"kiln.components.errors", "kiln.components.devices"},
 }
 
 

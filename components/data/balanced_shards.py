@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from kiln.components import devices
 from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
 from kiln.components.data.prefetch import Prefetcher
@@ -319,7 +320,7 @@ class BalancedLoader:
         if self._prefetcher is None:
             self._ahead = self._pos
             self._streams_state = self._stream_states()
-            pin = self.ds.cfg.pin_memory and torch.cuda.is_available()
+            pin = self.ds.cfg.pin_memory and devices.pin_memory_supported()
             self._prefetcher = Prefetcher(self._produce, self.ds.cfg.prefetch, pin)
         batch, (self._pos, self._streams_state) = self._prefetcher.get()
         return batch

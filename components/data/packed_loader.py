@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kiln.components import devices
 from kiln.components.data import documents
 from kiln.components.data.layout_fit import too_small
 from kiln.components.data.packed_layout import (
@@ -140,7 +141,7 @@ class Loader:
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.micro_per_step = global_batch // world_size // micro_batch
         self.num_workers, self.prefetch = num_workers, prefetch
-        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.pin_memory = pin_memory and devices.pin_memory_supported()
         self._windows = _Windows(layout, split, seq_len)
         self.tokens_per_epoch = self._windows.stream_tokens()
         """tokens in one data epoch's stream (BOS/EOS included); a step trains on GB*L."""

@@ -22,6 +22,7 @@ from pydantic import Field
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kiln.components import devices
 from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
 from kiln.components.data.packed_loader import _check_batch_plan
@@ -116,7 +117,7 @@ class StreamLoader:
             self.loader = StatefulDataLoader(
                 self.dataset, batch_size=None, num_workers=workers, snapshot_every_n_steps=1,
                 prefetch_factor=ds.cfg.prefetch if workers else None,
-                pin_memory=torch.cuda.is_available(), persistent_workers=False)
+                pin_memory=devices.pin_memory_supported(), persistent_workers=False)
         self._it: Any = None
 
     def __iter__(self):

@@ -11,11 +11,14 @@ from typing import Any
 
 import torch
 
-from kiln.components.distributed import pick_device
+from kiln.checkpointing.clock import process_age_s
+from kiln.components import devices
+from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.hooks import Hook
+from kiln.recipes.process_stats import peak_memory_bytes
 from kiln.recipes.recipe import load_recipe
 
 _BENCH_OVERRIDES = [
@@ -44,8 +47,7 @@ class _Timer(Hook):
         self.fit_start = time.perf_counter()
 
     def on_step_end(self, trainer, result) -> None:
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
+        devices.synchronize(trainer.device)
         self.ends.append(time.perf_counter())
         self.waits.append(trainer.data_wait_s)
 
@@ -69,8 +71,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, hooks=[timer], checkpoints=False, out=sink)
             startup.update(trainer.startup_s)
-            if trainer.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+            devices.reset_peak_memory(trainer.device)
             trainer.fit()
     ends = timer.ends
     startup["first step"] = ends[0] - timer.fit_start
@@ -96,7 +97,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "achieved_flops": achieved,
         "peak_flops": peak,
         "mfu": achieved / peak if peak else None,
-        "peak_memory_bytes": trainer.memory_bytes(),
+        "peak_memory_bytes": peak_memory_bytes(trainer.device),
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,
         "time_to_first_step_s": first,
@@ -111,17 +112,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
 def _age_at(moment: float) -> float:
     """Seconds from process start to ``moment`` (perf_counter), so time to first step includes
     the interpreter start and the imports; 0 where /proc is missing."""
-    import os
-
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    age_now = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    return max(age_now - (time.perf_counter() - moment), 0.0)
+    return max(process_age_s() - (time.perf_counter() - moment), 0.0)
 
 
 def optimizer_state_bytes(trainer) -> dict[str, int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kiln.components.devices import DEVICES
 from kiln.components.errors import RecipeError
 from kiln.recipes.hooks import bits_per_byte
 from kiln.recipes.model_inputs import ModelInputs
@@ -34,7 +35,8 @@ def add_arguments(parser) -> None:
                         help="token budget per H_eff (0 = the recipe's eval.tokens)")
     parser.add_argument("--micro-batch", type=int, default=0,
                         help="sequences per forward (0 = the recipe's training.micro_batch)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="auto: the accelerator present, else the CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tasks", default="", help="downstream tasks to score: names of "
                         "[evals.NAME] tables, comma-separated, or all")
@@ -99,7 +101,7 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     import contextlib
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.components.distributed import pick_device
+    from kiln.components.devices import pick_device
     from kiln.recipes.recipe import load_recipe
     from kiln.recipes.saved_model import load_model
 
@@ -170,7 +172,7 @@ def _why(rows: list[dict], yes: bool, gain: float) -> str:
 
 def run_tasks(args) -> int:
     """--tasks / --list-tasks / --pending / --harness."""
-    from kiln.components.distributed import pick_device
+    from kiln.components.devices import pick_device
     from kiln.recipes import task_eval
 
     if args.harness:

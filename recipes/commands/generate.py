@@ -10,6 +10,10 @@ from pathlib import Path
 
 from kiln.components.errors import RecipeError
 
+# kiln.components.devices.DEVICES, spelt out so that --help does not import torch (a test
+# keeps the two equal)
+DEVICES = ("auto", "cpu", "cuda", "npu", "xpu", "mps")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("run", help="run folder, its checkpoints folder, or a step_XXXXXXX folder")
@@ -28,9 +32,10 @@ def add_arguments(parser) -> None:
                         help="loop count of a looped model (default: the trained H)")
     parser.add_argument("--no-cache", action="store_true",
                         help="rerun the whole sequence every step (slow; for checking)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="auto: the accelerator present, else the CPU")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: bfloat16 on CUDA, float32 on the CPU")
+                        help="auto: bfloat16 on CUDA, NPU and XPU devices, float32 elsewhere")
 
 
 def _prompts(args) -> list[str]:
@@ -87,7 +92,7 @@ def run(args) -> int:
     import torch
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.components.distributed import pick_device
+    from kiln.components.devices import pick_device
     from kiln.recipes.generate import Sampling, generate
     from kiln.recipes.recipe import load_recipe
     from kiln.recipes.saved_model import load_model
@@ -116,7 +121,7 @@ def run(args) -> int:
             f"this looped model was trained with H = {model.loops}; use 1..{model.loops}"
             if hasattr(model, "loops") else "only looped models take --loops"))
     device = pick_device(args.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+    dtype = {"auto": torch.bfloat16 if device.type in ("cuda", "npu", "xpu") else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
     stream = Stream(tokenizer, encoded[0], sys.stdout) if len(prompts) == 1 else None

@@ -48,7 +48,8 @@ def test_state_survives_a_safetensors_file(tmp_path):
     lambda t, i: i["numpy"].__setitem__("pos", 9999),
     lambda t, i: i["numpy"].__setitem__("cached_gaussian", float("nan")),
     lambda t, i: i.__setitem__("extra", 1),
-    lambda t, i: i.__setitem__("cuda_devices", 2),
+    lambda t, i: i.__setitem__("accelerator", {"type": "cuda", "count": 2}),
+    lambda t, i: i.__setitem__("accelerator", {"type": "tpu", "count": 0}),
 ])
 def test_invalid_state_is_refused_without_touching_the_generators(edit):
     tensors, info = rng.capture()
@@ -71,3 +72,36 @@ def test_seed_step_derives_every_generator_from_seed_and_step_alone():
     assert draws() != first
     rng.seed_step(1, 7)
     assert draws() != first
+
+
+def test_a_checkpoint_from_before_other_accelerators_still_loads():
+    """Older snapshots say ``cuda_devices: N``; a CPU one (N = 0) restores exactly."""
+    tensors, info = rng.capture()
+    assert info["accelerator"] == {"type": "", "count": 0}  # CPU-only here
+    legacy = {"python": info["python"], "numpy": info["numpy"], "cuda_devices": 0}
+    expected = draws()
+    rng.restore(tensors, legacy)
+    assert draws() == expected
+    with pytest.raises(CheckpointError, match="invalid RNG state"):
+        rng.restore(tensors, {**legacy, "cuda_devices": 1})  # says 1 device, holds none
+
+
+def test_accelerator_generators_are_saved_and_restored_by_device_type(monkeypatch):
+    """A faked NPU with two devices: its states travel as rng.npu.0/1 and come back."""
+    from kiln.components import devices
+
+    held = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+    monkeypatch.setattr(devices, "rng_device_type", lambda: "npu")
+    monkeypatch.setattr(devices, "accelerator_type", lambda: "npu")
+    monkeypatch.setattr(devices, "rng_states", lambda kind: [t.clone() for t in held])
+    monkeypatch.setattr(devices, "device_count", lambda kind: 2)
+    restored = {}
+    monkeypatch.setattr(devices, "set_rng_states", lambda kind, states: restored.update(
+        {kind: [t.tolist() for t in states]}))
+    tensors, info = rng.capture()
+    assert info["accelerator"] == {"type": "npu", "count": 2} and "rng.npu.1" in tensors
+    rng.restore(tensors, info)
+    assert restored == {"npu": [[1, 2], [3, 4]]}
+    monkeypatch.setattr(devices, "device_count", lambda kind: 1)
+    with pytest.raises(CheckpointError, match="saved for 2 npu devices per process"):
+        rng.restore(tensors, info)

@@ -38,8 +38,10 @@ def fake_group(monkeypatch):
 
         return collective
 
-    for name in ("all_reduce", "broadcast", "all_gather", "all_to_all_single"):
-        monkeypatch.setattr(dist, name, fake(name))
+    for name in ("all_reduce", "broadcast", "all_gather", "all_to_all_single",
+                 "reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, fake(name))
     return seen
 
 
@@ -48,7 +50,8 @@ def fake_group(monkeypatch):
     lambda: distributed.broadcast_(torch.ones(3)),
     lambda: distributed.all_gather(torch.ones(3)),
     lambda: distributed.all_to_all_single_(torch.empty(4), torch.ones(4), [2, 2], [2, 2]),
-], ids=["all_reduce_", "broadcast_", "all_gather", "all_to_all_single_"])
+    lambda: distributed.reduce_scatter_(torch.empty(2), torch.ones(4)),
+], ids=["all_reduce_", "broadcast_", "all_gather", "all_to_all_single_", "reduce_scatter_"])
 def test_helpers_hand_the_collective_tensors_on_the_group_device(fake_group, call):
     with pytest.raises(_Stop):
         call()
@@ -58,9 +61,11 @@ def test_helpers_hand_the_collective_tensors_on_the_group_device(fake_group, cal
 def test_group_device_follows_the_backend(monkeypatch):
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
     for backend, want in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu")),
-                          ("cpu:gloo,cuda:nccl", torch.device("cuda", 1))):
+                          ("cpu:gloo,cuda:nccl", torch.device("cuda", 1)),
+                          ("xccl", torch.device("xpu", 1)),
+                          ("cpu:gloo,xpu:xccl", torch.device("xpu", 1))):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         assert distributed.group_device() == want, backend
 
@@ -73,6 +78,10 @@ def test_helpers_are_the_identity_in_one_process():
     distributed.all_to_all_single_(out, torch.arange(4.0), [4], [4])
     assert out.tolist() == [0, 1, 2, 3]
     assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+    assert distributed.all_gather_object("host") == ["host"]
+    out = torch.empty(2)
+    distributed.reduce_scatter_(out, torch.tensor([[1.0, 2.0]]))
+    assert out.tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="avg"):
         distributed.all_reduce_(t, "avg")
 

@@ -24,7 +24,8 @@ def test_bench_json_and_table(capsys):
                                                   .values()) > 0
     assert result["parallelism"] == "single process"
     phases = result["startup_s"]
-    assert list(phases) == ["interpreter, imports", "recipe", "process group, run folder", "data",
+    assert list(phases) == ["interpreter, imports", "recipe", "process group, run folder",
+                            "health check", "data",
                             "model build", "parallelize", "optimizers, hooks", "first step"]
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) <= result["time_to_first_step_s"] + 1e-3

@@ -10,7 +10,9 @@ blocks, and 2 gloo processes under FSDP2, tensor parallel and expert parallel (a
 check of every collective), context parallel with the document mask, each family's 2-process
 FSDP2 checkpoint then resumed on one process (elastic resume). The chunked loss
 (``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
-FSDP2 run. The document mask runs in every family and step under the checkpointing modes.
+FSDP2 run. The document mask runs in every family and step under the checkpointing modes. The
+hang watchdog watches every run (on by default); every 2-process run starts with the health
+check (on by default there), whose collectives the spy checks like the training's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ TINY = ("--training.seq_len=32", "--training.global_batch=4", "--training.micro_
         "--checkpoint.enable=false", "--training.mixed_precision=none",
         "--parallelism.compile=false", "--parallelism.float8=off",
         "--parallelism.param_dtype=float32", "--parallelism.reduce_dtype=float32",
-        "--parallelism.float8_min_dim=16")
+        "--parallelism.float8_min_dim=16", "--run.health_check.size_mb=0.5")
 DENSE = ("--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
          "--model.ffn.hidden_dim=64")
 
@@ -320,8 +322,10 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         results["evals"], _ = train(recipe_for("dense", f"{folder}/evals", *task_flags(
             None, path=f"{folder}/tasks.jsonl")))
         # Replicated (gradient all-reduce), checkpoint saved, then resumed one step further:
-        # every other collective kiln makes (verify on load, preemption flag, eval, MoE loads).
-        args = ("--parallelism.fsdp=off", "--checkpoint.enable=true", "--eval.at_end=true")
+        # every other collective kiln makes (verify on load, the stop/save flags of preemption,
+        # the wall-clock budget and time-based saves, eval, MoE loads).
+        args = ("--parallelism.fsdp=off", "--checkpoint.enable=true", "--eval.at_end=true",
+                "--training.max_hours=1", "--checkpoint.interval_minutes=0.0001")
         results["replicated"], trainer = train(recipe_for("looped_moe", f"{folder}/r", *args))
         results["world_device"] = str(trainer.world.device)
         results["resumed"], _ = train(recipe_for("looped_moe", f"{folder}/r", *args,
