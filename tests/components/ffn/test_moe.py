@@ -192,8 +192,8 @@ def test_active_params():
 
 
 def test_a_transformer_recipe_can_use_moe_ffns():
-    c = default_config("model", "transformer", dim=16, n_layers=2)
-    c.attention.n_heads = 2
+    c = default_config("model", "transformer", dim=16, n_layers=2,
+                       attention=default_config("attention", "causal", n_heads=2))
     c.ffn = default_config("ffn", "moe", n_experts=4, top_k=2, aux_loss_coeff=0.01)
     torch.manual_seed(0)
     model = c.build(vocab_size=20, seq_len=8).train()

@@ -75,8 +75,8 @@ def _looped_with_lambda(init: float):
     from kiln.recipes.optimizer_set import OptimizerSet
 
     c = default_config("model", "looped", dim=16, loops=2, loop_scale="learned",
-                       loop_scale_init=init, loop_scale_max=1.0)
-    c.attention.n_heads = 2
+                       loop_scale_init=init, loop_scale_max=1.0,
+                       attention=default_config("attention", "causal", n_heads=2))
     model = c.build(vocab_size=20, seq_len=8)
 
     def opts(**values):

@@ -12,6 +12,7 @@ import torch
 from kiln.components.base import default_config
 from kiln.components.distributed import World
 from kiln.parallelisms import ParallelPlan
+from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.trainer import Progress, Trainer
 
@@ -36,6 +37,8 @@ class StubTrainer(Trainer):
         self.plan = SimpleNamespace(global_batch=1)
         self.seq_len = tokens_per_step
         self.autocast = contextlib.nullcontext()
+        self.model_inputs = ModelInputs(None, self.device)  # plain causal, one process
+        self.watchdog = SimpleNamespace(step_ends=lambda step: None)  # no run to watch
 
     def run(self, step_fn, micro_batches: list[dict[str, torch.Tensor]]):
         """One step as ``fit`` runs it (set_progress, the step, the step counter)."""
