@@ -52,6 +52,7 @@ class LogHook(Hook):
             "loss_avg": sum(self._losses) / len(self._losses),
             "tokens_per_second": tps,
             "tokens_seen": trainer.progress.tokens,
+            "interval_s": elapsed,  # summed by `kiln compare` / `kiln plot --x time`
         }
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
