@@ -13,10 +13,22 @@ from pathlib import Path
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.recipes.diff import differing, short_names
-from kiln.recipes.runs import Run, pick, read_jsonl, series
+from kiln.recipes.hooks import Hook
+from kiln.recipes.runs import EXPERTS_FILE, Run, open_run, pick, read_jsonl, series
 
 DEFAULT_METRICS = ("loss", "eval/loss", "lr", "grad_norm")
-EXPERTS_FILE = "experts.jsonl"
+# Diagnostics panels (RUN/plots/diagnostics.png): title -> (key prefix, key suffix); a line per
+# matching key (layer, loop).
+DIAGNOSTICS_PANELS = {
+    "residual stream RMS per block": ("diag/act/", "/rms"),
+    "attention logit max": ("diag/attn/", "/logit_max"),
+    "attention entropy (nats)": ("diag/attn/", "/entropy"),
+    "gradient norm per layer": ("diag/grad/layer/", "/norm"),
+    "update / weight per layer": ("diag/update/layer/", "/ratio"),
+    "loop state RMS": ("diag/state/", "/rms"),
+    "gradient into loop state": ("diag/state_grad/", "/norm"),
+    "router entropy (normalised)": ("diag/router/", "/entropy"),
+}
 
 
 def require_matplotlib(what: str = "kiln plot"):
@@ -162,3 +174,67 @@ def save(fig, out: str | Path) -> Path:
     fig.savefig(tmp, dpi=100)
     os.replace(tmp, path)
     return path
+
+
+def draw_panels(run: Run, out: str | Path, panels: dict[str, tuple[str, str]]) -> Path | None:
+    """One panel per (title: key prefix, suffix), a line per matching key of one run; None
+    when the run logged none of them."""
+    keys = run.metric_keys()
+    found = {title: [k for k in keys if k.startswith(pre) and k.endswith(suf)]
+             for title, (pre, suf) in panels.items()}
+    found = {t: ks for t, ks in found.items() if ks}
+    if not found:
+        return None
+    plt = require_matplotlib()
+    cols = 2 if len(found) > 1 else 1
+    rows = math.ceil(len(found) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False,
+                             layout="constrained")
+    for ax, (title, ks) in zip(axes.flat, found.items(), strict=False):
+        pre, suf = panels[title]
+        for key in ks:
+            xs, ys = series(run, key)
+            ax.plot(xs, ys, label=key[len(pre):len(key) - len(suf)] or key,
+                    marker="." if len(xs) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(ks) <= 12:
+            ax.legend(fontsize="x-small", ncols=2)
+    for ax in list(axes.flat)[len(found):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{run.label}: diagnostics")
+    path = save(fig, out)
+    plt.close(fig)
+    return path
+
+
+class PlotHook(Hook):
+    """``run.plot_interval``: redraw RUN/plots/curves.png (with the expert-load heatmap of an
+    MoE run) and RUN/plots/diagnostics.png (when diagnostics ran) every N steps and at the end,
+    from the run's own metrics files; main rank only."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.world.is_main:
+            require_matplotlib("run.plot_interval")  # fail before the first step, not after
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.progress.step % self.interval == 0:
+            self.draw(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.progress.step % self.interval:
+            self.draw(trainer)
+
+    def draw(self, trainer) -> None:
+        if not trainer.world.is_main:
+            return
+        run = open_run(trainer.run_dir, need_metrics=False)
+        if not any("loss" in r for r in run.records):
+            return  # nothing logged yet
+        folder = trainer.run_dir / "plots"
+        draw([run], folder / "curves.png", title=run.label)
+        draw_panels(run, folder / "diagnostics.png", DIAGNOSTICS_PANELS)

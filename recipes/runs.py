@@ -18,6 +18,7 @@ from typing import Any
 from kiln.components.errors import RecipeError
 
 # What a run folder looks like, for the messages that reject one.
+EXPERTS_FILE = "experts.jsonl"  # per-expert loads of MoE runs (recipes/routing_hook.py)
 RUN_FOLDER = "a run folder holds recipe.toml and metrics.jsonl (runs/<name>/ after `kiln train`)"
 
 
@@ -73,8 +74,12 @@ def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _kind(rec: dict[str, Any]) -> str:
-    return "train" if "loss" in rec else "eval" if any(k.startswith("eval/") for k in rec) \
-        else "other"
+    """Training lines hold the loss; other lines are named by their first key's prefix
+    (``eval/``, ``diag/``, ...)."""
+    if "loss" in rec:
+        return "train"
+    first = next((k for k in rec if k not in ("step", "time")), "")
+    return first.split("/", 1)[0]
 
 
 def open_run(path: str | Path, *, need_metrics: bool = True) -> Run:

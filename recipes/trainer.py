@@ -28,7 +28,8 @@ from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import peak_flops
-from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loader
+from kiln.recipes.hook_list import standard_hooks
+from kiln.recipes.hooks import Hook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
@@ -127,13 +128,8 @@ class Trainer:
         self.hooks: list[Hook] = []
         if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
             self.hooks.append(self._checkpoint_hook())
-        self.hooks += [LogHook(), EvalHook()]
-        if recipe.evals:  # [evals.NAME] downstream tasks
-            from kiln.recipes.downstream import DownstreamEvalHook
-
-            self.hooks.append(DownstreamEvalHook())
         self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
-        self.hooks += [ProgressHook(), self.watchdog]
+        self.hooks += standard_hooks(recipe, self.watchdog)
         self.hooks += hooks or []
         phase("optimizers, hooks")
 

@@ -1,0 +1,52 @@
+"""Attention-logit figures for diagnostics: the largest pre-softmax logit and the entropy of each
+query's attention distribution. Logits that grow without bound drive the softmax one-hot
+(entropy -> 0), the failure QK-norm guards against; the fused SDPA kernels never show the logits,
+so they are recomputed from q and k, on diagnostic steps only.
+
+An attention module takes part by defining ``score_inputs(x) -> [(q, k), ...]``: for each
+softmax map of a training forward on ``x``, its queries and keys (B, H, T, D) as SDPA would
+see them (projected, normalised, rotated; this rank's heads). ``causal`` and ``differential``
+do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def causal_logit_stats(q: torch.Tensor, k: torch.Tensor,
+                       max_elements: int = 2**24) -> torch.Tensor:
+    """q (B, Hq, T, D), k (B, Hk, T, D) -> fp32 [max logit, summed row entropy (nats), rows].
+
+    Scaled like SDPA (1/sqrt(D)), causal; kv heads serve ``Hq / Hk`` query heads each. Computed
+    a few heads at a time so the (T, T) logits of at most ``max_elements`` entries exist at once.
+    """
+    b, hq, t, d = q.shape
+    group = hq // k.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    top = torch.full((), float("-inf"), device=q.device)
+    entropy = torch.zeros((), device=q.device)
+    step = max(1, max_elements // (t * t))
+    for i in range(b):
+        for h0 in range(0, hq, step):
+            heads = torch.arange(h0, min(h0 + step, hq), device=q.device)
+            logits = q[i, heads].float() @ k[i, heads // group].float().transpose(-1, -2)
+            logits = logits * d**-0.5  # (n, T, T)
+            top = torch.maximum(top, logits.masked_fill(~causal, float("-inf")).amax())
+            logp = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
+            entropy -= torch.where(causal, logp.exp() * logp, 0.0).sum()
+    return torch.stack([top, entropy, torch.tensor(float(b * hq * t), device=q.device)])
+
+
+@torch.no_grad()  # nothing saved for backward: an activation-checkpointed block recomputes
+def attention_logit_stats(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """[max logit, entropy sum, rows] over every softmax map of ``module`` on input ``x``; None
+    for an attention without ``score_inputs``."""
+    inputs = getattr(module, "score_inputs", None)
+    if inputs is None:
+        return None
+    parts = [causal_logit_stats(q, k) for q, k in inputs(x)]
+    stacked = torch.stack(parts)  # (maps, 3)
+    return torch.stack([stacked[:, 0].max(), stacked[:, 1].sum(), stacked[:, 2].sum()])
