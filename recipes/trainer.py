@@ -27,7 +27,7 @@ from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, tr
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
-from kiln.recipes.flops import peak_flops
+from kiln.recipes.flops import gemm_dtype, peak_flops
 from kiln.recipes.hook_list import standard_hooks
 from kiln.recipes.hooks import Hook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
@@ -63,7 +63,8 @@ class Trainer:
         self.out = out or sys.stdout
         tr = recipe.training
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
-        phase = Phases(self.startup_s)
+        self.startup_rss: dict[str, int] = {}  # peak RSS after each phase ([run.profile])
+        phase = Phases(self.startup_s, self.startup_rss)
         pcfg = recipe.parallelism
         self.world = distributed.init(tr.device, pcfg.backend, timeout_s=pcfg.collective_timeout_s,
                                       flight_recorder=pcfg.flight_recorder)
@@ -239,11 +240,17 @@ class Trainer:
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
     def peak_flops(self) -> float:
-        """Peak FLOP/s of one rank's device for MFU, in the training compute dtype. Measured
-        lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
+        """Peak FLOP/s of one rank's device for MFU, in the dtype the GEMMs run in
+        (``recipes/flops.py``); found lazily (a ~0.25 s matmul probe where no datasheet entry
+        applies) so it never delays the first step; its source printed once."""
         if not self.world.is_main:
             return 0.0
-        return peak_flops(self.device.type, self.compute_dtype)
+        tr, pcfg = self.recipe.training, self.recipe.parallelism
+        peak = peak_flops(self.device.type, gemm_dtype(
+            tr.mixed_precision, pcfg.param_dtype, bool(self.parallel.float8_modules),
+            self.device.type))
+        self.print(peak.notice())
+        return peak.flops
 
     @property
     def compute_dtype(self) -> torch.dtype:
