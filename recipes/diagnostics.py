@@ -122,7 +122,7 @@ class DiagnosticsHook(Hook):
             for module in block.modules():
                 if hasattr(module, "score_inputs"):
                     self.handles.append(module.register_forward_hook(
-                        self._attention_hook(key, looped)))
+                        self._attention_hook(key, looped), with_kwargs=True))
         for layer in self.moes:
             self.handles.append(layer.register_forward_hook(self._router_hook(layer)))
         if hasattr(self.model, "loop_observer"):
@@ -160,8 +160,10 @@ class DiagnosticsHook(Hook):
         return hook
 
     def _attention_hook(self, key: str, looped: bool):
-        def hook(module, args, output) -> None:
-            if not self._live():
+        def hook(module, args, kwargs, output) -> None:
+            # With an attention context (document mask, context parallel) the map is not the
+            # plain causal one score_inputs describes: no attention figures then.
+            if not self._live() or kwargs.get("context") is not None:
                 return
             stats = attention_logit_stats(module, args[0])
             if stats is not None:

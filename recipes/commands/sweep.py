@@ -30,15 +30,15 @@ def add_arguments(parser) -> None:
 
 
 def _train_command(recipe: str, args: list[str]) -> list[str]:
-    """run_train.sh of the working folder when there is one (it honours NGPU / NNODES), else
-    kiln's trainer in one process."""
+    """One process: kiln's trainer under this interpreter. NGPU / NNODES > 1: run_train.sh of
+    the working folder (torchrun with kiln's error reporting, as for a single run)."""
+    if int(os.environ.get("NGPU", "1")) <= 1 and int(os.environ.get("NNODES", "1")) <= 1:
+        return [sys.executable, "-m", "kiln.recipes.cli", "train", recipe, *args]
     script = Path("run_train.sh")
-    if script.is_file() and os.access(script, os.X_OK):
-        return ["./run_train.sh", recipe, *args]
-    if int(os.environ.get("NGPU", "1")) > 1 or int(os.environ.get("NNODES", "1")) > 1:
-        raise RecipeError("NGPU / NNODES > 1 needs run_train.sh: run kiln sweep from the kiln "
+    if not (script.is_file() and os.access(script, os.X_OK)):
+        raise RecipeError("NGPU / NNODES > 1 needs ./run_train.sh: run kiln sweep from the kiln "
                           "checkout (where run_train.sh is)")
-    return [sys.executable, "-m", "kiln.recipes.cli", "train", recipe, *args]
+    return ["./run_train.sh", recipe, *args]
 
 
 def run(args) -> int:

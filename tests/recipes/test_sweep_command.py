@@ -79,6 +79,7 @@ def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatc
     _fake_run_train(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv("NGPU", "2")  # several processes: through ./run_train.sh
     args = ["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,3e-3", "--out", "sw",
             "--training.steps=5"]
     assert main(args) == 0
@@ -131,7 +132,8 @@ def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_a_real_sweep_of_two_tiny_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # no run_train.sh here: the trainer in a subprocess
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NGPU", raising=False)  # one process: the trainer in a subprocess
     tiny = ["--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
             "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=2",
             "--training.micro_batch=2", "--run.log_interval=1", "--eval.interval=0",
