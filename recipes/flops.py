@@ -42,12 +42,13 @@ class Peak:
                 f"({self.source})")
 
 
-def gemm_dtype(mixed_precision: str, param_dtype: str, float8: bool, device_type: str) -> str:
-    """The dtype the model's GEMMs run in: fp8 when float8 converted layers, bf16 under
-    autocast or bf16 parameters, else fp32 (tf32 on CUDA where torch allows it)."""
+def gemm_dtype(training, parallelism, float8: bool, device_type: str) -> str:
+    """The dtype the model's GEMMs run in (``[training]`` and ``[parallelism]`` tables): fp8
+    when float8 converted layers, bf16 under autocast or bf16 parameters, else fp32 (tf32 on
+    CUDA where torch allows it)."""
     if float8:
         return "fp8"
-    if mixed_precision == "bf16" or param_dtype == "bfloat16":
+    if training.mixed_precision == "bf16" or parallelism.param_dtype == "bfloat16":
         return "bf16"
     if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"

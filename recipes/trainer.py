@@ -240,15 +240,13 @@ class Trainer:
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
     def peak_flops(self) -> float:
-        """Peak FLOP/s of one rank's device for MFU, in the dtype the GEMMs run in
-        (``recipes/flops.py``); found lazily (a ~0.25 s matmul probe where no datasheet entry
-        applies) so it never delays the first step; its source printed once."""
+        """Peak FLOP/s per device in the GEMM dtype for MFU (``recipes/flops.py``; lazily: a
+        probe may take ~0.25 s), its source printed once."""
         if not self.world.is_main:
             return 0.0
-        tr, pcfg = self.recipe.training, self.recipe.parallelism
-        peak = peak_flops(self.device.type, gemm_dtype(
-            tr.mixed_precision, pcfg.param_dtype, bool(self.parallel.float8_modules),
-            self.device.type))
+        dtype = gemm_dtype(self.recipe.training, self.recipe.parallelism,
+                           bool(self.parallel.float8_modules), self.device.type)
+        peak = peak_flops(self.device.type, dtype)
         self.print(peak.notice())
         return peak.flops
 

@@ -29,9 +29,14 @@ def test_the_table_by_device_name_and_dtype(name, dtype, want):
 
 
 def test_gemm_dtype_and_mfu_never_above_one():
-    assert gemm_dtype("bf16", "float32", True, "cuda") == "fp8"
-    assert gemm_dtype("none", "bfloat16", False, "cpu") == "bf16"
-    assert gemm_dtype("none", "float32", False, "cpu") == "fp32"
+    from kiln.parallelisms.config import ParallelismConfig
+    from kiln.recipes.schema import TrainingConfig
+
+    bf16, fp32 = TrainingConfig(mixed_precision="bf16"), TrainingConfig()
+    assert gemm_dtype(bf16, ParallelismConfig(), True, "cuda") == "fp8"
+    assert gemm_dtype(fp32, ParallelismConfig(param_dtype="bfloat16"), False, "cpu") == "bf16"
+    assert gemm_dtype(bf16, ParallelismConfig(), False, "cpu") == "bf16"
+    assert gemm_dtype(fp32, ParallelismConfig(param_dtype="float32"), False, "cpu") == "fp32"
     assert mfu(50.0, 100.0) == 0.5 and mfu(101.0, 100.0) is None and mfu(1.0, 0.0) is None
 
 
