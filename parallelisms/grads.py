@@ -115,9 +115,13 @@ def full_sum_squares(groups: list[list[torch.Tensor]], device: torch.device) -> 
     world = dist.get_world_size() if spread else 1
     out = torch.zeros(len(groups), dtype=torch.float32, device=device)
     for i, group in enumerate(groups):
+        by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
         for t in group:
             copies, local = _shares(t, world)
-            out[i] += local.detach().float().pow(2).sum().to(device) / copies
+            by_copies[copies].append(local.detach())
+        for copies, members in by_copies.items():
+            norms = torch.stack(torch._foreach_norm(members, 2, dtype=torch.float32)).to(device)
+            out[i] += norms.pow(2).sum() / copies
     if world > 1:
         distributed.all_reduce_(out)
     return out

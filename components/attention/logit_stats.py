@@ -25,18 +25,20 @@ def causal_logit_stats(q: torch.Tensor, k: torch.Tensor,
     """
     b, hq, t, d = q.shape
     group = hq // k.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    future = ~torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T) masked
+    low = torch.finfo(torch.float32).min  # masked logits: exp() gives exactly 0, 0 * low = 0
     top = torch.full((), float("-inf"), device=q.device)
     entropy = torch.zeros((), device=q.device)
     step = max(1, max_elements // (t * t))
     for i in range(b):
         for h0 in range(0, hq, step):
             heads = torch.arange(h0, min(h0 + step, hq), device=q.device)
-            logits = q[i, heads].float() @ k[i, heads // group].float().transpose(-1, -2)
-            logits = logits * d**-0.5  # (n, T, T)
-            top = torch.maximum(top, logits.masked_fill(~causal, float("-inf")).amax())
-            logp = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
-            entropy -= torch.where(causal, logp.exp() * logp, 0.0).sum()
+            logits = (q[i, heads].float() * d**-0.5) @ k[i, heads // group].float().mT
+            logits.masked_fill_(future, low)  # (n, T, T)
+            top = torch.maximum(top, logits.amax())
+            lse = torch.logsumexp(logits, -1)  # (n, T)
+            p = torch.exp(logits - lse[..., None])
+            entropy += lse.sum() - (p * logits).sum()  # H = lse - sum p * logit, per row
     return torch.stack([top, entropy, torch.tensor(float(b * hq * t), device=q.device)])
 
 
