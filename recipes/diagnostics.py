@@ -165,7 +165,7 @@ class DiagnosticsHook(Hook):
             # plain causal one score_inputs describes: no attention figures then.
             if not self._live() or kwargs.get("context") is not None:
                 return
-            stats = attention_logit_stats(module, args[0])
+            stats = attention_logit_stats(module, args[0], self.cfg.attention_rows)
             if stats is not None:
                 self._record(f"attn/layer{key}", looped, stats[1:], stats[0])
         return hook

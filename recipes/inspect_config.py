@@ -19,6 +19,9 @@ class DiagnosticsConfig(Config):
     attention: bool = Field(
         True, description="attention logit max and entropy per layer (recomputes q.k of every "
         "attention layer on a diagnostic step)")
+    attention_rows: int = Field(
+        64, ge=0, description="query positions per sequence the attention figures read (evenly "
+        "spaced, ending at the last; 0 = all T: exact, but the recompute grows with T^2)")
     histograms: bool = Field(
         True, description="TensorBoard histograms of each block's output (a sample of rank 0's "
         "values) beside the scalars")

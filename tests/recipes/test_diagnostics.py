@@ -23,13 +23,14 @@ from kiln.recipes.diagnostics import layer_key
 from tests.recipes.test_combinations import recipe_for, train
 
 
-def _direct(q: torch.Tensor, k: torch.Tensor) -> tuple[float, float]:
-    """Max logit and mean row entropy the plain way: repeat kv heads, full softmax."""
+def _direct(q: torch.Tensor, k: torch.Tensor, rows=slice(None)) -> tuple[float, float]:
+    """Max logit and mean row entropy the plain way: repeat kv heads, full softmax; then the
+    query positions ``rows``."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     t = q.shape[2]
     mask = torch.ones(t, t, dtype=torch.bool).tril()
-    logits = logits.masked_fill(~mask, float("-inf"))
+    logits = logits.masked_fill(~mask, float("-inf"))[:, :, rows]
     p = logits.softmax(-1)
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
     return float(logits.max()), float(ent.mean())
@@ -43,6 +44,10 @@ def test_logit_stats_match_a_direct_computation_in_chunks():
         top, ent, rows = causal_logit_stats(q, k, max_elements=chunk).tolist()
         assert top == pytest.approx(want_max, rel=1e-5)
         assert ent / rows == pytest.approx(want_ent, rel=1e-5) and rows == 2 * 4 * 7
+    want_max, want_ent = _direct(q, k, [0, 3, 6])  # 3 rows of 7: every 3rd, ending at the last
+    top, ent, rows = causal_logit_stats(q, k, rows=3).tolist()
+    assert top == pytest.approx(want_max, rel=1e-5) and rows == 2 * 4 * 3
+    assert ent / rows == pytest.approx(want_ent, rel=1e-5)
 
 
 def test_score_inputs_are_what_the_forward_attends_with():
