@@ -108,6 +108,15 @@ def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float =
     return 2 * n**3 * iters / elapsed
 
 
+def trainer_peak(trainer) -> float:
+    """The peak for a trainer's MFU, in its GEMM dtype; prints the one-line notice."""
+    dtype = gemm_dtype(trainer.recipe.training, trainer.recipe.parallelism,
+                       bool(trainer.parallel.float8_modules), trainer.device.type)
+    peak = peak_flops(trainer.device.type, dtype)
+    trainer.print(peak.notice())
+    return peak.flops
+
+
 def mfu(achieved_flops: float, peak: float) -> float | None:
     """Model FLOPs utilisation; None without a peak, or above 100% (then the peak is wrong,
     and a number above 100% would be a claim nobody should read)."""

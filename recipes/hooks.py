@@ -69,7 +69,7 @@ class LogHook(Hook):
                               "TFLOP/s: that peak is too low for this device; MFU not logged")
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
-        values.update(trainer.model_metrics())
+        values.update(getattr(trainer.model, "metrics", dict)())  # e.g. expert loads
         for guard in trainer.guards.values():  # skip counters, baselines
             values.update(getattr(guard, "metrics", dict)())
         values["memory_bytes"] = peak_memory_bytes(trainer.device)

@@ -27,7 +27,7 @@ from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, tr
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
-from kiln.recipes.flops import gemm_dtype, peak_flops
+from kiln.recipes.flops import trainer_peak
 from kiln.recipes.hook_list import standard_hooks
 from kiln.recipes.hooks import Hook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
@@ -240,15 +240,8 @@ class Trainer:
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
     def peak_flops(self) -> float:
-        """Peak FLOP/s per device in the GEMM dtype for MFU (``recipes/flops.py``; lazily: a
-        probe may take ~0.25 s), its source printed once."""
-        if not self.world.is_main:
-            return 0.0
-        dtype = gemm_dtype(self.recipe.training, self.recipe.parallelism,
-                           bool(self.parallel.float8_modules), self.device.type)
-        peak = peak_flops(self.device.type, dtype)
-        self.print(peak.notice())
-        return peak.flops
+        """Peak FLOP/s per device for MFU, found lazily, its source printed once (flops.py)."""
+        return trainer_peak(self) if self.world.is_main else 0.0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -342,10 +335,6 @@ class Trainer:
         if self.device.type == "cpu":
             return batch
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def model_metrics(self) -> dict[str, float]:
-        fn = getattr(self.model, "metrics", None)
-        return dict(fn()) if fn is not None else {}
 
     def print(self, text: str) -> None:
         if self.world.is_main:

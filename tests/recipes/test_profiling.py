@@ -48,9 +48,9 @@ def test_cpu_peaks_are_measured_in_the_gemm_dtype(dtype):
 
 
 def test_an_mfu_above_100_percent_is_not_logged(tmp_path, monkeypatch):
-    import kiln.recipes.trainer as trainer_module
+    import kiln.recipes.flops as flops
 
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda *a: Peak(1e3, "fp32", "a test"))
+    monkeypatch.setattr(flops, "peak_flops", lambda *a: Peak(1e3, "fp32", "a test"))
     out = io.StringIO()
     train(recipe_for("dense", tmp_path / "r", "--training.steps=1"), out=out)
     assert "mfu: against 1e-09 TFLOP/s per device, fp32 (a test)" in out.getvalue()
