@@ -94,6 +94,39 @@ def _copies(g: torch.Tensor, world_size: int) -> int:
     return copies
 
 
+def _shares(t: torch.Tensor, world: int) -> tuple[int, torch.Tensor]:
+    """(how many ranks hold this rank's part of ``t``, that part): partial sums are summed
+    first, so every element of the full tensor is counted once over all ranks."""
+    if is_dtensor(t) and any(pl.is_partial() for pl in t.placements):
+        from torch.distributed.tensor import Replicate  # imported already: t is a DTensor
+
+        t = t.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                       for pl in t.placements])  # sum the partial values
+    return _copies(t, world), (t.to_local() if is_dtensor(t) else t)
+
+
+@torch.no_grad()
+def full_sum_squares(groups: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """(G,) fp32: per group, the sum of squares of its tensors' full values (DTensors of any
+    layout: FSDP2, HSDP, tensor parallel; plain tensors, whole on every rank), the same on every
+    rank, with one all-reduce (none when no tensor is a DTensor: every rank then has it all).
+    For per-layer diagnostics: the figures of the full tensors, not of one rank's shard."""
+    spread = any(is_dtensor(t) for group in groups for t in group)
+    world = dist.get_world_size() if spread else 1
+    out = torch.zeros(len(groups), dtype=torch.float32, device=device)
+    for i, group in enumerate(groups):
+        by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for t in group:
+            copies, local = _shares(t, world)
+            by_copies[copies].append(local.detach())
+        for copies, members in by_copies.items():
+            norms = torch.stack(torch._foreach_norm(members, 2, dtype=torch.float32)).to(device)
+            out[i] += norms.pow(2).sum() / copies
+    if world > 1:
+        distributed.all_reduce_(out)
+    return out
+
+
 @torch.no_grad()
 def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm as a plain fp32 tensor, identical on every rank.
@@ -109,13 +142,8 @@ def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.T
     world = dist.get_world_size() if spread else 1
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
-            from torch.distributed.tensor import Replicate  # imported already: g is a DTensor
-
-            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
-                                           for pl in g.placements])  # sum the partial values
-        local = g.to_local() if is_dtensor(g) else g
-        groups[(_copies(g, world), local.device)].append(local)
+        copies, local = _shares(g, world)
+        groups[(copies, local.device)].append(local)
     if not groups:
         return torch.zeros(())
     device = next(iter(groups))[1]

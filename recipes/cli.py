@@ -40,6 +40,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "harness": ("kiln.recipes.commands.harness",
                 "lm-evaluation-harness with the kiln model: kiln harness --model kiln "
                 "--model_args path=RUN --tasks ..."),
+    "compare": ("kiln.recipes.commands.compare",
+                "one table: recipe keys that differ between runs beside their results"),
+    "plot": ("kiln.recipes.commands.plot",
+             "overlay runs' curves (legend: what differs), expert-load heatmap; a PNG"),
+    "sweep": ("kiln.recipes.commands.sweep",
+              "train a grid of overrides one run after another (resumable) or as a SLURM array"),
 }
 
 
@@ -60,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _looks_like_override(arg: str) -> bool:
     key = arg.split("=", 1)[0]
     return (arg.startswith("--") and "." in key) or ("=" in arg and "." in key and "/" not in key)
+
+
+def _split_overrides(parser: argparse.ArgumentParser,
+                     args: list[str]) -> tuple[list[str], list[str]]:
+    takes_value = {opt for action in parser._actions if action.nargs != 0  # argparse's own list
+                   for opt in action.option_strings}
+    overrides, rest = [], []
+    for i, arg in enumerate(args):
+        if _looks_like_override(arg) and not (i and args[i - 1] in takes_value):
+            overrides.append(arg)
+        else:
+            rest.append(arg)
+    return overrides, rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(name, exc.exit_code, str(exc))
     cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
-    # Recipe overrides (--a.b=c) are not argparse options: split them off first.
-    overrides = [a for a in argv[1:] if _looks_like_override(a)]
-    rest = [a for a in argv[1:] if a not in overrides]
+    # Recipe overrides (--a.b=c) are not argparse options: split them off first (not the
+    # value of an option of the command: `kiln sweep R --grid optimizer.lr=1e-3,3e-3`).
+    overrides, rest = _split_overrides(cmd_parser, argv[1:])
     args = cmd_parser.parse_args(rest)
     args.overrides = overrides
     try:

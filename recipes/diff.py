@@ -78,3 +78,33 @@ def diff(a: Recipe, b: Recipe, ignore: tuple[str, ...] = IGNORED) -> RecipeDiff:
         elif fa[key] != fb[key]:
             out.changed[key] = (fa[key], fb[key])
     return out
+
+
+ABSENT = "-"  # how a table shows a key one recipe does not have (another component type)
+
+
+def differing(recipes: list[Recipe], ignore: tuple[str, ...] = IGNORED) -> dict[str, list[Any]]:
+    """The keys whose values are not the same in all ``recipes``, each with its value per
+    recipe (``ABSENT`` where a recipe lacks it), in key order: what tells runs apart."""
+    flat = [flatten(to_dict(r)) for r in recipes]
+    keys = sorted(set().union(*flat) - set(ignore))
+    out = {}
+    for key in keys:
+        values = [f.get(key, ABSENT) for f in flat]
+        if any(v != values[0] for v in values[1:]):
+            out[key] = values
+    return out
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Each dotted key by its last part when no other key shares it (``optimizer.lr`` -> ``lr``),
+    else by the shortest unambiguous tail (``model.ffn.hidden_dim`` -> ``ffn.hidden_dim``)."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = ".".join(parts[-n:])
+            if not any(k != key and (k == tail or k.endswith("." + tail)) for k in keys):
+                break
+        out[key] = tail
+    return out

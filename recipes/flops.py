@@ -1,46 +1,126 @@
-"""Peak FLOP/s of the device, for MFU: datasheet numbers on known GPUs, a measured probe on CPU."""
+"""Peak FLOP/s for MFU, in the dtype the GEMMs actually run in: a datasheet table by GPU name
+and dtype, a measured matmul probe where the table has no entry (CPU, unknown GPUs), and a
+one-line notice naming the peak used. An MFU above 100% means the peak is wrong: ``mfu()``
+reports none then (peers shipped >100% MFU on new GPUs, OLMo-core #817, torchtitan #1201)."""
 
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets.
-GPU_BF16_PEAK = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; PCIe is 756e12
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "B200": 2250e12,
+# Dense peaks (no structured sparsity), TFLOP/s per GPU, from the vendors' datasheets (SXM
+# parts unless named). fp32 is the non-tensor-core rate; tf32 where float32 matmuls may use
+# tensor cores (torch.backends.cuda.matmul.allow_tf32). Checked first to last: longer names
+# before the names they contain ("H100 PCIe" before "H100", "L40S" before "L4").
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "B200": {"fp8": 4500, "bf16": 2250, "tf32": 1100, "fp32": 80},
+    "H200": {"fp8": 1979, "bf16": 989, "tf32": 494, "fp32": 67},
+    "H100 PCIe": {"fp8": 1513, "bf16": 756, "tf32": 378, "fp32": 51},
+    "H100": {"fp8": 1979, "bf16": 989, "tf32": 494, "fp32": 67},
+    "A100": {"bf16": 312, "tf32": 156, "fp32": 19.5},  # no fp8 tensor cores
+    "L40S": {"fp8": 733, "bf16": 362, "tf32": 183, "fp32": 91.6},
+    "A10G": {"bf16": 125, "tf32": 62.5, "fp32": 31.2},
+    "L4": {"fp8": 242, "bf16": 121, "tf32": 60, "fp32": 30.3},
 }
+DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32,
+          "tf32": torch.float32}
 
 
-@functools.lru_cache(maxsize=4)
-def peak_flops(device_type: str, dtype: torch.dtype = torch.float32) -> float:
-    """Best-effort peak for MFU. On CPU, measured: a short square-matmul probe in this process
-    (the achievable GEMM rate with the current thread count), not a theoretical number."""
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # per device; 0 = unknown (no MFU)
+    dtype: str  # fp8, bf16, tf32, fp32
+    source: str  # where the number comes from
+
+    def notice(self) -> str:
+        if not self.flops:
+            return f"mfu: not reported: no peak for {self.source} {self.dtype}"
+        return (f"mfu: against {self.flops / 1e12:.4g} TFLOP/s per device, {self.dtype} "
+                f"({self.source})")
+
+
+def gemm_dtype(training, parallelism, float8: bool, device_type: str) -> str:
+    """The dtype the model's GEMMs run in (``[training]`` and ``[parallelism]`` tables): fp8
+    when float8 converted layers, bf16 under autocast or bf16 parameters, else fp32 (tf32 on
+    CUDA where torch allows it)."""
+    if float8:
+        return "fp8"
+    if training.mixed_precision == "bf16" or parallelism.param_dtype == "bfloat16":
+        return "bf16"
+    if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "fp32"
+
+
+def table_peak(device_name: str, dtype: str) -> float | None:
+    for key, peaks in GPU_PEAKS.items():
+        if key in device_name:
+            return peaks[dtype] * 1e12 if dtype in peaks else None
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def peak_flops(device_type: str, dtype: str = "fp32") -> Peak:
+    """The peak for MFU: the datasheet on a GPU of the table, else a measured probe (on CPU:
+    the achievable GEMM rate with the current thread count, not a theoretical number)."""
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
-        for key, value in GPU_BF16_PEAK.items():
-            if key in name:
-                return value
-        return 0.0
-    if device_type != "cpu":  # no datasheet table for other accelerators: MFU is not reported
-        return 0.0
-    return matmul_probe(dtype)
+        value = table_peak(name, dtype)
+        if value is not None:
+            return Peak(value, dtype, f"{name}, datasheet dense peak")
+    elif device_type != "cpu":  # no table for other accelerators, nor a synchronised probe
+        return Peak(0.0, dtype, f"{device_type} (no datasheet table, no probe)")
+    try:
+        rate = matmul_probe(dtype, device_type)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. no fp8 matmul here
+        return Peak(0.0, dtype, f"{device_type} (the {dtype} probe failed: {exc})")
+    where = torch.cuda.get_device_name() if device_type == "cuda" else (
+        f"cpu, {torch.get_num_threads()} threads")
+    return Peak(rate, dtype, f"{where}, measured: {dtype} matmul probe")
 
 
-def matmul_probe(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.25) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm up
+def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float = 0.25) -> float:
+    """Measured square-matmul FLOP/s (1024^2 on CPU, 8192^2 on CUDA) in ``dtype``; fp8 through
+    torch._scaled_mm (what float8 training calls), tf32 with tensor cores allowed."""
+    n = 8192 if device_type == "cuda" else 1024
+    a = torch.randn(n, n, device=device_type)
+    b = torch.randn(n, n, device=device_type)
+    if dtype == "fp8":
+        one = torch.ones((), device=device_type)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        mm = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        a, b = a.to(DTYPES[dtype]), b.to(DTYPES[dtype])
+        mm = lambda: torch.mm(a, b)  # noqa: E731
+    mm()  # warm up
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    sync()
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or iters < 2:
-        torch.mm(a, b)
+        mm()
         iters += 1
+        if device_type == "cuda":
+            sync()
     elapsed = time.perf_counter() - start
     return 2 * n**3 * iters / elapsed
+
+
+def trainer_peak(trainer) -> float:
+    """The peak for a trainer's MFU, in its GEMM dtype; prints the one-line notice."""
+    dtype = gemm_dtype(trainer.recipe.training, trainer.recipe.parallelism,
+                       bool(trainer.parallel.float8_modules), trainer.device.type)
+    peak = peak_flops(trainer.device.type, dtype)
+    trainer.print(peak.notice())
+    return peak.flops
+
+
+def mfu(achieved_flops: float, peak: float) -> float | None:
+    """Model FLOPs utilisation; None without a peak, or above 100% (then the peak is wrong,
+    and a number above 100% would be a claim nobody should read)."""
+    if not peak:
+        return None
+    value = achieved_flops / peak
+    return value if value <= 1.0 else None

@@ -10,6 +10,7 @@ import time
 import torch
 
 from kiln.components import distributed as dist_utils
+from kiln.recipes.flops import mfu
 from kiln.recipes.process_stats import peak_memory_bytes
 
 
@@ -34,6 +35,7 @@ class LogHook(Hook):
         self._t0 = 0.0
         self._tokens0 = 0
         self._losses: list[float] = []
+        self._over = False
 
     def on_train_start(self, trainer) -> None:
         self._t0 = time.perf_counter()
@@ -52,26 +54,33 @@ class LogHook(Hook):
             "loss_avg": sum(self._losses) / len(self._losses),
             "tokens_per_second": tps,
             "tokens_seen": trainer.progress.tokens,
+            "interval_s": elapsed,  # summed by `kiln compare` / `kiln plot --x time`
         }
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
         if trainer.peak_flops:
             per_rank = tps / trainer.world.world_size
-            values["mfu"] = trainer.flops_per_token * per_rank / trainer.peak_flops
+            value = mfu(trainer.flops_per_token * per_rank, trainer.peak_flops)
+            if value is not None:
+                values["mfu"] = value
+            elif not self._over:  # above 100%: the peak cannot be right
+                self._over = True
+                trainer.print(f"warning: MFU above 100% against {trainer.peak_flops / 1e12:.4g} "
+                              "TFLOP/s: that peak is too low for this device; MFU not logged")
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
-        values.update(trainer.model_metrics())
+        values.update(getattr(trainer.model, "metrics", dict)())  # e.g. expert loads
         for guard in trainer.guards.values():  # skip counters, baselines
             values.update(getattr(guard, "metrics", dict)())
         values["memory_bytes"] = peak_memory_bytes(trainer.device)
         trainer.metrics.log(step, values)
         if trainer.world.is_main:
             skip = f"  skipped: {result.reason}" if result.skipped else ""
-            mfu = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""
+            mfu_text = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""
             gn = f"  grad_norm {result.grad_norm:.3f}" if result.grad_norm is not None else ""
             trainer.print(
                 f"step {step:>6}/{trainer.total_steps}  loss {result.loss:.4f}{gn}  "
-                f"tok/s {tps:,.0f}{mfu}{skip}"
+                f"tok/s {tps:,.0f}{mfu_text}{skip}"
             )
         self._t0, self._tokens0, self._losses = now, trainer.progress.tokens, []
 

@@ -75,6 +75,12 @@ class MetricsWriter:
         if wb is not None:
             wb.log(scalars, step=step)
 
+    def histogram(self, step: int, tag: str, values: torch.Tensor) -> None:
+        """A TensorBoard histogram (TensorBoard only: JSONL holds scalars)."""
+        tb = self._writer() if self.enabled else None
+        if tb is not None:
+            tb.add_histogram(tag, values.detach().float().cpu(), step)
+
     def flush(self) -> None:
         if self._tb is not None:
             self._tb.flush()

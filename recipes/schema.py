@@ -11,6 +11,7 @@ from kiln.components.base import Config, OptionalSub, Sub, component, default_co
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.health import HealthCheckConfig
 from kiln.recipes.context_warmup import ContextWarmupConfig
+from kiln.recipes.inspect_config import DiagnosticsConfig, ProfileConfig, RoutingConfig
 from kiln.recipes.watchdog import WatchdogConfig
 
 
@@ -50,6 +51,22 @@ class RunConfig(Config):
         default_factory=WatchdogConfig,
         description="a step far slower than usual is a hang: every rank dumps its stacks to "
         "RUN/hang/, the run exits 3 naming the slowest rank",
+    )
+    diagnostics: DiagnosticsConfig | None = Field(
+        None, description="per-module activation, attention, gradient and update figures every "
+        "interval steps (a table turns them on; docs/diagnostics.md)"
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="MoE routing health: expert loads, dead "
+        "experts (models with MoE layers)"
+    )
+    profile: ProfileConfig | None = Field(
+        None, description="torch.profiler over a window of steps, memory snapshots (a table "
+        "turns it on)"
+    )
+    plot_interval: int = Field(
+        0, ge=0, description="redraw RUN/plots/*.png every N steps and at the end (0 = off; "
+        "needs matplotlib: the plot extra)"
     )
 
 

@@ -27,8 +27,9 @@ from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, tr
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
-from kiln.recipes.flops import peak_flops
-from kiln.recipes.hooks import EvalHook, Hook, LogHook, ProgressHook, eval_loader
+from kiln.recipes.flops import trainer_peak
+from kiln.recipes.hook_list import standard_hooks
+from kiln.recipes.hooks import Hook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
@@ -62,7 +63,8 @@ class Trainer:
         self.out = out or sys.stdout
         tr = recipe.training
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase (`kiln bench`)
-        phase = Phases(self.startup_s)
+        self.startup_rss: dict[str, int] = {}  # peak RSS after each phase ([run.profile])
+        phase = Phases(self.startup_s, self.startup_rss)
         pcfg = recipe.parallelism
         self.world = distributed.init(tr.device, pcfg.backend, timeout_s=pcfg.collective_timeout_s,
                                       flight_recorder=pcfg.flight_recorder)
@@ -127,13 +129,8 @@ class Trainer:
         self.hooks: list[Hook] = []
         if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
             self.hooks.append(self._checkpoint_hook())
-        self.hooks += [LogHook(), EvalHook()]
-        if recipe.evals:  # [evals.NAME] downstream tasks
-            from kiln.recipes.downstream import DownstreamEvalHook
-
-            self.hooks.append(DownstreamEvalHook())
         self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
-        self.hooks += [ProgressHook(), self.watchdog]
+        self.hooks += standard_hooks(recipe, self.watchdog)
         self.hooks += hooks or []
         phase("optimizers, hooks")
 
@@ -243,11 +240,8 @@ class Trainer:
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
     def peak_flops(self) -> float:
-        """Peak FLOP/s of one rank's device for MFU, in the training compute dtype. Measured
-        lazily (a ~0.25 s matmul probe on CPU) so it never delays the first step."""
-        if not self.world.is_main:
-            return 0.0
-        return peak_flops(self.device.type, self.compute_dtype)
+        """Peak FLOP/s per device for MFU, found lazily, its source printed once (flops.py)."""
+        return trainer_peak(self) if self.world.is_main else 0.0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -341,10 +335,6 @@ class Trainer:
         if self.device.type == "cpu":
             return batch
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def model_metrics(self) -> dict[str, float]:
-        fn = getattr(self.model, "metrics", None)
-        return dict(fn()) if fn is not None else {}
 
     def print(self, text: str) -> None:
         if self.world.is_main:

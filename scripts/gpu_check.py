@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-H200_BF16_DENSE = 989e12  # datasheet, dense (kiln.recipes.flops.GPU_BF16_PEAK)
+H200_BF16_DENSE = 989e12  # datasheet, dense (kiln.recipes.flops.GPU_PEAKS)
 
 
 @dataclass

@@ -171,6 +171,15 @@ class CausalAttention(nn.Module):
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
+    def score_inputs(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """q (B, Hq, T, D) and k (B, Hk, T, D) as the training forward hands them to SDPA
+        (``logit_stats``: diagnostics recompute the attention logits from them)."""
+        q, k, _ = self.project_qkv(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.position(q, k)
+        return [(q.transpose(1, 2), k.transpose(1, 2))]
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, dim) -> q (B, T, Hq, D), k and v (B, T, Hk, D) (this rank's heads)."""
         hd = self.head_dim

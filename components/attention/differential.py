@@ -151,6 +151,18 @@ class DifferentialAttention(CausalAttention):
             return per_head
         return per_head.narrow(0, self.head_offset, heads)
 
+    def score_inputs(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The two softmax maps' q (B, H, T, d) and k (B, Hk, T, d), as in ``forward``."""
+        b, t, _ = x.shape
+        q, k, _ = self.project_qkv(x)
+        h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2
+        q, k = q.reshape(b, t, 2 * h, half), k.reshape(b, t, 2 * hk, half)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.position(q, k)
+        q, k = q.reshape(b, t, h, 2, half), k.reshape(b, t, hk, 2, half)
+        return [(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2)) for c in (0, 1)]
+
     def forward(self, x: torch.Tensor, *,
                 context: AttentionContext | None = None) -> torch.Tensor:  # (B, T, dim) -> same
         """``context``: document mask / context parallel (``attention/context.py``)."""

@@ -147,6 +147,8 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
         self._window: LoopWindow | None = None
         self._slot = 0  # micro-batch index within a step (standard step, no window)
         self._last_scale: torch.Tensor | float | None = None  # lambda of the last forward
+        # Diagnostics set this to see the state after every loop: observer(loop index, state).
+        self.loop_observer: Callable[[int, torch.Tensor], None] | None = None
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
 
@@ -297,6 +299,8 @@ class Looped(MoEModelMixin, RetiedOnEmpty):
                 for j in self.recurrent_ids:
                     u = self.layers[j](u, context=context)
                 s = u if self.state_norm is None else self.state_norm(u)
+            if self.loop_observer is not None:
+                self.loop_observer(i, s)
         return s
 
     # ------------------------------------------------------------------- step protocol

@@ -17,6 +17,7 @@ from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
+from kiln.recipes.flops import mfu
 from kiln.recipes.hooks import Hook
 from kiln.recipes.process_stats import peak_memory_bytes
 from kiln.recipes.recipe import load_recipe
@@ -96,7 +97,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "flops_per_token": trainer.flops_per_token,
         "achieved_flops": achieved,
         "peak_flops": peak,
-        "mfu": achieved / peak if peak else None,
+        "mfu": mfu(achieved, peak),  # None above 100%: the peak is wrong
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,

@@ -155,11 +155,12 @@ def cases():
 _reference: dict[tuple, list[float]] = {}
 
 
-def _run(tmp_path, family, step, float8, ac, eval_first) -> list[float]:
+def _run(tmp_path, family, step, float8, ac, eval_first, *extra: str) -> list[float]:
     from kiln.components.ffn import moe_dispatch
 
     moe_dispatch.grouped_mm_works.cache_clear()  # decided afresh in every case
-    args = [*ac_modes()[ac], f"--parallelism.float8={float8}", f"--training.step.type={step}"]
+    args = [*ac_modes()[ac], f"--parallelism.float8={float8}", f"--training.step.type={step}",
+            *extra]
     if step == "segmented_bptt":
         args.append("--training.step.segment_loops=2")
     losses, trainer = train(recipe_for(family, tmp_path / "run", *args), eval_first=eval_first)
@@ -200,6 +201,24 @@ def test_document_mask_in_every_family_step_and_checkpointing_mode(tmp_path, fam
     if ac != "none":
         ref, _ = train(recipe_for(family, tmp_path / "ref", *args))
         assert losses == ref
+
+
+DIAGNOSTICS = ("--run.diagnostics.interval=1", "--run.diagnostics.histograms=true",
+               "--run.tensorboard=true")
+
+
+@pytest.mark.parametrize("family, step", [(f, s) for f in discovered() for s in steps_for(f)])
+def test_diagnostics_change_no_loss_in_any_family(tmp_path, family, step):
+    """Module diagnostics on every step, under full activation checkpointing (whose recompute
+    must not see the hooks' work): the same losses as the reference without either, and a
+    diagnostics line per step."""
+    losses = _run(tmp_path, family, step, "off", "full", False, *DIAGNOSTICS)
+    key = (family, step, "off")
+    if key not in _reference:
+        _reference[key] = _run(tmp_path / "ref", family, step, "off", "none", False)
+    assert losses == _reference[key]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "diag/act/layer0/rms" in x] == list(range(1, STEPS + 1))
 
 
 def test_the_matrix_covers_what_kiln_ships():
@@ -454,3 +473,57 @@ def test_every_tokenizer_with_every_dataset(tmp_path, tokenizer, data):
     assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
     vocab, model_vocab = trainer.tokenizer.vocab_size, trainer.model.vocab_size
     assert model_vocab % 64 == 0 and vocab <= model_vocab < vocab + 64  # padded, never smaller
+
+
+# ------------------------------------------- 2 processes: diagnostics of the full tensors
+DIAG_CELLS = (("fsdp2", "looped_moe", ("--parallelism.fsdp=on",)),
+              ("tp2", "dense", ("--parallelism.tp=2",)))
+
+
+def _diag_worker(rank: int, port: int, folder: str) -> None:
+    from kiln.components import distributed
+    from tests.collective_spy import CollectiveSpy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    spy = CollectiveSpy().install()
+    results: dict = {}
+    try:
+        for name, family, flags in DIAG_CELLS:
+            results[name], _ = train(recipe_for(family, f"{folder}/{name}", *DIAGNOSTICS,
+                                                "--training.steps=1", *flags))
+    finally:
+        spy.uninstall()
+        results["spy"] = spy.report()
+        with open(f"{folder}/rank{rank}.json", "w") as f:
+            json.dump(results, f)
+        distributed.shutdown(together=sys.exc_info()[0] is None)
+
+
+def _diag_line(folder) -> dict:
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return next(x for x in lines if "diag/act/layer0/rms" in x)
+
+
+@pytest.mark.slow
+def test_two_processes_diagnostics_are_of_the_full_tensors(tmp_path):
+    """FSDP2 (looped MoE) and tensor parallel (dense) on 2 gloo ranks log the figures one
+    process logs for the same global batch: reduced over ranks, not one rank's shard or rows."""
+    from tests.parallelisms.tiny import free_port
+
+    torch.multiprocessing.spawn(_diag_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name, family, _ in DIAG_CELLS:
+        assert ranks[0][name] == ranks[1][name], name
+        one, _ = train(recipe_for(family, tmp_path / f"one_{name}", *DIAGNOSTICS,
+                                  "--training.steps=1"))
+        assert one == pytest.approx(ranks[0][name], rel=1e-5), name
+        want, got = _diag_line(tmp_path / f"one_{name}"), _diag_line(tmp_path / name)
+        keys = {k for k in want if k.startswith("diag/")}
+        assert keys == {k for k in got if k.startswith("diag/")}, name
+        off = {k: (want[k], got[k]) for k in keys if got[k] != pytest.approx(want[k], rel=1e-3)}
+        assert not off, f"{name}: {off}"
+    for r, res in enumerate(ranks):
+        assert not res["spy"]["wrong_device"], f"rank {r}: {res['spy']['wrong_device']}"
+        assert not res["spy"]["direct_calls"], f"rank {r}: {res['spy']['direct_calls']}"
