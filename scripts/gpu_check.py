@@ -123,7 +123,7 @@ def matmul_probe(device: str) -> float:
     if device != "cuda":
         from kiln.recipes.flops import matmul_probe as cpu_probe
 
-        return cpu_probe(torch.bfloat16)
+        return cpu_probe("bf16")
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
