@@ -80,7 +80,7 @@ def _flip_byte(path):
     (lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:100]),
      "truncated"),
     (lambda f: (f / "rank_00000.safetensors").unlink(), "missing"),
-    (lambda f: (f / "manifest.json").unlink(), "never finished"),
+    (lambda f: (f / "manifest.json").unlink(), "renamed into place only once"),
     (lambda f: (f / "state.json").write_text("{}"), "truncated or overwritten"),
 ])
 def test_damaged_checkpoints_are_refused_before_anything_changes(saved, damage, message):
