@@ -226,6 +226,7 @@ class CheckpointHook:
         signal, time_save, out_of_time = self._decide(trainer, step < total)
         due = self.cfg.interval and step % self.cfg.interval == 0 and step < total
         if due or time_save or signal or out_of_time:
+            trainer.metrics.flush()  # the step's line (written by the hooks before this one)
             started = time.monotonic()
             self.manager.save(trainer, extra={"loss": result.loss})
             if signal or out_of_time:
@@ -271,6 +272,7 @@ class CheckpointHook:
         step = trainer.progress.step
         if step >= trainer.total_steps and not trainer.stop_requested:
             if self.manager.last_saved_step != step:
+                trainer.metrics.flush()
                 self.manager.save(trainer, extra={"loss": self._last_loss})
             self.manager.mark_final(step)
             upload = bool(self.cfg.hub_repo) and self.cfg.hub_upload in ("export", "both")

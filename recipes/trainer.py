@@ -126,12 +126,13 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))
-        self.hooks: list[Hook] = []
-        if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
-            self.hooks.append(self._checkpoint_hook())
         self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
-        self.hooks += standard_hooks(recipe, self.watchdog)
-        self.hooks += hooks or []
+        self.hooks: list[Hook] = standard_hooks(recipe, self.watchdog)
+        # The checkpoint hook starts first (it resumes) but ends each step after the hooks that
+        # log the step: a snapshot is never published before its step's metrics are written.
+        self.resumer = self._checkpoint_hook() if checkpoints and recipe.checkpoint.enable \
+            else None
+        self.hooks += [h for h in (self.resumer, *(hooks or [])) if h is not None]
         phase("optimizers, hooks")
 
     # ----------------------------------------------------------------------------- building
@@ -352,7 +353,7 @@ class Trainer:
                    f"x accum {self.plan.grad_accum} per rank")
         self.print("optimizers:\n" + self.optimizers.table())
         try:
-            for hook in self.hooks:
+            for hook in sorted(self.hooks, key=lambda h: h is not self.resumer):
                 hook.on_train_start(self)
             if self.progress.step >= self.total_steps:
                 self.print(f"kiln: {self.recipe.run.name} already finished: step "

@@ -90,3 +90,32 @@ def test_export_at_end_writes_the_live_model(tmp_path):
               load_file(out / f).items()}
     assert stored["model.norm.weight"].equal(trainer.model.norm.weight.detach())
     assert (out / "recipe.toml").read_text() == (tmp_path / "e" / "recipe.toml").read_text()
+
+
+def test_a_crash_right_after_a_snapshot_is_published_loses_no_metrics_line(tmp_path,
+                                                                           monkeypatch):
+    """The step's metrics line is written before the snapshot holding the step is published
+    (before: the checkpoint hook ran first, and a crash between the two lost the line for good,
+    since the resume starts after the step)."""
+    from kiln.checkpointing import layout
+
+    publish = layout.publish
+
+    def publish_then_crash(tmp, final):
+        publish(tmp, final)
+        if final.name == "step_0000004":
+            raise RuntimeError("injected crash after publishing step 4")
+
+    monkeypatch.setattr(layout, "publish", publish_then_crash)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        train(tmp_path / "c", "--checkpoint.interval=2", "--eval.interval=2")
+    run = tmp_path / "c"
+    assert layout.verify(run / "checkpoints" / "step_0000004")["step"] == 4
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]
+    monkeypatch.setattr(layout, "publish", publish)
+    _, text = train(run, "--checkpoint.interval=2", "--eval.interval=2")
+    assert "resumed from" in text and "at step 4" in text
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # each step once
