@@ -16,6 +16,7 @@ rank reads its own file back, on another layout ``remap`` assembles it by global
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -125,7 +126,10 @@ class CheckpointManager:
             "qkv_rows": QKV_ROWS,
         }
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                # JSON has no NaN: a non-finite loss (a step a guard skipped) is kept as text
+                **{k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in (extra or {}).items()}}
         if self.world.is_main:
             layout.write_json(tmp / STATE, meta)
             recipe_toml = getattr(state, "recipe_toml", None)

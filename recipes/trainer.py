@@ -21,7 +21,7 @@ from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
-from kiln.components.steps.common import GuardDecision
+from kiln.components.steps.common import GuardDecision, unguarded
 from kiln.parallelisms.health import run_health_check
 from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
@@ -301,6 +301,8 @@ class Trainer:
         return dict(zip(keys, packed.tolist(), strict=True))
 
     def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
+        if not self.guards:  # non-finite values stop the run (one clear error), never the weights
+            return unguarded(stats)
         for guard in self.guards.values():
             decision = guard.decide(stats, self.progress.step, segment)
             if decision.skip or decision.abort:
