@@ -48,7 +48,7 @@ from kiln.checkpointing.load_checks import (
     read_state,
 )
 from kiln.components import distributed
-from kiln.components.errors import CheckpointError
+from kiln.components.errors import CheckpointError, DataError
 
 RECIPE = "recipe.toml"
 
@@ -269,7 +269,11 @@ class CheckpointManager:
                 {k: v.to(_device_of(state.model)) for k, v in pay["carry"].items()})
         loader = getattr(state, "train_loader", None)
         if loader is not None and loader_state is not None:
-            loader.load_state_dict(loader_state)
+            try:  # checked before any tensor was read (check_payload_fits); a loader without
+                loader.load_state_dict(loader_state)  # check_state_dict fails here at worst
+            except (DataError, KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{folder}: data loader cursor: {type(exc).__name__}: "
+                                      f"{exc}") from None
         if rng_tensors is not None:  # same layout: each rank's generators exactly as saved
             rng.restore(rng_tensors, rng_info, where=str(folder))
         return Loaded(folder, step, False, saved_ws, mapping)

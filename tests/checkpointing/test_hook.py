@@ -119,3 +119,23 @@ def test_a_crash_right_after_a_snapshot_is_published_loses_no_metrics_line(tmp_p
     assert "resumed from" in text and "at step 4" in text
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # each step once
+
+
+def test_a_malformed_loader_cursor_is_refused_before_any_tensor_is_loaded(tmp_path,
+                                                                         monkeypatch):
+    """A resealed rank file whose loader cursor lacks seq_len. Before: the model and optimizers
+    were loaded, then `KeyError: 'seq_len'` from the loader's load_state_dict."""
+    from kiln.checkpointing import storage
+    from tests.checkpointing.test_manager import edit_rank_header
+
+    train(tmp_path / "m")
+    edit_rank_header(tmp_path / "m" / "checkpoints" / "step_0000005",
+                     lambda meta: meta["loader"].pop("seq_len"))
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("tensors were loaded before the cursor was checked")
+
+    monkeypatch.setattr(storage, "load_tensors", no_tensors)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors: data loader cursor: "
+                       r"malformed data loader cursor \(seq_len: Field required\)"):
+        train(tmp_path / "m", "--training.steps=7")

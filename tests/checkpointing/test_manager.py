@@ -96,17 +96,23 @@ def _reseal(folder):
     layout.write_manifest(folder, json.loads((folder / "manifest.json").read_text())["step"])
 
 
-def test_a_resealed_tampered_payload_is_still_refused(saved):
+def edit_rank_header(folder, edit) -> None:
+    """Change rank 0's JSON header with ``edit(header)``, then reseal the manifest (as someone
+    who knows the format would)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = rank_file(saved, 0)
+    path = rank_file(folder, 0)
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["kiln"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    meta["payload"]["step"] = 7
+    edit(meta)
     save_file(tensors, str(path), metadata={"kiln": json.dumps(meta)})
-    _reseal(saved)
+    _reseal(folder)
+
+
+def test_a_resealed_tampered_payload_is_still_refused(saved):
+    edit_rank_header(saved, lambda meta: meta["payload"].update(step=7))
     with pytest.raises(CheckpointError, match="does not match the train progress step 1"):
         manager(saved.parent).load(toy_state(), saved)
 
