@@ -63,6 +63,7 @@ class CheckpointHook:
         self.manager = CheckpointManager(
             self.root, trainer.world, keep_last=cfg.keep_last, async_save=cfg.async_save,
             on_publish=self.hub.upload_checkpoint if upload else None, log=trainer.print,
+            on_error=cfg.on_save_error,
         )
         self.preemption = Preemption(log=trainer.print) if cfg.preemption else None
         self.clock = WallClock(trainer.recipe.training.max_hours, cfg.interval_minutes)
@@ -228,9 +229,9 @@ class CheckpointHook:
         if due or time_save or signal or out_of_time:
             trainer.metrics.flush()  # the step's line (written by the hooks before this one)
             started = time.monotonic()
-            self.manager.save(trainer, extra={"loss": result.loss})
+            self.manager.save(trainer, extra={"loss": result.loss}, final=signal or out_of_time)
             if signal or out_of_time:
-                self.manager.wait()
+                self.manager.wait(final=True)
             self.clock.saved(time.monotonic() - started)
         if signal or out_of_time:
             trainer.stop_requested = True
@@ -270,10 +271,11 @@ class CheckpointHook:
     # ------------------------------------------------------------------------------------ end
     def on_train_end(self, trainer) -> None:
         step = trainer.progress.step
+        self.manager.wait()  # an async save still in flight reports its outcome now
         if step >= trainer.total_steps and not trainer.stop_requested:
             if self.manager.last_saved_step != step:
                 trainer.metrics.flush()
-                self.manager.save(trainer, extra={"loss": self._last_loss})
+                self.manager.save(trainer, extra={"loss": self._last_loss}, final=True)
             self.manager.mark_final(step)
             upload = bool(self.cfg.hub_repo) and self.cfg.hub_upload in ("export", "both")
             if (self.cfg.export_at_end or upload) and self.export is not None:
@@ -287,7 +289,7 @@ class CheckpointHook:
         """Also after an exception (e.g. a guard abort): finish an in-flight async save of an
         earlier, good step, then restore the signal handlers."""
         try:
-            self.manager.wait()
+            self.manager.wait(agree=False)  # no collective: other ranks may have failed
             if self.hub is not None:
                 self.hub.wait()
         finally:

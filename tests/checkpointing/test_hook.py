@@ -101,13 +101,16 @@ def test_a_crash_right_after_a_snapshot_is_published_loses_no_metrics_line(tmp_p
 
     publish = layout.publish
 
+    class Crash(BaseException):  # like a kill: no handler in kiln catches it
+        pass
+
     def publish_then_crash(tmp, final):
         publish(tmp, final)
         if final.name == "step_0000004":
-            raise RuntimeError("injected crash after publishing step 4")
+            raise Crash("injected crash after publishing step 4")
 
     monkeypatch.setattr(layout, "publish", publish_then_crash)
-    with pytest.raises(RuntimeError, match="injected crash"):
+    with pytest.raises(Crash, match="injected crash"):
         train(tmp_path / "c", "--checkpoint.interval=2", "--eval.interval=2")
     run = tmp_path / "c"
     assert layout.verify(run / "checkpoints" / "step_0000004")["step"] == 4
@@ -139,3 +142,34 @@ def test_a_malformed_loader_cursor_is_refused_before_any_tensor_is_loaded(tmp_pa
     with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors: data loader cursor: "
                        r"malformed data loader cursor \(seq_len: Field required\)"):
         train(tmp_path / "m", "--training.steps=7")
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_full_disk_stops_the_run_with_one_error_and_the_rerun_continues(tmp_path, monkeypatch,
+                                                                          capsys, async_save):
+    """Before: a raw writer error (sync) or DCP's CheckpointException traceback (async)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def full_at_step_4(self, plan, planner):
+        if "step_0000004" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_step_4)
+    run = tmp_path / "full"
+    args = ["train", str(CONFIGS / "debug.toml"), *TINY, "--training.steps=5",
+            "--eval.interval=0", "--checkpoint.interval=2", f"--checkpoint.async={async_save}",
+            f"--run.folder={run}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint step 4 FAILED (no space left on device: the file system at" in err
+    assert "the previous checkpoint step 2 is intact" in err and "Traceback" not in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if "step" in p.name) == [
+        "step_0000002"]  # the partial save was removed
+    monkeypatch.undo()
+    assert main(args) == 0
+    assert "at step 2" in capsys.readouterr().out
