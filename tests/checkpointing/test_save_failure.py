@@ -74,12 +74,9 @@ def _one_rank_fails(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_one_ranks_failure_stops_every_rank_with_one_message(tmp_path):
-    import socket
+    from tests.parallelisms.tiny import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_one_rank_fails, args=(port, str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_one_rank_fails, args=(free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1
     assert r0[0].startswith("checkpoint step 1 FAILED (rank 1: no space left on device: ")
