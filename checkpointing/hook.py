@@ -226,7 +226,7 @@ class CheckpointHook:
         self.clock.step_done()
         signal, time_save, out_of_time = self._decide(trainer, step < total)
         due = self.cfg.interval and step % self.cfg.interval == 0 and step < total
-        if due or time_save or signal or out_of_time:
+        if (due or time_save or signal or out_of_time) and self.manager.last_saved_step != step:
             trainer.metrics.flush()  # the step's line (written by the hooks before this one)
             started = time.monotonic()
             self.manager.save(trainer, extra={"loss": result.loss}, final=signal or out_of_time)

@@ -294,6 +294,7 @@ def test_a_full_disk_is_one_error_naming_the_intact_checkpoint(tmp_path, monkeyp
     s.train_step()
     m = manager(tmp_path, async_save=async_save)
     m.save(s)
+    m.wait()  # step 1 written before the disk fills up
     s.train_step()
     _full_disk(monkeypatch, ENOSPC)
     expected = (r"checkpoint step 2 FAILED \(no space left on device: the file system at .* has "
