@@ -25,6 +25,13 @@ class CheckpointConfig(Config):
     async_save: bool = Field(
         False, alias="async", description="dcp.async_save: train while the save finishes"
     )
+    on_save_error: Literal["stop", "continue"] = Field(
+        "stop", description='a save that fails (a full disk, an I/O error): "stop" ends the run '
+        'with an error naming the intact previous checkpoint (rerun to continue from it); '
+        '"continue" prints the failure and trains on, the next interval save trying again (a '
+        "failed final save, or the save before a preemption stop, always ends with the error); "
+        "the partial save is removed either way"
+    )
     resume: str = Field(
         "auto",
         description='"auto" (newest complete checkpoint of this run), "off", a checkpoint or '

@@ -6,10 +6,12 @@ SIGTERM/SIGINT, or when ``training.max_hours`` is nearly spent (``clock.py``), s
 step boundary and stop (the trainer then returns normally, so the process exits 0 and the same
 command continues the run).
 
-Unattended recovery: when the run's own newest snapshot fails verification (a hash mismatch,
-a missing file), ``resume = "auto"`` moves it to ``checkpoints/corrupt/``, warns (console,
-metrics, ``RECOVERED.json`` in the run folder) and takes the next newest; ``strict_resume``
-stops instead, and when no valid snapshot is left the error lists what was tried.
+Unattended recovery: when the run's own newest snapshot fails verification (any damage: a
+hash mismatch, a truncated or missing file, no manifest), the hook moves it to
+``checkpoints/corrupt/``, warns (console, metrics, ``RECOVERED.json`` in the run folder) and takes
+the next newest; ``strict_resume`` stops instead. A run folder with snapshots but none usable
+stops with an error listing them and the flags that start over on purpose: it is never
+silently trained again from step 1.
 
 The hook sits below the trainer: what needs the recipes package (diffing the checkpoint's recipe
 against the current one, exporting a checkpoint) is passed in by the trainer.
@@ -61,6 +63,7 @@ class CheckpointHook:
         self.manager = CheckpointManager(
             self.root, trainer.world, keep_last=cfg.keep_last, async_save=cfg.async_save,
             on_publish=self.hub.upload_checkpoint if upload else None, log=trainer.print,
+            on_error=cfg.on_save_error,
         )
         self.preemption = Preemption(log=trainer.print) if cfg.preemption else None
         self.clock = WallClock(trainer.recipe.training.max_hours, cfg.interval_minutes)
@@ -78,13 +81,13 @@ class CheckpointHook:
 
     def _resume(self, trainer) -> None:
         cfg = self.cfg
+        valid, tried = (None, []) if cfg.resume == "off" else self._set_aside_damaged(trainer)
         source = self._resolve(trainer)
-        verified = False
-        if source is not None and not source.explicit:  # the run's own newest snapshot
-            source = self._newest_valid(trainer, source)
-            verified = not source.explicit
+        if tried:
+            self._report_recovery(trainer, source, tried)
         if source is None:
             return
+        verified = valid is not None and source.folder.resolve() == valid.resolve()
         weights_only = cfg.weights_only and source.explicit
         if source.note:
             trainer.print(f"kiln: {source.note}")
@@ -116,14 +119,24 @@ class CheckpointHook:
             trainer.train_loader.skip_steps(cfg.skip_data_steps)
             trainer.print(f"kiln: skipped {cfg.skip_data_steps} steps of data")
 
-    def _newest_valid(self, trainer, source: resume.Source) -> resume.Source:
-        """Unattended recovery: while the run's newest snapshot fails verification, move it to
-        ``checkpoints/corrupt/`` and take the next (``strict_resume``: stop instead)."""
+    def _set_aside_damaged(self, trainer) -> tuple[Path | None, list[dict[str, str]]]:
+        """Unattended recovery over the run's own snapshots, newest first: every one that fails
+        verification (a flipped byte, a truncated or deleted file, no manifest, an unreadable
+        state.json: all damage alike) moves to ``checkpoints/corrupt/`` until one verifies
+        (``strict_resume``: stop instead). Returns (the valid one or None, what was moved).
+
+        A ``step_*`` folder appears only by renaming a sealed save into place, so one without its
+        manifest is damage, never a save in progress (those are ``.tmp-*``). A run folder that
+        holds snapshots but none usable is never started over silently: CheckpointError."""
+        names = [p.name for _, p in layout.list_checkpoints(self.root)]
+        if trainer.world.distributed:  # every rank walks the same list (rank 0's)
+            names = distributed.broadcast_object(names)
         tried: list[dict[str, str]] = []
-        while source is not None and not source.explicit:
-            error = self.manager.verify(source.folder)
+        for name in reversed(names):
+            folder = self.root / name
+            error = self.manager.verify(folder)
             if error is None:
-                break
+                return folder, tried
             if self.cfg.strict_resume:
                 raise CheckpointError(
                     f"{error}\ncheckpoint.strict_resume = true, so kiln stops instead of moving "
@@ -131,40 +144,52 @@ class CheckpointHook:
                     "set strict_resume = false to recover automatically, or point "
                     "checkpoint.resume at the snapshot to use"
                 )
-            moved = resume.quarantine(self.root, source.folder) if trainer.world.is_main \
-                else None
-            tried.append({"checkpoint": source.folder.name, "error": error,
-                          "moved_to": str(distributed.broadcast_object(moved))})
-            trainer.print(f"kiln: WARNING: checkpoint {source.folder.name} is corrupt: {error}\n"
+            moved = resume.quarantine(self.root, folder) if trainer.world.is_main else None
+            tried.append({"checkpoint": name, "error": error,
+                          "moved_to": str(distributed.broadcast_object(moved)
+                                          if trainer.world.distributed else moved)})
+            trainer.print(f"kiln: WARNING: checkpoint {name} is corrupt: {error}\n"
                           f"kiln: WARNING: moved it to {tried[-1]['moved_to']}")
-            distributed.barrier()  # every rank sees the moved folder before resolving again
-            source = self._resolve(trainer)
-        if not tried:
-            return source
-        if source is None:
-            raise CheckpointError(
-                f"{self.root}: no valid checkpoint left to resume from; tried (newest first):\n  "
-                + "\n  ".join(f"{t['checkpoint']}: {t['error']} (moved to {t['moved_to']})"
-                               for t in tried)
-                + "\nInspect them there; to start this run from scratch set "
-                "checkpoint.resume = \"off\" (or use another run folder)"
-            )
-        self._report_recovery(trainer, source, tried)
-        return source
+            distributed.barrier()  # every rank sees the moved folder before going on
+        earlier = sorted(set(resume.quarantined(self.root)) - {t["moved_to"] for t in tried})
+        if tried or earlier:
+            if tried:
+                self._record(trainer, None, tried)
+            raise CheckpointError(self._none_usable(tried, earlier))
+        return None, tried
 
-    def _report_recovery(self, trainer, source: resume.Source, tried: list[dict]) -> None:
+    def _none_usable(self, tried: list[dict[str, str]], earlier: list[str]) -> str:
+        lines = [f"{t['checkpoint']}: {t['error']} (moved to {t['moved_to']})" for t in tried]
+        lines += [f"{path} (set aside by an earlier start)" for path in earlier]
+        return (
+            f"{self.root}: this run has snapshots but none is usable, so kiln does not start it "
+            "over; found (newest first):\n  " + "\n  ".join(lines)
+            + f"\nThey are kept in {self.root / resume.CORRUPT} for inspection (what went wrong: "
+            f"{RECOVERED} in the run folder). To start over on purpose: "
+            "--checkpoint.resume=off trains this run folder from step 1 (once: rerun without it "
+            "afterwards so a later restart continues the new snapshots; metrics.jsonl is appended "
+            "to), or --run.folder=NEW_FOLDER starts a new run beside this one."
+        )
+
+    def _report_recovery(self, trainer, source: resume.Source | None, tried: list[dict]) -> None:
         """Loud: console, metrics and RECOVERED.json in the run folder (appended per event)."""
-        step = layout.step_of(source.folder.name)
+        name = source.folder.name if source is not None else None
+        step = layout.step_of(name) if name else None
         trainer.print(
             f"kiln: WARNING: RECOVERED from {len(tried)} corrupt snapshot(s): resuming from "
-            f"{source.folder.name} (step {step}), the newest valid one. Details: "
+            f"{name} (step {step}), the newest valid one. Details: "
             f"{Path(trainer.run_dir) / RECOVERED}; checkpoint.strict_resume = true stops "
             "instead."
         )
+        if trainer.world.is_main:
+            trainer.metrics.log(step or 0, {"checkpoint/recovered": 1.0,
+                                            "checkpoint/corrupt_snapshots": float(len(tried))})
+        self._record(trainer, name, tried)
+
+    def _record(self, trainer, resumed_from: str | None, tried: list[dict]) -> None:
+        """Append one recovery event to RECOVERED.json in the run folder (rank 0)."""
         if not trainer.world.is_main:
             return
-        trainer.metrics.log(step or 0, {"checkpoint/recovered": 1.0,
-                                        "checkpoint/corrupt_snapshots": float(len(tried))})
         path = Path(trainer.run_dir) / RECOVERED
         events = []
         if path.is_file():
@@ -172,8 +197,10 @@ class CheckpointHook:
                 events = json.loads(path.read_text(encoding="utf-8")).get("events", [])
             except (ValueError, AttributeError):
                 events = []  # an unreadable record is replaced, not fatal
-        events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "resumed_from": source.folder.name, "step": step, "corrupt": tried})
+        events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from": resumed_from,
+                       "step": layout.step_of(resumed_from) if resumed_from else None,
+                       "corrupt": tried})
+        path.parent.mkdir(parents=True, exist_ok=True)
         layout.write_json(path, {"events": events})
 
     def _resolve(self, trainer) -> resume.Source | None:
@@ -199,11 +226,12 @@ class CheckpointHook:
         self.clock.step_done()
         signal, time_save, out_of_time = self._decide(trainer, step < total)
         due = self.cfg.interval and step % self.cfg.interval == 0 and step < total
-        if due or time_save or signal or out_of_time:
+        if (due or time_save or signal or out_of_time) and self.manager.last_saved_step != step:
+            trainer.metrics.flush()  # the step's line (written by the hooks before this one)
             started = time.monotonic()
-            self.manager.save(trainer, extra={"loss": result.loss})
+            self.manager.save(trainer, extra={"loss": result.loss}, final=signal or out_of_time)
             if signal or out_of_time:
-                self.manager.wait()
+                self.manager.wait(final=True)
             self.clock.saved(time.monotonic() - started)
         if signal or out_of_time:
             trainer.stop_requested = True
@@ -243,9 +271,11 @@ class CheckpointHook:
     # ------------------------------------------------------------------------------------ end
     def on_train_end(self, trainer) -> None:
         step = trainer.progress.step
+        self.manager.wait()  # an async save still in flight reports its outcome now
         if step >= trainer.total_steps and not trainer.stop_requested:
             if self.manager.last_saved_step != step:
-                self.manager.save(trainer, extra={"loss": self._last_loss})
+                trainer.metrics.flush()
+                self.manager.save(trainer, extra={"loss": self._last_loss}, final=True)
             self.manager.mark_final(step)
             upload = bool(self.cfg.hub_repo) and self.cfg.hub_upload in ("export", "both")
             if (self.cfg.export_at_end or upload) and self.export is not None:
@@ -259,7 +289,7 @@ class CheckpointHook:
         """Also after an exception (e.g. a guard abort): finish an in-flight async save of an
         earlier, good step, then restore the signal handlers."""
         try:
-            self.manager.wait()
+            self.manager.wait(agree=False)  # no collective: other ranks may have failed
             if self.hub is not None:
                 self.hub.wait()
         finally:

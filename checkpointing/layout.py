@@ -98,8 +98,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(
-            f"{folder}: no {MANIFEST}, so the save never finished (or this is not a kiln "
-            "checkpoint folder); resume from another checkpoint"
+            f"{folder}: no {MANIFEST} (a save is renamed into place only once its manifest is "
+            "written, so the folder was damaged or edited since, or is not a kiln checkpoint); "
+            "resume from another checkpoint"
         )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

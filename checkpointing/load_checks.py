@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kiln.checkpointing import layout, payload, rng
-from kiln.components.errors import CheckpointError
+from kiln.components.errors import CheckpointError, DataError
 
 STATE = "state.json"
 QKV_ROWS = "kv_grouped"  # row order of a fused wqkv (causal.split_fused_rows), since v0.2
@@ -80,6 +80,12 @@ def check_payload_fits(folder: Path, where: str, pay: dict, loader_state, step: 
     loader = getattr(state, "train_loader", None)
     if loader is not None and hasattr(loader, "load_state_dict") and loader_state is None:
         raise CheckpointError(f"{where}: no data loader cursor saved; cannot resume exactly")
+    check = getattr(loader, "check_state_dict", None)  # optional: the loaders kiln ships have it
+    if check is not None and loader_state is not None:
+        try:
+            check(loader_state)
+        except DataError as exc:
+            raise CheckpointError(f"{where}: data loader cursor: {exc}") from None
 
 
 def check_groups(folder: Path, name: str, saved: list, current: list) -> None:

@@ -16,7 +16,7 @@ rank reads its own file back, on another layout ``remap`` assembles it by global
 
 from __future__ import annotations
 
-import os
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kiln.checkpointing import layout, payload, remap, rng, storage
+from kiln.checkpointing import layout, payload, remap, rng, save_failure, storage
 from kiln.checkpointing.load_checks import (
     QKV_ROWS,
     STATE,
@@ -46,8 +46,9 @@ from kiln.checkpointing.load_checks import (
     rank_file,
     read_state,
 )
+from kiln.checkpointing.save_failure import SAVE_ERRORS, SaveFailed
 from kiln.components import distributed
-from kiln.components.errors import CheckpointError
+from kiln.components.errors import CheckpointError, DataError
 
 RECIPE = "recipe.toml"
 
@@ -70,36 +71,80 @@ class Loaded:
 
 class CheckpointManager:
     def __init__(self, root: Path, world, *, keep_last: int = 3, async_save: bool = False,
-                 on_publish: Callable[[Path], None] | None = None, log=print) -> None:
+                 on_publish: Callable[[Path], None] | None = None, log=print,
+                 on_error: str = "stop") -> None:
         self.root = Path(root)
         self.world = world
         self.keep_last = keep_last
         self.async_save = async_save
         self.on_publish = on_publish
         self.log = log
+        self.on_error = on_error  # a failed save: "stop" (CheckpointError) or "continue"
         self._pending: dict[str, Any] | None = None  # the one save in flight
+        self._async_failure: tuple[int, str] | None = None  # (step, reason), rank 0's thread
         self.last_saved_step: int | None = None
         self.last_save_s: float | None = None  # how long the last save took to write, in full
-        self.failures: list[str] = []
         # Background saves need their own process group: DCP's collectives then never
         # interleave with the training loop's on the default group.
         self._pg = dist.new_group(backend="gloo") if async_save and world.distributed else None
 
     # ------------------------------------------------------------------------------- saving
-    def save(self, state, *, extra: dict[str, Any] | None = None) -> Path:
-        """Save the state at its current step; returns the folder it will be published as."""
+    def save(self, state, *, extra: dict[str, Any] | None = None,
+             final: bool = False) -> Path | None:
+        """Save the state at its current step; returns the folder it will be published as.
+
+        A failed save (a full disk, an I/O error, on any rank) removes its partial folder and
+        raises one CheckpointError naming the step, the cause and the intact previous
+        checkpoint; with ``on_error = "continue"`` it logs that instead and returns None, unless
+        ``final`` (the last save of the run, or the one before a preemption stop)."""
         self.wait()
         started = time.monotonic()
         step = int(state.progress.step)
         name = layout.step_name(step)
         tmp = self.root / f"{layout.TMP_PREFIX}{name}"
+        try:
+            self._together(lambda: self._prepare(tmp))
+            seal, tensors = self._together(lambda: self._write_small(state, tmp, step, extra))
+            writer = FileSystemWriter(str(tmp), sync_files=True)
+            storage.quiet_dcp()
+            if self.async_save:
+                future = self._together(lambda: dcp.async_save(
+                    tensors, storage_writer=writer, process_group=self._pg,
+                    no_dist=not self.world.distributed))
+                future.add_done_callback(
+                    lambda f: setattr(self, "last_save_s", time.monotonic() - started))
+                pending: dict[str, Any] = {"future": future, "step": step}
+                if self.world.is_main:
+                    thread = threading.Thread(target=self._finish_async,
+                                              args=(tmp, step, seal, future),
+                                              name="kiln-checkpoint", daemon=True)
+                    thread.start()
+                    pending["thread"] = thread
+                self._pending = pending
+            else:
+                self._together(lambda: dcp.save(tensors, storage_writer=writer,
+                                                no_dist=not self.world.distributed))
+                self._together(lambda: self._publish(tmp, step, seal) if self.world.is_main
+                               else None)
+                if self.world.is_main and self.on_publish is not None:
+                    self.on_publish(self.root / name)  # after the save: not a save failure
+                self.last_save_s = time.monotonic() - started
+        except SaveFailed as failed:
+            return self._failed(step, tmp, failed.reason, final=final)
+        self.last_saved_step = step
+        return self.root / name
+
+    def _prepare(self, tmp: Path) -> None:
         if self.world.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             layout.remove_temporaries(self.root)
             tmp.mkdir()
-        distributed.barrier()
 
-        # Small per-rank state first, synchronously: it must be captured at this step.
+    def _write_small(self, state, tmp: Path, step: int,
+                     extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict]:
+        """This rank's file (RNG, carry, payload, loader cursor: captured at this step) and, on
+        rank 0, state.json and recipe.toml. Returns (the manifest's extra fields, the tensors
+        DCP writes)."""
         rng_tensors, rng_info = rng.capture()
         pay = payload.capture(step, state.model, state.guards)
         carry_tensors, pay_header = payload.split(pay)
@@ -125,91 +170,98 @@ class CheckpointManager:
             "qkv_rows": QKV_ROWS,
         }
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                # JSON has no NaN: a non-finite loss (a step a guard skipped) is kept as text
+                **{k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in (extra or {}).items()}}
         if self.world.is_main:
             layout.write_json(tmp / STATE, meta)
             recipe_toml = getattr(state, "recipe_toml", None)
             if recipe_toml is not None:
                 layout.write_atomic(tmp / RECIPE, recipe_toml)
-        writer = FileSystemWriter(str(tmp), sync_files=True)
-        if not self.async_save:
-            storage.quiet_dcp()
-            dcp.save(tensors, storage_writer=writer, no_dist=not self.world.distributed)
-            distributed.barrier()
-            if self.world.is_main:
-                self._publish(tmp, step, seal)
-            distributed.barrier()
-            self.last_saved_step = step
-            self.last_save_s = time.monotonic() - started
-            return self.root / name
+        return seal, tensors
 
-        storage.quiet_dcp()
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._pg,
-                                no_dist=not self.world.distributed)
-        marker = self.root / f"{layout.TMP_PREFIX}{name}.done.{self.world.rank}"
-        future.add_done_callback(lambda f: _write_marker(marker, f))
-        future.add_done_callback(
-            lambda f: setattr(self, "last_save_s", time.monotonic() - started))
-        pending: dict[str, Any] = {"future": future, "step": step}
+    def _together(self, part: Callable[[], Any]) -> Any:
+        return save_failure.together(self.world, self.root, part)
+
+    def _failed(self, step: int, tmp: Path, reason: str, *, final: bool,
+                logged: bool = False) -> None:
+        """After a failed save: remove its partial folder, then stop or go on per on_error."""
         if self.world.is_main:
-            thread = threading.Thread(target=self._finish_async, args=(tmp, step, seal),
-                                      name="kiln-checkpoint", daemon=True)
-            thread.start()
-            pending["thread"] = thread
-        self._pending = pending
-        self.last_saved_step = step
-        return self.root / name
+            save_failure.discard(tmp)
+        text = save_failure.message(step, reason, self.root)
+        if self.on_error == "continue" and not final:
+            if not logged:
+                self.log(f"kiln: {text}")
+            self.log('kiln: training goes on (checkpoint.on_save_error = "continue"); the next '
+                     "save tries again")
+            return None
+        raise CheckpointError(
+            f"{text}.\nFree space there (or lower checkpoint.keep_last, or point "
+            "checkpoint.folder elsewhere) and rerun the same command: it continues from the "
+            "intact checkpoint. checkpoint.on_save_error = \"continue\" keeps training when an "
+            "interval save fails instead."
+        )
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is published."""
+    def wait(self, *, final: bool = False, agree: bool = True) -> None:
+        """Block until the save in flight (if any) is published or has failed; a failure is
+        handled as in ``save`` (every rank takes rank 0's verdict; ``agree=False``, after an
+        error elsewhere: no collective, rank 0 only reports it)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        try:
-            pending["future"].result()
-        except Exception as exc:  # reported below; the previous checkpoint stays the latest
-            self.failures.append(f"step {pending['step']}: {exc}")
+        pending["future"].exception()  # this rank's share written (or failed: rank 0 knows)
         if "thread" in pending:
             pending["thread"].join()
-        for msg in self.failures:
-            self.log(f"kiln: checkpoint save FAILED ({msg}); the previous checkpoint is kept")
-        self.failures.clear()
-
-    def _finish_async(self, tmp: Path, step: int, seal: dict[str, Any]) -> None:
-        markers = [self.root / f"{tmp.name}.done.{r}" for r in range(self.world.world_size)]
-        deadline = time.monotonic() + float(os.environ.get("KILN_CKPT_TIMEOUT_S", "3600"))
-        while not all(m.exists() for m in markers):
-            if time.monotonic() > deadline:
-                self.failures.append(f"step {step}: timed out waiting for every rank's write")
-                return
-            time.sleep(0.05)
-        errors = [m.read_text() for m in markers if m.read_text() != "ok"]
-        for m in markers:
-            m.unlink(missing_ok=True)
-        if errors:
-            self.failures.append(f"step {step}: {errors[0]}")
+        failure, self._async_failure = self._async_failure, None
+        if agree and self.world.distributed:
+            failure = distributed.broadcast_object(failure)
+        if failure is None:
             return
-        try:
-            self._publish(tmp, step, seal)
-        except Exception as exc:  # a failed publish must not kill training; wait() reports it
-            self.failures.append(f"step {step}: publishing failed: {exc}")
+        if not agree:  # rank 0's thread has printed the failure line; nothing more to do
+            return
+        step, reason = failure
+        tmp = self.root / f"{layout.TMP_PREFIX}{layout.step_name(step)}"
+        self._failed(step, tmp, reason, final=final, logged=True)
+
+    def _finish_async(self, tmp: Path, step: int, seal: dict[str, Any], future) -> None:
+        """Rank 0's thread: wait for DCP (its collectives make every rank's failure rank 0's
+        too), then publish; a failure is printed at once and acted on at the next ``wait``."""
+        exc = future.exception()
+        reason = save_failure.describe(exc, self.root) if exc is not None else None
+        if reason is None:
+            try:
+                self._publish(tmp, step, seal)
+            except SAVE_ERRORS as publish_exc:
+                reason = save_failure.describe(publish_exc, self.root)
+            else:
+                if self.on_publish is not None:  # starts an upload thread (HubSync)
+                    self.on_publish(self.root / layout.step_name(step))
+                return
+        save_failure.discard(tmp)
+        self._async_failure = (step, reason)
+        self.log(f"kiln: {save_failure.message(step, reason, self.root)}")
 
     def _publish(self, tmp: Path, step: int, seal: dict[str, Any]) -> None:
-        """Rank 0: seal, rename into place, point ``latest`` at it, rotate, index."""
+        """Rank 0: seal, rename into place (the save is then done), point ``latest`` at it,
+        rotate, index."""
         name = layout.step_name(step)
         layout.write_manifest(tmp, step, seal)
         layout.publish(tmp, self.root / name)
-        layout.write_atomic(self.root / "latest", name + "\n")
-        removed = layout.rotate(self.root, self.keep_last)
-        layout.write_index(self.root)
+        try:
+            layout.write_atomic(self.root / "latest", name + "\n")
+            removed = layout.rotate(self.root, self.keep_last)
+            layout.write_index(self.root)
+        except OSError as exc:  # the snapshot is complete; these only help humans and tools
+            self.log(f"kiln: WARNING: checkpoint step {step} is saved, but updating latest / "
+                     f"rotating / index.json failed ({exc}); a resume finds it anyway")
+            removed = []
         self.log(f"kiln: checkpoint step {step} -> {self.root / name}"
                  + (f" (rotated out {', '.join(removed)})" if removed else ""))
-        if self.on_publish is not None:
-            self.on_publish(self.root / name)
 
     def mark_final(self, step: int) -> None:
         """Point ``final`` at the checkpoint of ``step`` (rank 0; after ``wait``)."""
-        self.wait()
+        self.wait(final=True)
         if self.world.is_main:
             layout.set_link(self.root, "final", layout.step_name(step))
             layout.write_index(self.root)
@@ -265,7 +317,11 @@ class CheckpointManager:
                 {k: v.to(_device_of(state.model)) for k, v in pay["carry"].items()})
         loader = getattr(state, "train_loader", None)
         if loader is not None and loader_state is not None:
-            loader.load_state_dict(loader_state)
+            try:  # checked before any tensor was read (check_payload_fits); a loader without
+                loader.load_state_dict(loader_state)  # check_state_dict fails here at worst
+            except (DataError, KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{folder}: data loader cursor: {type(exc).__name__}: "
+                                      f"{exc}") from None
         if rng_tensors is not None:  # same layout: each rank's generators exactly as saved
             rng.restore(rng_tensors, rng_info, where=str(folder))
         return Loaded(folder, step, False, saved_ws, mapping)
@@ -336,17 +392,6 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _write_marker(path: Path, future) -> None:
-    exc = future.exception()
-    text = "ok" if exc is None else f"{type(exc).__name__}: {_short(exc)}"
-    layout.write_atomic(path, text)
-
-
 def _device_of(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _short(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[:limit] + " ..."

@@ -138,6 +138,12 @@ def quarantine(root: Path, folder: Path) -> Path:
     return dest
 
 
+def quarantined(root: Path) -> list[str]:
+    """What earlier starts set aside in ``root/corrupt/`` (paths, oldest name first)."""
+    folder = root / CORRUPT
+    return [str(p) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())

@@ -155,9 +155,9 @@ class DownstreamEvalHook(Hook):
         if hook is None:
             raise RecipeError("mode = \"pause\" needs the checkpoint hook (checkpoint.enable)")
         step = trainer.progress.step
-        if hook.manager.last_saved_step != step:
-            hook.manager.save(trainer, extra={"loss": loss})
-        hook.manager.wait()
+        if hook.manager.last_saved_step != step:  # a failed save stops the run (final)
+            hook.manager.save(trainer, extra={"loss": loss}, final=True)
+        hook.manager.wait(final=True)
         folder = (hook.root / layout.step_name(step)).resolve()
         run_dir = Path(trainer.run_dir).resolve()
         if folder.is_relative_to(run_dir):  # the request moves with the run folder

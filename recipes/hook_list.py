@@ -1,4 +1,11 @@
-"""The trainer's standard hooks after checkpointing, in order, from the recipe's ``[run]``."""
+"""The trainer's hooks, in order, from the recipe's ``[run]``.
+
+Per step the standard hooks run first, then the checkpoint hook, then the caller's hooks: a
+snapshot is published only after its step's metrics (and evaluations) are written, so a crash
+between the two can repeat a line on resume, never lose one. ``on_train_start`` runs the
+checkpoint hook first all the same (``start_order``): it resumes, and the others start from the
+resumed progress.
+"""
 
 from __future__ import annotations
 
@@ -34,3 +41,20 @@ def standard_hooks(recipe: Recipe, watchdog: Hook) -> list[Hook]:
 
         hooks.append(PlotHook(run.plot_interval))
     return [*hooks, ProgressHook(), watchdog]
+
+
+def start_order(hooks: list[Hook], resumer: Hook | None) -> list[Hook]:
+    """The order of ``on_train_start``: the checkpoint hook (it resumes) first."""
+    return sorted(hooks, key=lambda h: h is not resumer)
+
+
+def checkpoint_hook(trainer) -> Hook:
+    """The checkpoint hook, given what it needs from this floor (recipe diff, export)."""
+    from kiln.checkpointing.hook import CheckpointHook
+    from kiln.recipes.diff import diff
+    from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.saved_model import export_trainer_model
+
+    return CheckpointHook(trainer, recipe_diff=lambda folder: diff(load_recipe(folder),
+                                                                   trainer.recipe),
+                          export=lambda out: export_trainer_model(trainer, out))

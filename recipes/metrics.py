@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import secrets
 import time
 from pathlib import Path
@@ -82,8 +83,13 @@ class MetricsWriter:
             tb.add_histogram(tag, values.detach().float().cpu(), step)
 
     def flush(self) -> None:
+        """Make every line logged so far durable: the checkpoint hook calls it before it
+        publishes a snapshot, so a snapshot never holds steps whose metrics could be lost."""
         if self._tb is not None:
             self._tb.flush()
+        if self.enabled and self.path.is_file():
+            with self.path.open("rb") as f:
+                os.fsync(f.fileno())
 
     def close(self) -> None:
         if self._tb is not None:

@@ -21,14 +21,14 @@ from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.errors import RecipeError, TrainingAborted
 from kiln.components.models.lm_head import LossHead, chunk_loss_sum
-from kiln.components.steps.common import GuardDecision
+from kiln.components.steps.common import GuardDecision, unguarded
 from kiln.parallelisms.health import run_health_check
 from kiln.parallelisms.layout_check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
 from kiln.recipes import batch_plan
 from kiln.recipes.context_warmup import context_length, truncate
 from kiln.recipes.flops import trainer_peak
-from kiln.recipes.hook_list import standard_hooks
+from kiln.recipes.hook_list import checkpoint_hook, standard_hooks, start_order
 from kiln.recipes.hooks import Hook, eval_loader
 from kiln.recipes.metrics import MetricsWriter
 from kiln.recipes.model_inputs import ModelInputs
@@ -126,12 +126,13 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))
-        self.hooks: list[Hook] = []
-        if checkpoints and recipe.checkpoint.enable:  # first: it resumes before others start
-            self.hooks.append(self._checkpoint_hook())
         self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
-        self.hooks += standard_hooks(recipe, self.watchdog)
-        self.hooks += hooks or []
+        self.hooks: list[Hook] = standard_hooks(recipe, self.watchdog)
+        # The checkpoint hook starts first (it resumes) but ends each step after the hooks that
+        # log the step: a snapshot is never published before its step's metrics are written.
+        self.resumer = checkpoint_hook(self) if checkpoints and recipe.checkpoint.enable \
+            else None
+        self.hooks += [h for h in (self.resumer, *(hooks or [])) if h is not None]
         phase("optimizers, hooks")
 
     # ----------------------------------------------------------------------------- building
@@ -218,20 +219,9 @@ class Trainer:
             "rows": [self.data_rank * per_rank, (self.data_rank + 1) * per_rank],
         }
 
-    def _checkpoint_hook(self) -> Hook:
-        from kiln.checkpointing.hook import CheckpointHook
-        from kiln.recipes.diff import diff
-        from kiln.recipes.recipe import load_recipe
-        from kiln.recipes.saved_model import export_trainer_model
-
-        return CheckpointHook(self, recipe_diff=lambda folder: diff(load_recipe(folder),
-                                                                    self.recipe),
-                              export=lambda out: export_trainer_model(self, out))
-
     def _start_from_pretrained(self) -> None:
         """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
-        if not self.recipe.checkpoint.init_from or any(
-                getattr(h, "resumed_from", None) is not None for h in self.hooks):
+        if not self.recipe.checkpoint.init_from or getattr(self.resumer, "resumed_from", None):
             return
         from kiln.recipes.pretrained import load_pretrained
 
@@ -300,6 +290,8 @@ class Trainer:
         return dict(zip(keys, packed.tolist(), strict=True))
 
     def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
+        if not self.guards:  # non-finite values stop the run (one clear error), never the weights
+            return unguarded(stats)
         for guard in self.guards.values():
             decision = guard.decide(stats, self.progress.step, segment)
             if decision.skip or decision.abort:
@@ -352,7 +344,7 @@ class Trainer:
                    f"x accum {self.plan.grad_accum} per rank")
         self.print("optimizers:\n" + self.optimizers.table())
         try:
-            for hook in self.hooks:
+            for hook in start_order(self.hooks, self.resumer):
                 hook.on_train_start(self)
             if self.progress.step >= self.total_steps:
                 self.print(f"kiln: {self.recipe.run.name} already finished: step "

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, NonNegativeInt
 
 from kiln.components import devices
 from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
+from kiln.components.data.cursor import Cursor, StepCursor, check_cursor
 from kiln.components.data.prefetch import Prefetcher
 from kiln.components.data.shard_source import FolderSource, HubSource, Shard, read_shards_json
 from kiln.components.errors import DataError, RecipeError
@@ -154,6 +155,23 @@ class DomainStream:
             self._open[name] = (shard, perm)
         shard, perm = self._open[name]
         return shard.read(perm[offsets])
+
+
+class DomainCursor(Cursor):
+    """What ``DomainStream.state_dict`` writes."""
+
+    entries: list[tuple[str, NonNegativeInt]]
+    base: NonNegativeInt
+    queue: list[str]
+    seen: list[str]
+    passes: NonNegativeInt
+
+
+class BalancedCursor(StepCursor):
+    """What the train loader's ``state_dict`` writes."""
+
+    domains: list[str]
+    streams: dict[str, DomainCursor]
 
 
 @register("dataset", "balanced_shards")
@@ -356,8 +374,9 @@ class BalancedLoader:
                 "global_batch": self.global_batch, "micro_batch": self.micro_batch,
                 "world_size": self.world_size, "domains": self.domains, "streams": streams}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.close()
+    def check_state_dict(self, state: Any) -> None:
+        """DataError unless ``state`` is a cursor this loader can seek to (changes nothing)."""
+        check_cursor(BalancedCursor, state)
         for key in ("seq_len", "global_batch", "domains"):
             if state[key] != getattr(self, key):
                 raise DataError(f"the data cursor was saved with {key} = {state[key]}, this "
@@ -368,6 +387,14 @@ class BalancedLoader:
                                                                      self.world_size):
             raise DataError("the data cursor was saved in the middle of a step with another "
                             "micro_batch or world size; resume from a step boundary")
+        if sorted(state["streams"]) != sorted(self.domains):
+            raise DataError(f"the data cursor holds streams {sorted(state['streams'])}, this "
+                            f"loader reads domains {sorted(self.domains)}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
+        self.close()
+        micro = state["micro"]
         for d, s in state["streams"].items():
             self.streams[d].load_state_dict(s)
         self._pos = int(state["step"]) * self.micro_per_step + micro

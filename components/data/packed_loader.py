@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import NonNegativeInt
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kiln.components import devices
 from kiln.components.data import documents
+from kiln.components.data.cursor import StepCursor, check_cursor
 from kiln.components.data.layout_fit import too_small
 from kiln.components.data.packed_layout import (
     DAMAGED,
@@ -33,6 +35,14 @@ from kiln.components.data.packed_layout import (
     open_layout,
 )
 from kiln.components.errors import DataError, RecipeError
+
+
+class PackedCursor(StepCursor):
+    """What ``Loader.state_dict`` writes."""
+
+    data_epoch: NonNegativeInt
+    windows_per_epoch: NonNegativeInt
+
 
 _ENDLESS = 1 << 62  # the train stream cycles data epochs forever; the trainer decides when to stop
 
@@ -200,8 +210,9 @@ class Loader:
                 "micro_batch": self.micro_batch, "world_size": self.world_size,
                 "windows_per_epoch": self.windows_per_epoch}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Seek to a saved position; the next batch is the one that followed it."""
+    def check_state_dict(self, state: Any) -> None:
+        """DataError unless ``state`` is a cursor this loader can seek to (changes nothing)."""
+        check_cursor(PackedCursor, state)
         for key in ("seq_len", "global_batch", "windows_per_epoch"):
             if int(state[key]) != getattr(self, key):
                 raise DataError(
@@ -216,6 +227,11 @@ class Loader:
                 "the data cursor was saved in the middle of a step with another micro_batch or "
                 "world size; resume from a checkpoint taken at a step boundary"
             )
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Seek to a saved position; the next batch is the one that followed it."""
+        self.check_state_dict(state)
+        micro = state["micro"]
         step = int(state["data_epoch"]) * self.steps_per_epoch + int(state["step"])
         self._seek(step * self.micro_per_step + micro)
 

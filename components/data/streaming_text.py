@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, NonNegativeInt
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kiln.components import devices
 from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
+from kiln.components.data.cursor import PlanCursor, check_cursor
 from kiln.components.data.packed_loader import _check_batch_plan
 from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts
 from kiln.components.data.text_sources import expand_inputs
@@ -91,6 +92,15 @@ class _LaneStream(IterableDataset):
         self._state, self._turn = state["lanes"], int(state["turn"])
 
 
+class StreamCursor(PlanCursor):
+    """What ``StreamLoader.state_dict`` writes: the batch plan and the StatefulDataLoader's own
+    state (torchdata's format, checked by torchdata when loaded)."""
+
+    rank: NonNegativeInt
+    num_workers: NonNegativeInt
+    loader: dict[str, Any]
+
+
 class StreamLoader:
     """Micro-batches ``{"input_ids", "labels"}`` (LongTensor (micro_batch, seq_len)) and their
     ``doc_ids`` (``data/documents.py``) of one rank's train stream; endless. ``state_dict`` is
@@ -136,13 +146,18 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         return {**self.plan, "loader": self.loader.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: Any) -> None:
+        """DataError unless ``state`` is a cursor this loader can resume (changes nothing)."""
+        check_cursor(StreamCursor, state)
         for key, value in self.plan.items():
             if state.get(key) != value:
                 raise DataError(
                     f"the streaming data cursor was saved with {key} = {state.get(key)}, this "
                     f"loader has {value}; resume with the same batch plan, world size and "
                     "data.num_workers (or start the data from the beginning)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
         self.loader.load_state_dict(state["loader"])
         self._it = None
 

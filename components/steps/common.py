@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,3 +31,18 @@ class StepResult:
 
 def finite(t: torch.Tensor | None) -> bool:
     return t is None or bool(torch.isfinite(t).all())
+
+
+def unguarded(stats: dict[str, float]) -> GuardDecision:
+    """The decision when the recipe has no guard: a non-finite statistic aborts the run before
+    its optimizer step, which would write NaN into the weights (and every later snapshot)."""
+    bad = [f"{k} = {v}" for k, v in stats.items() if not math.isfinite(v)]
+    if not bad:
+        return GuardDecision()
+    return GuardDecision(abort=True, reason=(
+        f"not finite ({', '.join(bad)}) and the recipe has no guard, so kiln stopped before "
+        "this optimizer step: the weights and the last checkpoint stay finite. Lower "
+        "optimizer.lr (or set training.grad_clip) and rerun the same command to continue from "
+        "the last checkpoint, or add a [guards.spike] table with type = \"spike_guard\" (its "
+        "options: `kiln list guard`), which skips such steps (adding a guard to a run resumes "
+        "from its checkpoint with checkpoint.weights_only = true)"))

@@ -90,3 +90,86 @@ def test_export_at_end_writes_the_live_model(tmp_path):
               load_file(out / f).items()}
     assert stored["model.norm.weight"].equal(trainer.model.norm.weight.detach())
     assert (out / "recipe.toml").read_text() == (tmp_path / "e" / "recipe.toml").read_text()
+
+
+def test_a_crash_right_after_a_snapshot_is_published_loses_no_metrics_line(tmp_path,
+                                                                           monkeypatch):
+    """The step's metrics line is written before the snapshot holding the step is published
+    (before: the checkpoint hook ran first, and a crash between the two lost the line for good,
+    since the resume starts after the step)."""
+    from kiln.checkpointing import layout
+
+    publish = layout.publish
+
+    class Crash(BaseException):  # like a kill: no handler in kiln catches it
+        pass
+
+    def publish_then_crash(tmp, final):
+        publish(tmp, final)
+        if final.name == "step_0000004":
+            raise Crash("injected crash after publishing step 4")
+
+    monkeypatch.setattr(layout, "publish", publish_then_crash)
+    with pytest.raises(Crash, match="injected crash"):
+        train(tmp_path / "c", "--checkpoint.interval=2", "--eval.interval=2")
+    run = tmp_path / "c"
+    assert layout.verify(run / "checkpoints" / "step_0000004")["step"] == 4
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]
+    monkeypatch.setattr(layout, "publish", publish)
+    _, text = train(run, "--checkpoint.interval=2", "--eval.interval=2")
+    assert "resumed from" in text and "at step 4" in text
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # each step once
+
+
+def test_a_malformed_loader_cursor_is_refused_before_any_tensor_is_loaded(tmp_path,
+                                                                         monkeypatch):
+    """A resealed rank file whose loader cursor lacks seq_len. Before: the model and optimizers
+    were loaded, then `KeyError: 'seq_len'` from the loader's load_state_dict."""
+    from kiln.checkpointing import storage
+    from tests.checkpointing.test_manager import edit_rank_header
+
+    train(tmp_path / "m")
+    edit_rank_header(tmp_path / "m" / "checkpoints" / "step_0000005",
+                     lambda meta: meta["loader"].pop("seq_len"))
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("tensors were loaded before the cursor was checked")
+
+    monkeypatch.setattr(storage, "load_tensors", no_tensors)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors: data loader cursor: "
+                       r"malformed data loader cursor \(seq_len: Field required\)"):
+        train(tmp_path / "m", "--training.steps=7")
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_full_disk_stops_the_run_with_one_error_and_the_rerun_continues(tmp_path, monkeypatch,
+                                                                          capsys, async_save):
+    """Before: a raw writer error (sync) or DCP's CheckpointException traceback (async)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def full_at_step_4(self, plan, planner):
+        if "step_0000004" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_step_4)
+    run = tmp_path / "full"
+    args = ["train", str(CONFIGS / "debug.toml"), *TINY, "--training.steps=5",
+            "--eval.interval=0", "--checkpoint.interval=2", f"--checkpoint.async={async_save}",
+            f"--run.folder={run}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint step 4 FAILED (no space left on device: the file system at" in err
+    assert "the previous checkpoint step 2 is intact" in err and "Traceback" not in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if "step" in p.name) == [
+        "step_0000002"]  # the partial save was removed
+    monkeypatch.undo()
+    assert main(args) == 0
+    assert "at step 2" in capsys.readouterr().out

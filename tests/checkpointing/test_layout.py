@@ -38,7 +38,7 @@ def test_a_sealed_folder_verifies(tmp_path):
     (lambda f: (f / "a.bin").write_bytes(b"y" * 100), "sha256"),
     (lambda f: (f / "sub/b.json").unlink(), "missing"),
     (lambda f: (f / "c.bin").write_bytes(b"z"), "not in the manifest"),
-    (lambda f: (f / layout.MANIFEST).unlink(), "never finished"),
+    (lambda f: (f / layout.MANIFEST).unlink(), "renamed into place only once"),
     (lambda f: (f / layout.MANIFEST).write_text("{not json"), "unreadable manifest"),
     (lambda f: (f / layout.MANIFEST).write_text(json.dumps({"format": "other"})), "not a kiln"),
 ])

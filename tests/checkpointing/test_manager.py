@@ -3,10 +3,13 @@ folders, a save killed mid-write, weights-only and EMA resume, terminal guard st
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +83,7 @@ def _flip_byte(path):
     (lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:100]),
      "truncated"),
     (lambda f: (f / "rank_00000.safetensors").unlink(), "missing"),
-    (lambda f: (f / "manifest.json").unlink(), "never finished"),
+    (lambda f: (f / "manifest.json").unlink(), "renamed into place only once"),
     (lambda f: (f / "state.json").write_text("{}"), "truncated or overwritten"),
 ])
 def test_damaged_checkpoints_are_refused_before_anything_changes(saved, damage, message):
@@ -96,17 +99,23 @@ def _reseal(folder):
     layout.write_manifest(folder, json.loads((folder / "manifest.json").read_text())["step"])
 
 
-def test_a_resealed_tampered_payload_is_still_refused(saved):
+def edit_rank_header(folder, edit) -> None:
+    """Change rank 0's JSON header with ``edit(header)``, then reseal the manifest (as someone
+    who knows the format would)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = rank_file(saved, 0)
+    path = rank_file(folder, 0)
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["kiln"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    meta["payload"]["step"] = 7
+    edit(meta)
     save_file(tensors, str(path), metadata={"kiln": json.dumps(meta)})
-    _reseal(saved)
+    _reseal(folder)
+
+
+def test_a_resealed_tampered_payload_is_still_refused(saved):
+    edit_rank_header(saved, lambda meta: meta["payload"].update(step=7))
     with pytest.raises(CheckpointError, match="does not match the train progress step 1"):
         manager(saved.parent).load(toy_state(), saved)
 
@@ -258,3 +267,66 @@ def test_optimizer_groups_are_compared_by_name_not_by_how_parallelism_splits_the
     with pytest.raises(CheckpointError, match="only saved: b; only now: c"):
         check_groups(tmp_path, "main", saved, [{"name": "main", "params": ["a", "c"]},
                                                  {"name": "main/no_decay", "params": ["n"]}])
+
+
+def _full_disk(monkeypatch, error):
+    """DCP's writer writes part of a file, then fails with ``error`` (what a full disk does)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def write_data(self, plan, planner):
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"\0" * 64)
+        raise error
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+UNEXPECTED_POS = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs "
+                              "598")  # torch's zip writer on a full disk: no errno
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_one_error_naming_the_intact_checkpoint(tmp_path, monkeypatch,
+                                                               async_save):
+    """Before: the sync save raised the writer's raw error; the async one's CheckpointException
+    (a BaseException) slipped past `except Exception` in wait()."""
+    s = toy_state()
+    s.train_step()
+    m = manager(tmp_path, async_save=async_save)
+    m.save(s)
+    m.wait()  # step 1 written before the disk fills up
+    s.train_step()
+    _full_disk(monkeypatch, ENOSPC)
+    expected = (r"checkpoint step 2 FAILED \(no space left on device: the file system at .* has "
+                r".* free\); the previous checkpoint step 1 is intact .*; the partial save was "
+                r"removed\.\nFree space there")
+    with pytest.raises(CheckpointError, match=expected):
+        m.save(s)
+        m.wait()  # an async save reports at the next save, the end of training, or here
+    assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_0000001"]
+    monkeypatch.undo()
+    assert manager(tmp_path).load(toy_state(seed=3), tmp_path / "step_0000001").step == 1
+
+
+def test_continue_on_a_failed_save_and_the_cause_without_an_errno(tmp_path, monkeypatch):
+    s = toy_state()
+    s.train_step()
+    lines = []
+    m = CheckpointManager(tmp_path, World(0, 1, 0, torch.device("cpu")), log=lines.append,
+                          on_error="continue")
+    _full_disk(monkeypatch, UNEXPECTED_POS)
+    free = shutil.disk_usage(tmp_path).free
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 100))
+    assert m.save(s) is None  # training goes on
+    assert "checkpoint step 1 FAILED (no space left on device" in lines[0]
+    assert "has 100 bytes free); there is no earlier checkpoint" in lines[0]
+    assert "training goes on" in lines[1]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, free))
+    assert m.save(s) is None  # another cause: named as it is
+    assert "FAILED (RuntimeError: [enforce fail at inline_container.cc:672]" in lines[2]
+    with pytest.raises(CheckpointError, match="checkpoint step 1 FAILED"):
+        m.save(s, final=True)  # the last save of a run must succeed
+    monkeypatch.undo()
+    s.train_step()
+    assert m.save(s) == tmp_path / "step_0000002" and layout.is_complete(m.save(s))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

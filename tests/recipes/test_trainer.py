@@ -118,3 +118,40 @@ def test_a_run_that_fails_before_step_1_leaves_no_folder_and_keeps_an_earlier_ru
         _fit(load_recipe(CONFIGS / "debug.toml", [*args, "--training.seed=1"]))
     after = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
     assert after == before  # the earlier run's recipe.toml, metrics and checkpoints untouched
+
+
+def _nan_loss_at(monkeypatch, step: int) -> None:
+    """The loss of global step ``step`` (1-based) becomes NaN."""
+    forward_loss = Trainer.forward_loss
+
+    def poisoned(self, batch):
+        loss = forward_loss(self, batch)
+        return loss * float("nan") if self.progress.step == step - 1 else loss
+
+    monkeypatch.setattr(Trainer, "forward_loss", poisoned)
+
+
+def test_a_non_finite_step_without_a_guard_stops_before_it_writes_anything(tmp_path,
+                                                                             monkeypatch):
+    """Before: the NaN step trained on (NaN weights) and the save at a checkpoint step died in
+    write_manifest with `ValueError: Out of range float values are not JSON compliant`."""
+    from kiln.components.errors import TrainingAborted
+
+    _nan_loss_at(monkeypatch, 4)
+    with pytest.raises(TrainingAborted, match=r"step 4: not finite \(loss = nan, grad_norm = nan\) "
+                       r"and the recipe has no guard.*\[guards\.spike\]"):
+        train(tmp_path, "n", ["--checkpoint.enable=true", "--checkpoint.interval=2",
+                              "--training.steps=6"])
+    ck = tmp_path / "n" / "checkpoints"  # no half-written save, no NaN weights saved
+    assert sorted(p.name for p in ck.iterdir() if "step" in p.name) == ["step_0000002"]
+    assert len(losses(tmp_path / "n")) == 3  # steps 1-3 logged; step 4 never trained
+
+
+def test_a_skipped_non_finite_step_at_a_checkpoint_step_is_saved(tmp_path, monkeypatch):
+    """With a guard the NaN step is skipped, and the snapshot of that step records the loss as
+    text (JSON has no NaN); before: the same ValueError from write_manifest."""
+    _nan_loss_at(monkeypatch, 2)
+    run = train(tmp_path, "g", ["--checkpoint.enable=true", "--checkpoint.interval=2",
+                                "--guards.spike.type=spike_guard"])
+    manifest = json.loads((run / "checkpoints" / "step_0000002" / "manifest.json").read_text())
+    assert manifest["loss"] == "nan"

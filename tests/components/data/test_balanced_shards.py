@@ -296,3 +296,16 @@ def test_rows_carry_documents_from_bos_with_a_tokenizer(root):
     want = torch.zeros_like(docs)
     want[ids[:, :1].eq(tag(0, 0, 4)).squeeze(1), 2:] = 1
     assert docs.dtype == torch.int32 and torch.equal(docs, want)
+
+
+def test_a_malformed_cursor_is_one_data_error(root):
+    a = dataset(root).loader("train", micro_batch=2, global_batch=6)
+    next(a)
+    state = json.loads(json.dumps(a.state_dict()))
+    state["streams"]["code"]["entries"][0][1] = "many"
+    with pytest.raises(DataError, match=r"streams\.code\.entries\.0\.1: Input should be a valid "
+                       "integer"):
+        dataset(root).loader("train", micro_batch=2, global_batch=6).check_state_dict(state)
+    del state["streams"]["code"]
+    with pytest.raises(DataError, match="streams"):
+        dataset(root).loader("train", micro_batch=2, global_batch=6).load_state_dict(state)

@@ -113,3 +113,23 @@ def test_batches_carry_each_tokens_document(make_dataset):
         assert np.array_equal(docs.numpy(), want)
         changes += int((docs[:, 1:] != docs[:, :-1]).sum())
     assert changes > 10  # short documents: many boundaries, so the check is not vacuous
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda s: s.pop("seq_len"), "seq_len: Field required"),
+    (lambda s: s.update(step=True), "step: Input should be a valid integer"),
+    (lambda s: s.update(micro=-1), "micro: Input should be greater than or equal to 0"),
+    (lambda s: s.update(extra=1), "extra: Extra inputs are not permitted"),
+])
+def test_a_malformed_cursor_is_one_data_error_and_changes_nothing(make_dataset, edit, says):
+    ds = make_dataset(seq_len=L)
+    a = loader(ds)
+    list(itertools.islice(a, 5))
+    state = a.state_dict()
+    edit(state)
+    b = loader(ds)
+    next(b)
+    for call in (b.check_state_dict, b.load_state_dict):
+        with pytest.raises(DataError, match=f"malformed data loader cursor \\({says}"):
+            call(state)
+    assert b.position == (0, 0, 1)

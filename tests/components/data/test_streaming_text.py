@@ -146,3 +146,12 @@ def test_windows_carry_their_documents(inputs):
         assert (docs == documents.from_bos(ids, tok.bos_id)).all()
         changes += int((docs[:, 1:] != docs[:, :-1]).sum())
     assert changes >= 3  # documents of 20-160 tokens in rows of 16: boundaries occur
+
+
+def test_a_malformed_cursor_is_one_data_error(inputs):
+    a = _ds(inputs).loader("train", micro_batch=MB, global_batch=GB)
+    _take(a, 1)
+    state = a.state_dict()
+    state["loader"] = None
+    with pytest.raises(DataError, match="loader: Input should be an object"):
+        _ds(inputs).loader("train", micro_batch=MB, global_batch=GB).load_state_dict(state)
