@@ -64,7 +64,8 @@ def test_readme_settings_name_real_options_and_valid_values():
             bad.append(f"{page}: `{key} = {value}`: no option {name!r} (see `kiln list`)")
             continue
         choices = fields[name]
-        values = value.strip('"').split("|") if "|" in value or value.startswith('"') else []
+        values = [v.strip('"') for v in value.split("|")] if "|" in value or \
+            value.startswith('"') else []
         for v in values:
             if choices is not None and "<" not in v and v not in choices:
                 bad.append(f"{page}: `{key} = {value}`: {v!r} is not one of {sorted(choices)}")

@@ -11,6 +11,7 @@ data cache is shared, so the stdlib corpus is built once.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import shutil
@@ -227,7 +228,8 @@ def name_problems(span: str) -> list[str]:
     tables = set(Recipe.model_fields)
     keys = re.findall(r"--([a-z_]+(?:\.[\w]+)+)=", span)
     table = re.fullmatch(r"\[([A-Za-z_.]+)\]", span)
-    if table:
+    # a recipe table, or a misspelt one; not any bracketed word (`[invalid]`, an output value)
+    if table and difflib.get_close_matches(table.group(1).split(".")[0], tables, cutoff=0.8):
         keys.append(table.group(1))
     dotted = re.fullmatch(r"([a-z_]+(?:\.[\w]+)+)", span)
     if dotted and dotted.group(1).split(".")[0] in tables and not span.endswith(NOT_KEYS):
@@ -239,14 +241,24 @@ def name_problems(span: str) -> list[str]:
         if name not in EXAMPLE_NAMES and not any(name in registry.names(k)
                                                  for k in registry.kinds()):
             problems.append(f"component {name!r} is not registered (see `kiln list`)")
-    if span.startswith("kiln "):
+    if re.match(r"kiln \w", span) and not span.split()[1].endswith(":"):  # not `kiln x: error`
         problems += _cli_problems(span)
-    path = (span.split() or [""])[0].rstrip(":,")
+    path = (span.split() or [""])[0].rstrip(":,").split("(")[0]
     if re.match(r"(train_configs|scripts|docs|recipes|components|parallelisms|checkpointing|"
                 r"tests)/", path) and not re.search(r"[*<]", path) and path not in README_FILES \
-            and not (REPO / path).exists():
+            and not _exists(path):
         problems.append(f"{path} does not exist")
     return problems
+
+
+def _exists(path: str) -> bool:
+    """A repository path, or an attribute of a module in it (`components/evals/runner.run`)."""
+    while True:
+        if (REPO / path).exists() or (REPO / f"{path}.py").exists():
+            return True
+        if "." not in Path(path).name:
+            return False
+        path = path.rsplit(".", 1)[0]
 
 
 def _cli_problems(span: str) -> list[str]:
@@ -258,8 +270,11 @@ def _cli_problems(span: str) -> list[str]:
     words = span.split()
     if words[1] not in COMMANDS:
         return [f"`kiln {words[1]}` is not a command ({', '.join(COMMANDS)})"]
+    module = importlib.import_module(COMMANDS[words[1]][0])
+    if getattr(module, "RAW_ARGS", False):  # its arguments go to another program (kiln harness)
+        return []
     parser = argparse.ArgumentParser()
-    importlib.import_module(COMMANDS[words[1]][0]).add_arguments(parser)
+    module.add_arguments(parser)
     flags = set()
     todo = [parser]
     while todo:
@@ -336,6 +351,9 @@ def test_the_link_check_catches_a_moved_section():
     ("kiln bench RECIPE [--steps N]", False), ("kiln bench --stepz 3", True),
     ("kiln fly", True), ("train_configs/nope.toml", True), ("model.safetensors", False),
     ("checkpoint.async", False), ("--SECTION.KEY=VALUE", False), ("norm.weight", False),
+    ("[trainig]", True), ("[invalid]", False), ("kiln train: error: ", False),
+    ("components/evals/runner.run(task)", False), ("components/evals/nope.run", True),
+    ("kiln harness --model kiln --tasks x", False),
 ])
 def test_the_name_checks_catch_mistakes(span, bad):
     assert bool(name_problems(span)) == bad, name_problems(span)
