@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,8 +75,10 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     tmp = None
     if rank == 0:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".kiln-export",
-                               dir=out_dir.parent)
+        # Not tempfile.mkdtemp: its folders are 0700, and this one becomes the export.
+        folder = out_dir.parent / f".{out_dir.name}.{secrets.token_hex(6)}.kiln-export"
+        folder.mkdir()  # mode from the umask; exclusive, so never another call's folder
+        tmp = str(folder)
     tmp = Path(distributed.broadcast_object(tmp))
     try:
         index = hf_files.write_sharded(

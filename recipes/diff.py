@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import tomli_w
 
 from kiln.recipes.recipe import to_dict
 from kiln.recipes.schema import Recipe
@@ -13,14 +16,32 @@ IGNORED = ("run.name", "run.folder")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of the leaves. An empty table has no keys and is left out, as in TOML (a
+    recipe without ``[optimizers.NAME]`` tables and one with ``optimizers = {}`` are the same)."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):
             out.update(flatten(value, path + "."))
         else:
             out[path] = value
     return out
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as an inline TOML literal (``true``, ``"causal"``, ``[1, 2]``, ``{ ndim = [1]
+    }``): what a recipe or a ``--key=value`` override would say. Scalars are written by tomli_w;
+    it writes tables and arrays of tables as sections, so those are composed here."""
+    if isinstance(value, dict):
+        items = [f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = "):].rstrip("\n")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
 
 
 @dataclass
@@ -50,18 +71,18 @@ class RecipeDiff:
         lines = [f"--- {name_a}", f"+++ {name_b}"]
         groups: dict[str, list[str]] = {}
         for key in self.keys():
-            table = key.rpartition(".")[0] or "<top level>"
-            leaf = key.rpartition(".")[2]
+            table, _, leaf = key.rpartition(".")
             if key in self.changed:
                 a, b = self.changed[key]
-                groups.setdefault(table, []).append(f"  ~ {leaf}: {a!r} -> {b!r}")
+                row = f"  ~ {leaf}: {toml_value(a)} -> {toml_value(b)}"
             elif key in self.only_a:
-                groups.setdefault(table, []).append(f"  - {leaf} = {self.only_a[key]!r}")
+                row = f"  - {leaf} = {toml_value(self.only_a[key])}"
             else:
-                groups.setdefault(table, []).append(f"  + {leaf} = {self.only_b[key]!r}")
-        for table, rows in groups.items():
-            lines.append(f"[{table}]")
-            lines += rows
+                row = f"  + {leaf} = {toml_value(self.only_b[key])}"
+            groups.setdefault(table, []).append(row)
+        for table in sorted(groups):  # a table before its sub-tables; top-level keys first
+            lines.append(f"[{table}]" if table else "[<top level>]")
+            lines += groups[table]
         return "\n".join(lines)
 
 

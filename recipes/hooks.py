@@ -29,7 +29,8 @@ class Hook:
 
 
 class LogHook(Hook):
-    """Console line, JSONL and TensorBoard every ``run.log_interval`` steps (and the last)."""
+    """Console line, JSONL and TensorBoard every ``run.log_interval`` steps, and at step 1 (the
+    untrained loss, ln(vocabulary) for a fresh model) and the last step."""
 
     def __init__(self):
         self._t0 = 0.0
@@ -44,7 +45,7 @@ class LogHook(Hook):
     def on_step_end(self, trainer, result) -> None:
         self._losses.append(result.loss)
         step = trainer.progress.step
-        if step % trainer.recipe.run.log_interval and step != trainer.total_steps:
+        if step % trainer.recipe.run.log_interval and step not in (1, trainer.total_steps):
             return
         now = time.perf_counter()
         elapsed = max(now - self._t0, 1e-9)

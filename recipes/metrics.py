@@ -91,6 +91,13 @@ class MetricsWriter:
             with self.path.open("rb") as f:
                 os.fsync(f.fileno())
 
+    def where(self) -> str:
+        """The line that ends a run: where its outputs are and how to look at them."""
+        line = f"kiln: outputs in {self.run_dir}"
+        if self._tb_wanted and self._tb_dir.is_dir():
+            line += f" (tensorboard --logdir {self._tb_dir})"
+        return line
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

@@ -381,6 +381,7 @@ class Trainer:
                     hook.on_step_end(self, result)
             for hook in self.hooks:
                 hook.on_train_end(self)
+            self.print(self.metrics.where())
         finally:
             for hook in self.hooks:
                 hook.close(self)

@@ -1,7 +1,8 @@
-"""Reading README.md for tests/test_readme.py: fenced blocks, their markers, commands, and the
-inline names (recipe keys, tables, component names, CLI flags, paths) the prose mentions.
+"""Reading README.md and docs/*.md for tests/test_readme.py: fenced blocks, their markers,
+commands, and the inline names (recipe keys, tables, component names, CLI flags, paths) the
+prose mentions.
 
-The rules the README follows are in its "README commands are tests" note; this module is their
+The rules the pages follow are in docs/contributing.md ("Docs are tests"); this module is their
 implementation.
 """
 
@@ -17,7 +18,7 @@ FENCE = re.compile(r"^([ \t]*)```([\w-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.M |
 MARKER = re.compile(r"<!--\s*readme-test:\s*(?P<what>[\w-]+)\s*(?::\s*(?P<why>.*?))?\s*-->", re.S)
 MARKERS = ("skip", "toml-only")
 SHELL = ("bash", "sh", "shell", "console")
-# Commands the README shows but the README test leaves to CI or to the reader's setup.
+# Commands the pages show but the docs test leaves to CI or to the reader's setup.
 SETUP = ("pip", "pytest", ".ci/run")
 EXPECT = re.compile(r"#\s*exits?\s+(\d+)\b")
 
@@ -29,6 +30,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     marker: str = ""  # "", "skip" or "toml-only"
     why: str = ""
+    output: str = ""  # a shell block's next block when it is ```text: its last command's output
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Command:
     env: dict[str, str]
     argv: list[str]
     expect: int = 0
+    output: str = ""  # what it prints (``output_problem``), for the last command of a block
 
     @property
     def program(self) -> str:
@@ -47,15 +50,31 @@ class Command:
         return f"L{self.line}: {prefix + ' ' if prefix else ''}{shlex.join(self.argv)}"
 
 
+def doc_pages(repo: Path) -> list[Path]:
+    """The pages whose blocks run and whose names are checked: README.md, then every docs/*.md
+    (a new page is picked up without registering it anywhere)."""
+    return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
 @dataclass
-class Readme:
+class Page:
     text: str
     blocks: list[Block] = field(default_factory=list)
+    name: str = "README.md"  # relative to the repository: README.md, docs/data.md
+
+    @property
+    def stem(self) -> str:
+        """Short name for generated files and test ids: ``readme``, ``data``."""
+        return Path(self.name).stem.lower()
 
     @classmethod
-    def read(cls, path: Path) -> Readme:
-        text = path.read_text(encoding="utf-8")
-        readme = cls(text)
+    def read(cls, path: Path, repo: Path | None = None) -> Page:
+        name = path.relative_to(repo).as_posix() if repo else path.name
+        return cls.parse(path.read_text(encoding="utf-8"), name)
+
+    @classmethod
+    def parse(cls, text: str, name: str = "README.md") -> Page:
+        readme = cls(text, name=name)
         for m in FENCE.finditer(text):
             before = text[:m.start()].rstrip().rsplit("\n", 1)[-1]
             marker = MARKER.fullmatch(before.strip())
@@ -67,14 +86,35 @@ class Readme:
                 marker=marker.group("what") if marker else "",
                 why=(marker.group("why") or "").strip() if marker else "",
             ))
+            if len(readme.blocks) > 1:  # ```text right after a shell block: its output
+                prev, this = readme.blocks[-2], readme.blocks[-1]
+                between = text[:m.start()].rsplit("```", 1)[-1]
+                if this.lang == "text" and prev.lang in SHELL and not between.strip():
+                    prev.output = this.text
         return readme
 
     def prose(self) -> str:
-        """The README without its fenced blocks (inline code lives here)."""
+        """The page without its fenced blocks (inline code lives here)."""
         return FENCE.sub("", self.text)
 
     def inline_code(self) -> list[str]:
         return re.findall(r"`([^`\n]+)`", self.prose())
+
+    def links(self) -> list[str]:
+        """Targets of the page's Markdown links (``[text](target)``), outside code."""
+        prose = re.sub(r"`[^`\n]+`", "", self.prose())
+        return re.findall(r"\]\(([^()\s]+)\)", prose)
+
+    def anchors(self) -> set[str]:
+        """The ``#fragment`` each heading gets on GitHub: lowercase, punctuation dropped,
+        spaces to hyphens."""
+        out = set()
+        for heading in re.findall(r"(?m)^#{1,6} +(.+?) *$", self.prose()):
+            out.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+        return out
+
+
+Readme = Page  # the README is the first page
 
 
 def commands(block: Block) -> list[Command]:
@@ -97,8 +137,8 @@ def commands(block: Block) -> list[Command]:
                 continue
             bad = [w for w in words if w in ("|", ";", ">", "<", "&") or w.startswith((">", "|"))]
             if bad:
-                raise ValueError(f"README line {block.line + start + 1}: {part.strip()!r} uses "
-                                 f"{bad[0]!r}; the README test runs plain commands (split them, "
+                raise ValueError(f"line {block.line + start + 1}: {part.strip()!r} uses "
+                                 f"{bad[0]!r}; the docs test runs plain commands (split them, "
                                  "or mark the block)")
             env = {}
             while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
@@ -107,7 +147,30 @@ def commands(block: Block) -> list[Command]:
             if words:
                 out.append(Command(block.line + start + 1, env, words,
                                    int(expect.group(1)) if expect else 0))
+    if out:
+        out[-1].output = block.output
     return out
+
+
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+
+
+def output_problem(expected: str, printed: str) -> str:
+    """Whether ``printed`` (a command's stdout) has the shape of a page's example output: line
+    by line equal, except that every number matches any number, ``...`` inside a line any
+    text, and a line that is only ``...`` any number of lines. "" if it matches."""
+    pattern = ""
+    for line in expected.rstrip("\n").split("\n"):
+        if line.strip() == "...":
+            pattern += r"(?:[^\n]*\n)*?"
+            continue
+        for piece in re.split(rf"(\.\.\.|{NUMBER})", line):
+            pattern += (".*?" if piece == "..." else NUMBER if re.fullmatch(NUMBER, piece)
+                        else re.escape(piece))
+        pattern += r"\n"
+    if re.fullmatch(pattern, printed.rstrip("\n") + "\n"):
+        return ""
+    return f"printed:\n{printed}\ndoes not match the example (numbers aside):\n{expected}"
 
 
 def is_setup(cmd: Command) -> bool:
@@ -118,9 +181,9 @@ def is_setup(cmd: Command) -> bool:
     return argv[0].startswith("python") and argv[1:3] in (["-m", "pytest"], ["-m", "pip"])
 
 
-def toml_target(block: Block) -> str:
+def toml_target(block: Block, stem: str = "readme") -> str:
     """Where a TOML block is saved: the path its first line names (``# train_configs/x.toml``),
-    else ``train_configs/readme_<line>.toml`` (next to debug.toml, so ``extends`` resolves)."""
+    else ``train_configs/<page>_<line>.toml`` (next to debug.toml, so ``extends`` resolves)."""
     first = block.text.lstrip().split("\n", 1)[0]
     m = re.fullmatch(r"#\s*(\S+\.toml)\b.*", first.strip())
-    return m.group(1) if m else f"train_configs/readme_{block.line}.toml"
+    return m.group(1) if m else f"train_configs/{stem}_{block.line}.toml"

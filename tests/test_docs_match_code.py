@@ -1,5 +1,5 @@
-"""The README's inline option settings name real options and valid values (docs are code: a
-value the recipe loader would reject is a bug in the README)."""
+"""The inline option settings of README.md and docs/*.md name real options and valid values
+(docs are code: a value the recipe loader would reject is a bug in the page)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from kiln.components import registry
 from kiln.recipes import schema
 from tests.conftest import REPO
+from tests.readme_blocks import doc_pages
 
 SETTING = re.compile(r"`([a-z_][a-z0-9_.]*) = ([^`]+)`")
 
@@ -45,25 +46,29 @@ def _fields() -> dict[str, set[str] | None]:
     return fields | {"extends": None, "remove": None}
 
 
-def readme_settings() -> list[tuple[str, str]]:
-    return SETTING.findall((REPO / "README.md").read_text(encoding="utf-8"))
+def readme_settings() -> list[tuple[str, str, str]]:
+    """(page, key, value) of every inline `key = value` of every page."""
+    return [(path.relative_to(REPO).as_posix(), key, value) for path in doc_pages(REPO)
+            for key, value in SETTING.findall(path.read_text(encoding="utf-8"))]
 
 
 def test_readme_settings_name_real_options_and_valid_values():
     fields = _fields()
     found = readme_settings()
     assert len(found) >= 5
+    assert {page for page, _, _ in found} > {"README.md", "docs/parallelism.md"}
     bad = []
-    for key, value in found:
+    for page, key, value in found:
         name = key.rsplit(".", 1)[-1]
         if name not in fields:
-            bad.append(f"`{key} = {value}`: no option {name!r} (see `kiln list`)")
+            bad.append(f"{page}: `{key} = {value}`: no option {name!r} (see `kiln list`)")
             continue
         choices = fields[name]
-        values = value.strip('"').split("|") if "|" in value or value.startswith('"') else []
+        values = [v.strip('"') for v in value.split("|")] if "|" in value or \
+            value.startswith('"') else []
         for v in values:
             if choices is not None and "<" not in v and v not in choices:
-                bad.append(f"`{key} = {value}`: {v!r} is not one of {sorted(choices)}")
+                bad.append(f"{page}: `{key} = {value}`: {v!r} is not one of {sorted(choices)}")
     assert not bad, "\n".join(bad)
 
 

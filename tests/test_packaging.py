@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import tomllib
 import venv
@@ -42,18 +43,20 @@ def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
         ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"))
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)  # torch etc. from the host
+    venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
     build = subprocess.run(
         [str(py), "-m", "pip", "install", "--quiet", "--no-deps", str(source)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
 
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    names = sorted(p.name for p in Path(site).iterdir() if not p.name.startswith(("_", "pip")))
+    site_dir = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    names = sorted(p.name for p in Path(site_dir).iterdir() if not p.name.startswith(("_", "pip")))
     assert [n for n in names if n in TOP] == []  # no generic top-level modules installed
     assert "kiln" in names
+    _see_dependencies_of_this_interpreter(Path(site_dir))
 
     # Someone else's `components` package, first on the path (the working directory).
     work = tmp_path / "work"
@@ -64,7 +67,7 @@ def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp
          "print(r.__file__); print(c.__file__)"],
         capture_output=True, text=True, cwd=work, timeout=120)
     assert probe.returncode == 0, probe.stderr
-    assert all(line.startswith(site) for line in probe.stdout.split())
+    assert all(line.startswith(site_dir) for line in probe.stdout.split())
 
     run = subprocess.run(
         [str(env_dir / "bin" / "kiln"), "train", str(CONFIGS / "debug.toml"),
@@ -77,3 +80,16 @@ def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp
         env={**os.environ, "PYTHONPATH": str(work)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert (work / "run" / "metrics.jsonl").is_file()
+
+
+def _see_dependencies_of_this_interpreter(site_dir: Path) -> None:
+    """torch, tomli-w & co. come from the interpreter running the tests, wherever they are
+    installed: a virtual environment (a venv's ``system_site_packages`` would show the base
+    interpreter's, not the venv's), the system, or the user site. A ``.pth`` file appends those
+    folders after the new environment's own, so its ``kiln`` comes first. Written after the
+    install, so pip never sees the kiln installed there."""
+    outer = [*site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        outer.append(site.getusersitepackages())
+    (site_dir / "_outer_site_packages.pth").write_text(
+        "".join(f"{p}\n" for p in outer if Path(p).is_dir() and Path(p) != site_dir))

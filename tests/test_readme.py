@@ -1,15 +1,17 @@
-"""README-as-test: every command and every TOML block in README.md runs, shrunk to a few steps,
-and every recipe key, table, component name, CLI flag and path the prose names exists.
+"""Docs-as-test: every command and every TOML block of README.md and of every docs/*.md page
+runs, shrunk to a few steps, and every recipe key, table, component name, CLI flag, path and
+link the prose names exists.
 
-How blocks are read, shrunk and marked is described in the README's "README commands are tests"
-note (keep the two in step). Steps run in README order in one working folder (a copy of
-``train_configs/`` and ``run_train.sh``, plus the ``my_texts/`` folder the README's own-text
-example uses), so a command may use what an earlier one wrote (``runs/debug``); the session's
+How blocks are read, shrunk and marked is described in docs/contributing.md ("Docs are tests";
+keep the two in step). Each page runs in order in its own working folder (a copy of
+``train_configs/`` and ``run_train.sh``, plus the ``my_texts/`` folder of the own-text example),
+so a command may use what an earlier one of the same page wrote (``runs/debug``); the session's
 data cache is shared, so the stdlib corpus is built once.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import shutil
@@ -26,16 +28,19 @@ from tests.readme_blocks import (
     SHELL,
     Block,
     Command,
-    Readme,
+    Page,
     commands,
+    doc_pages,
     is_setup,
+    output_problem,
     toml_target,
 )
 
-README = Readme.read(REPO / "README.md")
+PAGES = [Page.read(path, REPO) for path in doc_pages(REPO)]
+README = PAGES[0]
 
 # Appended to every command of a kind (the last value of a key or flag wins), so each runs in
-# seconds; the README's contributor note lists the same.
+# seconds; docs/contributing.md lists the same.
 SHRINK = {
     "train": ["--training.steps=2", "--eval.tokens=1024"],
     "bench": ["--steps", "1", "--warmup", "0"],
@@ -52,38 +57,47 @@ def shrink(cmd: Command) -> list[str]:
     return argv
 
 
-def _steps() -> list:
-    """(kind, payload) per runnable piece of the README, in order, as pytest params."""
-    later = " ".join(b.text for b in README.blocks if b.lang in SHELL)
+def _steps(page: Page) -> list:
+    """(page, kind, payload) per runnable piece of a page, in order, as pytest params."""
+    later = " ".join(b.text for b in page.blocks if b.lang in SHELL)
     params = []
-    for block in README.blocks:
-        where = f"L{block.line}"
+    for block in page.blocks:
+        where = f"{page.name}:L{block.line}"
         if block.marker == "skip":
-            params.append(pytest.param("skip", block, id=f"{where}-skipped",
+            params.append(pytest.param(page, "skip", block, id=f"{where}-skipped",
                                        marks=pytest.mark.skip(reason=block.why)))
         elif block.lang in SHELL:
             for cmd in commands(block):
                 if not is_setup(cmd):
-                    params.append(pytest.param("command", cmd, id=cmd.label()))
+                    params.append(pytest.param(page, "command", cmd,
+                                               id=f"{page.name}:{cmd.label()}"))
         elif block.lang == "toml" and block.marker != "toml-only":
-            target = toml_target(block)
+            target = toml_target(block, page.stem)
             kind = "save" if target in later else "train"  # a later command trains it
-            params.append(pytest.param(kind, block, id=f"{where}-{kind}-{target}"))
+            params.append(pytest.param(page, kind, block, id=f"{where}-{kind}-{target}"))
     return params
 
 
-STEPS = _steps()
+STEPS = [step for page in PAGES for step in _steps(page)]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("readme")
-    shutil.copytree(REPO / "train_configs", work / "train_configs",
-                    ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
-    shutil.copy2(REPO / "run_train.sh", work / "run_train.sh")
-    (work / "scripts").symlink_to(REPO / "scripts")
-    _own_texts(work / "my_texts")
-    return work
+def workdirs(tmp_path_factory):
+    """page name -> its working folder, made on first use."""
+    made: dict[str, Path] = {}
+
+    def workdir(page: Page) -> Path:
+        if page.name not in made:
+            work = tmp_path_factory.mktemp(f"docs-{page.stem}")
+            shutil.copytree(REPO / "train_configs", work / "train_configs",
+                            ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
+            shutil.copy2(REPO / "run_train.sh", work / "run_train.sh")
+            (work / "scripts").symlink_to(REPO / "scripts")
+            _own_texts(work / "my_texts")
+            made[page.name] = work
+        return made[page.name]
+
+    return workdir
 
 
 def _own_texts(folder: Path) -> None:
@@ -96,41 +110,58 @@ def _own_texts(folder: Path) -> None:
         (folder / f"{name}.txt").write_text(pydoc.render_doc(module, renderer=pydoc.plaintext))
 
 
-def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess:
     bin_dir = str(Path(sys.executable).parent)  # this environment's `kiln` and `python`
     full = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             **(env or {})}
     full.pop("KILN_ERROR_DIR", None)
-    out = subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=1800)
-    return out.returncode, out.stdout[-3000:] + out.stderr[-3000:]
+    return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=1800)
 
 
-@pytest.mark.parametrize("kind,item", STEPS)
-def test_readme_step(kind, item, workdir):
+def tail(out: subprocess.CompletedProcess) -> str:
+    return out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("page,kind,item", STEPS)
+def test_readme_step(page, kind, item, workdirs):
+    workdir = workdirs(page)
     if kind == "command":
         cmd: Command = item
         argv = shrink(cmd)
-        status, output = run(argv, workdir, cmd.env)
-        assert status == cmd.expect, f"{shlex.join(argv)} -> {status}\n{output}"
+        out = run(argv, workdir, cmd.env)
+        assert out.returncode == cmd.expect, f"{shlex.join(argv)} -> {out.returncode}\n{tail(out)}"
+        if cmd.output:
+            problem = output_problem(cmd.output, out.stdout)
+            assert not problem, f"{page.name} L{cmd.line}: {shlex.join(argv)}\n{problem}"
         return
     block: Block = item
-    target = workdir / toml_target(block)
-    shipped = (REPO / toml_target(block)).exists()
-    assert not shipped, f"README L{block.line} would overwrite the shipped {target.name}"
+    name = toml_target(block, page.stem)
+    target = workdir / name
+    shipped = (REPO / name).exists()
+    assert not shipped, f"{page.name} L{block.line} would overwrite the shipped {target.name}"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(block.text)
     if kind == "train":
         argv = ["kiln", "train", str(target.relative_to(workdir)), *SHRINK["train"],
-                f"--run.folder=runs/readme_{block.line}"]
-        status, output = run(argv, workdir)
-        assert status == 0, f"{shlex.join(argv)} -> {status}\n{output}"
+                f"--run.folder=runs/{page.stem}_{block.line}"]
+        out = run(argv, workdir)
+        assert out.returncode == 0, f"{shlex.join(argv)} -> {out.returncode}\n{tail(out)}"
 
 
-def test_readme_has_steps_and_justified_markers():
-    assert sum(1 for p in STEPS if p.values[0] == "command") >= 5
-    for block in README.blocks:
+def test_the_docs_pages_are_all_read():
+    names = [page.name for page in PAGES]
+    assert names[0] == "README.md" and "docs/design.md" in names
+    assert sum(1 for p in STEPS if p.values[0] is README and p.values[1] == "command") >= 5
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_markers_are_known_and_justified(page):
+    for block in page.blocks:
+        where = f"{page.name} L{block.line}"
         if block.marker:
-            assert block.marker in MARKERS, f"L{block.line}: unknown marker {block.marker!r}"
-            assert len(block.why.split()) >= 3, f"L{block.line}: say why ({block.marker}: ...)"
+            assert block.marker in MARKERS, f"{where}: unknown marker {block.marker!r}"
+            assert len(block.why.split()) >= 3, f"{where}: say why ({block.marker}: ...)"
         if block.lang == "toml":
             tomllib.loads(block.text)  # every TOML block parses, marked or not
 
@@ -175,18 +206,19 @@ NOT_KEYS = (".toml", ".json", ".jsonl", ".safetensors", ".py", ".npy", ".bin", "
             ".weight", ".bias", ".model", ".tiktoken")
 
 
-# Components the README's own Python examples register (`@register("attention", "linear")`).
-EXAMPLE_NAMES = {name for block in README.blocks if block.lang == "python"
+# Components the pages' own Python examples register (`@register("attention", "linear")`).
+EXAMPLE_NAMES = {name for page in PAGES for block in page.blocks if block.lang == "python"
                  for name in __import__("re").findall(r'@register\("\w+", "([\w-]+)"\)',
                                                       block.text)}
 
 
-# Files the README's own TOML blocks create (`# train_configs/my_recipe.toml`).
-README_FILES = {toml_target(b) for b in README.blocks if b.lang == "toml"}
+# Files the pages' own TOML blocks create (`# train_configs/my_recipe.toml`).
+README_FILES = {toml_target(b, page.stem) for page in PAGES for b in page.blocks
+                if b.lang == "toml"}
 
 
 def name_problems(span: str) -> list[str]:
-    """What is wrong with the names in one inline code span of the README ([] if nothing)."""
+    """What is wrong with the names in one inline code span of a page ([] if nothing)."""
     import re
 
     from kiln.components import registry
@@ -196,7 +228,8 @@ def name_problems(span: str) -> list[str]:
     tables = set(Recipe.model_fields)
     keys = re.findall(r"--([a-z_]+(?:\.[\w]+)+)=", span)
     table = re.fullmatch(r"\[([A-Za-z_.]+)\]", span)
-    if table:
+    # a recipe table, or a misspelt one; not any bracketed word (`[invalid]`, an output value)
+    if table and difflib.get_close_matches(table.group(1).split(".")[0], tables, cutoff=0.8):
         keys.append(table.group(1))
     dotted = re.fullmatch(r"([a-z_]+(?:\.[\w]+)+)", span)
     if dotted and dotted.group(1).split(".")[0] in tables and not span.endswith(NOT_KEYS):
@@ -208,14 +241,24 @@ def name_problems(span: str) -> list[str]:
         if name not in EXAMPLE_NAMES and not any(name in registry.names(k)
                                                  for k in registry.kinds()):
             problems.append(f"component {name!r} is not registered (see `kiln list`)")
-    if span.startswith("kiln "):
+    if re.match(r"kiln \w", span) and not span.split()[1].endswith(":"):  # not `kiln x: error`
         problems += _cli_problems(span)
-    path = (span.split() or [""])[0].rstrip(":,")
+    path = (span.split() or [""])[0].rstrip(":,").split("(")[0]
     if re.match(r"(train_configs|scripts|docs|recipes|components|parallelisms|checkpointing|"
                 r"tests)/", path) and not re.search(r"[*<]", path) and path not in README_FILES \
-            and not (REPO / path).exists():
+            and not _exists(path):
         problems.append(f"{path} does not exist")
     return problems
+
+
+def _exists(path: str) -> bool:
+    """A repository path, or an attribute of a module in it (`components/evals/runner.run`)."""
+    while True:
+        if (REPO / path).exists() or (REPO / f"{path}.py").exists():
+            return True
+        if "." not in Path(path).name:
+            return False
+        path = path.rsplit(".", 1)[0]
 
 
 def _cli_problems(span: str) -> list[str]:
@@ -227,8 +270,11 @@ def _cli_problems(span: str) -> list[str]:
     words = span.split()
     if words[1] not in COMMANDS:
         return [f"`kiln {words[1]}` is not a command ({', '.join(COMMANDS)})"]
+    module = importlib.import_module(COMMANDS[words[1]][0])
+    if getattr(module, "RAW_ARGS", False):  # its arguments go to another program (kiln harness)
+        return []
     parser = argparse.ArgumentParser()
-    importlib.import_module(COMMANDS[words[1]][0]).add_arguments(parser)
+    module.add_arguments(parser)
     flags = set()
     todo = [parser]
     while todo:
@@ -241,9 +287,62 @@ def _cli_problems(span: str) -> list[str]:
     return [f"`kiln {words[1]}` has no option {f}" for f in used if f not in flags]
 
 
-def test_names_in_the_readme_exist():
-    problems = [f"`{span}`: {p}" for span in README.inline_code() for p in name_problems(span)]
-    assert not problems, "\n".join(problems)
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_names_in_the_pages_exist(page):
+    problems = [f"`{span}`: {p}" for span in page.inline_code() for p in name_problems(span)]
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def link_problems(page: Page) -> list[str]:
+    """Relative links of a page that point at no file, or at no heading of the page named."""
+    by_name = {p.name: p for p in PAGES}
+    here = (REPO / page.name).parent
+    problems = []
+    for link in page.links():
+        if "://" in link or link.startswith("mailto:"):
+            continue
+        path, _, fragment = link.partition("#")
+        target = (here / path).resolve() if path else REPO / page.name
+        if not target.exists():
+            problems.append(f"({link}): {path} does not exist")
+            continue
+        name = target.relative_to(REPO).as_posix() if target.is_relative_to(REPO) else ""
+        if fragment and name in by_name and fragment not in by_name[name].anchors():
+            problems.append(f"({link}): {name} has no heading #{fragment}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_links_in_the_pages_resolve(page):
+    problems = link_problems(page)
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def test_example_output_is_matched_numbers_aside():
+    page = Page.parse("```bash\nkiln x\n```\n\n```text\nbuilt in 0.1 s: .../d\n...\n"
+                          "train on it: --x=1\n```\n")
+    assert commands(page.blocks[0])[0].output == page.blocks[1].text
+    expected = page.blocks[0].output
+    assert output_problem(expected, "built in 12.5 s: /tmp/a/d\n  6 docs\n  more\n"
+                                    "train on it: --x=2\n") == ""
+    assert output_problem(expected, "built in 1 s: /tmp/a/d\ntrain on it: --x=2\n") == ""
+    assert output_problem(expected, "made in 1 s: /tmp/d\ntrain on it: --x=2\n")
+    assert output_problem(expected, "built in 1 s: /tmp/d\ntrain on it: --y=2\n")
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {(REPO / link.partition("#")[0]).resolve() for link in README.links()}
+    unlinked = [p.name for p in PAGES[1:] if (REPO / p.name).resolve() not in linked]
+    assert not unlinked, f"add a row to README.md's Documentation table for {unlinked}"
+
+
+def test_the_link_check_catches_a_moved_section():
+    page = Page("See [data](docs/data.md#no-such-heading), [x](docs/nope.md) and "
+                "[ok](docs/data.md) or [recipes](#recipes).\n\n## Recipes\n")
+    assert link_problems(page) == [
+        "(docs/data.md#no-such-heading): docs/data.md has no heading #no-such-heading",
+        "(docs/nope.md): docs/nope.md does not exist",
+    ]
 
 
 @pytest.mark.parametrize("span,bad", [
@@ -252,16 +351,20 @@ def test_names_in_the_readme_exist():
     ("kiln bench RECIPE [--steps N]", False), ("kiln bench --stepz 3", True),
     ("kiln fly", True), ("train_configs/nope.toml", True), ("model.safetensors", False),
     ("checkpoint.async", False), ("--SECTION.KEY=VALUE", False), ("norm.weight", False),
+    ("[trainig]", True), ("[invalid]", False), ("kiln train: error: ", False),
+    ("components/evals/runner.run(task)", False), ("components/evals/nope.run", True),
+    ("kiln harness --model kiln --tasks x", False),
 ])
 def test_the_name_checks_catch_mistakes(span, bad):
     assert bool(name_problems(span)) == bad, name_problems(span)
 
 
-def test_python_blocks_import_what_they_use():
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_python_blocks_import_what_they_use(page):
     import ast
     import importlib
 
-    for block in README.blocks:
+    for block in page.blocks:
         if block.lang != "python" or block.marker == "skip":
             continue
         tree = ast.parse(block.text)  # the block is valid Python
@@ -269,7 +372,8 @@ def test_python_blocks_import_what_they_use():
             if isinstance(node, ast.ImportFrom) and node.module:
                 module = importlib.import_module(node.module)
                 for alias in node.names:
-                    assert hasattr(module, alias.name), f"L{block.line}: {node.module}.{alias.name}"
+                    where = f"{page.name} L{block.line}"
+                    assert hasattr(module, alias.name), f"{where}: {node.module}.{alias.name}"
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     importlib.import_module(alias.name)

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="skip (and count) documents that are not UTF-8, or stop at the first")
     prep.add_argument("--overwrite", action="store_true",
                       help="replace an OUT built from other inputs or settings")
-    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (there is none when stderr is not a terminal)")
     prep.add_argument("--source", choices=("stdlib", "folder"),
                       help="without --input: stdlib = this machine's Python stdlib; folder = "
                       "the recipe's data.source_path")
@@ -135,7 +136,9 @@ def _prepare_inputs(args: argparse.Namespace) -> int:
         workers=args.workers, domain=args.domain or "", shard_tokens=args.shard_tokens,
         **_layout_settings(args, recipe))
     t0 = time.perf_counter()
-    result = prepare(opts, tokenizer, overwrite=args.overwrite, progress=not args.no_progress)
+    # The bar only on a terminal: in a log file its redraws would be carriage-return frames.
+    bar = not args.no_progress and sys.stderr.isatty()
+    result = prepare(opts, tokenizer, overwrite=args.overwrite, progress=bar)
     took = time.perf_counter() - t0
     totals, skipped = result.manifest["totals"], result.manifest["skipped"]
     verb = "reused (up to date):" if result.status == "up to date" else \

@@ -65,6 +65,9 @@ def test_exported_and_checkpoint_files_share_one_file_mode(tmp_path):
     for where in (tmp_path / "out", folder):
         modes = {p.name: oct(p.stat().st_mode & 0o777) for p in where.iterdir() if p.is_file()}
         assert len(set(modes.values())) == 1, modes
+    (tmp_path / "plain").mkdir()  # folders follow the umask like any other output (not 0700)
+    mode = oct((tmp_path / "plain").stat().st_mode & 0o777)
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out", folder)} == {mode}
 
 
 def test_llama_layout_names_and_config(tmp_path):

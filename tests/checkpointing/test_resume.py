@@ -123,8 +123,9 @@ def test_compare_raises_with_instructions(tmp_path):
 
 
 def _resume_table() -> list[tuple[str, str, str]]:
-    """(changes, result, notes) rows of the README's table of recipe changes on resume."""
-    lines = (CONFIGS.parent / "README.md").read_text().splitlines()
+    """(changes, result, notes) rows of docs/checkpointing.md's table of recipe changes on
+    resume."""
+    lines = (CONFIGS.parent / "docs" / "checkpointing.md").read_text().splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith("| Change on resume"))
     rows = []
     for line in lines[start + 2:]:
@@ -134,7 +135,7 @@ def _resume_table() -> list[tuple[str, str, str]]:
     return rows
 
 
-def test_readme_table_of_recipe_changes_matches_the_check():
+def test_docs_table_of_recipe_changes_matches_the_check():
     rows = _resume_table()
     assert {r[1] for r in rows} == {"exact", "documented difference", "refused"}
     checked = 0

@@ -335,3 +335,14 @@ def test_ctrl_c_in_a_recipe_build_keeps_nothing_and_says_so(tmp_path, monkeypatc
     assert capsys.readouterr().err == ("kiln data prepare: interrupted; nothing was kept; rerun "
                                        "the same command to build it\n")
     assert not out.exists() and not list(tmp_path.glob(".built.tmp-*"))
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path, texts, capsys):
+    """Redirected into a log file, the output is the printed lines only (no bar frames)."""
+    args = ["data", "prepare", "--input", str(texts), "--out", str(tmp_path / "d"),
+            "--workers", "0"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err + captured.out  # tqdm's frames (warnings may be there)
+    assert "prepare d:" not in captured.err
+    assert captured.out.splitlines()[0].startswith("built in")

@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import json
+import tomllib
+
+import pytest
 
 from kiln.recipes.cli import main
-from kiln.recipes.diff import diff, flatten
+from kiln.recipes.diff import diff, flatten, toml_value
 from kiln.recipes.recipe import load_recipe
 from tests.conftest import CONFIGS
 
 
 def test_flatten_dotted_keys():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {
-        "a.b": 1, "a.c.d": [1, 2], "e": {}}
+        "a.b": 1, "a.c.d": [1, 2]}  # an empty table has no keys
+
+
+def test_values_print_as_toml_and_empty_tables_are_not_differences(capsys):
+    debug, nova = str(CONFIGS / "debug.toml"), str(CONFIGS / "nova_debug.toml")
+    assert main(["diff", debug, nova]) == 1
+    out = capsys.readouterr().out
+    assert '~ type: "causal" -> "differential"' in out and "~ fused_qkv: false -> true" in out
+    assert "optimizers = {}" not in out and "False" not in out and "'" not in out
+    assert out.index("[model]\n") < out.index("[model.attention]\n")  # tables in order
+    for line in out.splitlines():  # every value is a TOML literal that reads back
+        if line.startswith(("  + ", "  - ")):
+            tomllib.loads(line[4:])
+        elif line.startswith("  ~ "):
+            key, _, values = line[4:].partition(": ")
+            for value in values.split(" -> "):
+                tomllib.loads(f"{key} = {value}")
+
+
+@pytest.mark.parametrize("value, text", [
+    (False, "false"), ("causal", '"causal"'), (1e-05, "1e-05"), ([0.9, 0.95], "[0.9, 0.95]"),
+    ({}, "{}"), ([{"ndim": [1], "rest": False}], "[{ ndim = [1], rest = false }]"),
+    ({"a b": 'q"'}, '{ "a b" = "q\\"" }'), (float("inf"), "inf"),
+])
+def test_toml_value(value, text):
+    assert toml_value(value) == text
+    assert tomllib.loads(f"v = {text}")["v"] == value
 
 
 def test_diff_changed_only_a_only_b(write):

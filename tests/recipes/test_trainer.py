@@ -95,7 +95,10 @@ def _fit(recipe) -> str:
 def test_rerunning_a_finished_run_says_so_and_adds_nothing(tmp_path):
     args = [*TINY, "--checkpoint.enable=true", "--training.steps=2", "--eval.interval=0",
             f"--run.folder={tmp_path / 'r'}"]
-    _fit(load_recipe(CONFIGS / "debug.toml", args))
+    first = _fit(load_recipe(CONFIGS / "debug.toml", args))
+    run = tmp_path / "r"  # the last line says where the outputs are
+    assert first.splitlines()[-1] == (f"kiln: outputs in {run} "
+                                      f"(tensorboard --logdir {run}/tensorboard)")
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
     assert metrics.count("eval/loss") == 1
     again = _fit(load_recipe(CONFIGS / "debug.toml", args))
