@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kiln.checkpointing import layout, payload, remap, rng, storage
+from kiln.checkpointing import layout, payload, rank_json, remap, rng, storage
 from kiln.checkpointing.load_checks import (
     QKV_ROWS,
     STATE,
@@ -116,6 +116,7 @@ class CheckpointManager:
                                header)
 
         tensors, rest = storage.split_tree(self._app_state(state, with_optim=True))
+        rest = rank_json.merge(distributed.all_gather_object(rest))  # pipeline stages differ
         meta = {
             "format": layout.FORMAT, "step": step, "tokens": int(state.progress.tokens),
             "world_size": self.world.world_size, "progress": state.progress.state_dict(),
@@ -235,12 +236,13 @@ class CheckpointManager:
 
         with_optim = not weights_only or from_ema
         current = self._app_state(state, with_optim=with_optim)
-        tensors, _ = storage.split_tree(current)
+        tensors, current_rest = storage.split_tree(current)
         storage.load_tensors(
             tensors, folder, no_dist=not self.world.distributed,
             hint=" -- the saved tensors do not fit this model/optimizer; did the model or "
             "optimizer change? `kiln diff` the checkpoint against the recipe")
-        self._apply_app_state(state, tensors, meta["json_state"], with_optim, folder)
+        self._apply_app_state(state, tensors, meta["json_state"], with_optim, folder,
+                              current_rest.get("model", {}))
 
         if weights_only:
             if from_ema:
@@ -315,8 +317,10 @@ class CheckpointManager:
         return out
 
     def _apply_app_state(self, state, tensors: dict, saved_rest: dict, with_optim: bool,
-                         folder: Path) -> None:
-        model_sd = storage.merge_tree(tensors["model"], saved_rest.get("model", {}))
+                         folder: Path, model_rest: dict) -> None:
+        # The saved JSON parts hold every rank's entries (rank_json): keep this rank's.
+        mine = {k: v for k, v in saved_rest.get("model", {}).items() if k in model_rest}
+        model_sd = storage.merge_tree(tensors["model"], mine)
         set_model_state_dict(state.model, model_sd)
         if not with_optim:
             return
@@ -327,10 +331,16 @@ class CheckpointManager:
             if not isinstance(saved, dict) or "param_groups" not in saved:
                 raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
             current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
-            check_groups(folder, name, saved["param_groups"], current_groups)
+            every = distributed.all_gather_object(current_groups)  # all pipeline stages
+            merged = every[0]
+            for groups in every[1:]:
+                merged = rank_json.merge_groups(merged, groups)
+            check_groups(folder, name, saved["param_groups"], merged)
             # Hyperparameters come from the current recipe (LR is set from the schedule every
             # step); the moments and any non-tensor per-parameter state come from the checkpoint.
-            sd = storage.merge_tree(loaded, {"state": saved.get("state", {})})
+            names = {str(p) for g in current_groups for p in g.get("params", [])}
+            sd = storage.merge_tree(loaded, {"state": rank_json.own_state(
+                saved.get("state", {}), names)})
             sd["param_groups"] = current_groups
             set_optimizer_state_dict(state.model, opt, sd)
 
