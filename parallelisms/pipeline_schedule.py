@@ -61,9 +61,9 @@ def microbatch_problem(cfg, n_microbatches: int) -> str | None:
         except ValueError as exc:
             reason = " ".join(str(exc).split())
     return (f"pp_schedule = \"{cfg.pp_schedule}\" with {n} stages cannot run "
-            f"{n_microbatches} micro-batches per pipeline run ({reason}); raise "
-            "training.grad_accum (or lower training.micro_batch) so that each data-parallel rank "
-            "has more micro-batches, or set parallelism.pp_microbatches")
+            f"{n_microbatches} micro-batches per pipeline run ({reason}); give each "
+            "data-parallel rank more micro-batches per step (lower training.micro_batch or raise "
+            "training.global_batch), or run more of them at once (parallelism.pp_microbatches)")
 
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
