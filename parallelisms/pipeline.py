@@ -101,8 +101,8 @@ def _end_modules(model: nn.Module, first: bool, last: bool) -> list[str]:
     names = list(ends["first"]) if first else []
     if last:
         head = {id(p) for n in ends["last"] for p in getattr(model, n).parameters()}
-        names += [n for n in ends["first"] if n not in names and any(
-            id(p) in head for p in getattr(model, n).parameters())]
+        names += [n for n in ends["first"] if n not in names and getattr(model, n) is not None
+                  and any(id(p) in head for p in getattr(model, n).parameters())]
         names += list(ends["last"])
     return names
 

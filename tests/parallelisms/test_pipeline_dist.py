@@ -1,0 +1,146 @@
+"""Pipeline parallelism on gloo processes: ``pp = 2`` equals one process (dense and MoE, three
+schedules, the final evaluation included), checkpoints resume across pipeline layouts (pp 2 ->
+1, 1 -> 2 with another split), and ``pp = 2 x dp_shard = 2`` (FSDP2 inside each stage) on 4
+processes. The recipes are the combination test's tiny ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.recipes.test_combinations import STEPS, recipe_for
+
+pytestmark = pytest.mark.slow
+
+EVAL = ("--eval.at_end=true",)
+SAVE = ("--checkpoint.enable=true",)
+CASES = {  # name -> (family, overrides)
+    "dense_1f1b": ("dense", ("--parallelism.pp=2", *EVAL, *SAVE)),
+    "dense_interleaved": ("dense", ("--model.n_layers=4", "--model.tie_embeddings=false",
+                                    "--parallelism.pp=2",
+                                    "--parallelism.pp_schedule=interleaved_1f1b", *EVAL)),
+    "moe_gpipe": ("moe", ("--model.n_layers=3", "--parallelism.pp=2",
+                          "--parallelism.pp_schedule=gpipe", *EVAL)),
+}
+PP_FLAGS = ("--parallelism.pp", "--parallelism.pp_schedule")
+
+
+def _plain(flags: tuple[str, ...]) -> list[str]:
+    return [f for f in flags if not f.startswith(PP_FLAGS)]
+
+
+class _Record:
+    """Every step's (loss, grad norm)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float | None]] = []
+
+    def on_train_start(self, trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer, result) -> None:
+        self.steps.append((result.loss, result.grad_norm))
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+    def close(self, trainer) -> None:
+        pass
+
+
+def _run(recipe) -> dict:
+    """Train ``recipe``: its steps, final evaluation loss and parallelism summary."""
+    from kiln.recipes.trainer import Trainer
+
+    record = _Record()
+    with open(os.devnull, "w") as sink:
+        trainer = Trainer(recipe, hooks=[record], out=sink)
+        trainer.fit()
+    return {"losses": record.steps, "eval": trainer.last_eval_loss,
+            "plan": trainer.parallel_summary}
+
+
+def _worker(rank: int, world: int, port: int, folder: str, names: list[str],
+            extra: tuple[str, ...]) -> None:
+    from kiln.components import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        for name in names:
+            family, flags = CASES[name]
+            results[name] = _run(recipe_for(family, f"{folder}/{name}", *flags, *extra))
+        if world == 2:  # the parent's 1-process checkpoint (step STEPS) on pp = 2
+            results["resumed"] = _run(recipe_for(
+                "dense", f"{folder}/one", "--model.n_layers=3", "--parallelism.pp=2",
+                "--parallelism.pp_split=[2,1]", *SAVE, f"--training.steps={STEPS + 1}"))
+    finally:
+        with open(f"{folder}/rank{rank}.json", "w") as f:
+            json.dump(results, f)
+        distributed.shutdown(together=sys.exc_info()[0] is None)
+
+
+def _spawn(tmp_path, world: int, names: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
+    from tests.parallelisms.tiny import free_port
+
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), str(tmp_path), names, extra),
+                                nprocs=world)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _close(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_ref, rel=1e-5) and norm == pytest.approx(norm_ref,
+                                                                                    rel=1e-5)
+
+
+def test_pp2_equals_one_process_and_resumes_across_pipeline_layouts(tmp_path):
+    names = list(CASES)
+    reference = {name: _run(recipe_for(family, tmp_path / f"ref_{name}", *_plain(flags)))
+                 for name, (family, flags) in CASES.items()}
+    # a 1-process checkpoint at step STEPS, resumed below on pp = 2 with the split [2, 1]
+    one = ("--model.n_layers=3", *SAVE)
+    _run(recipe_for("dense", tmp_path / "one", *one))
+    longer = _run(recipe_for("dense", tmp_path / "ref_longer", "--model.n_layers=3",
+                             f"--training.steps={STEPS + 2}"))
+    ranks = _spawn(tmp_path, 2, names)
+    for name in names:
+        got = ranks[0][name]
+        assert "pipeline 2" in got["plan"], got["plan"]
+        _close(got["losses"], reference[name]["losses"])
+        assert ranks[1][name]["losses"] == got["losses"], f"{name}: ranks disagree"
+        assert got["eval"] == pytest.approx(reference[name]["eval"], rel=1e-5), name
+    # 1 process -> pp = 2: step STEPS + 1 as one process takes it
+    _close(ranks[0]["resumed"]["losses"], longer["losses"][STEPS:STEPS + 1])
+    # pp = 2 -> 1 process: the pp checkpoint (step STEPS + 1) one step further
+    back = _run(recipe_for("dense", tmp_path / "one", *one, f"--training.steps={STEPS + 2}"))
+    _close(back["losses"], longer["losses"][STEPS + 1:])
+    # the dense pp checkpoint (step STEPS) on one process, one step further
+    family, flags = CASES["dense_1f1b"]
+    again = _run(recipe_for(family, tmp_path / "dense_1f1b", *_plain(flags),
+                            f"--training.steps={STEPS + 1}"))
+    assert len(again["losses"]) == 1
+    ref3 = _run(recipe_for(family, tmp_path / "ref3", *_plain(flags),
+                           f"--training.steps={STEPS + 1}"))
+    _close(again["losses"], ref3["losses"][STEPS:])
+
+
+def test_pp2_with_fsdp2_inside_each_stage_on_four_processes(tmp_path):
+    """pp = 2 x dp_shard = 2: each stage FSDP2-sharded over its 2 ranks; the tied embedding's
+    shards summed between the first and the last stage of each data-parallel rank."""
+    flags = ("--training.global_batch=8", "--training.micro_batch=2")
+    family, case = CASES["dense_1f1b"]
+    reference = _run(recipe_for(family, tmp_path / "ref", *_plain(case), *flags))
+    ranks = _spawn(tmp_path, 4, ["dense_1f1b"], flags)
+    got = ranks[0]["dense_1f1b"]
+    assert "FSDP2 over 2 ranks" in got["plan"] and "pipeline 2" in got["plan"], got["plan"]
+    _close(got["losses"], reference["losses"])
+    assert got["eval"] == pytest.approx(reference["eval"], rel=1e-5)
+    assert all(r["dense_1f1b"]["losses"] == got["losses"] for r in ranks)
