@@ -258,6 +258,7 @@ def parallelize(
     plan.parts += [text for text in (compiled, checkpointed) if text]
     if plan.pipeline is not None:
         plan.pipeline.build_parts()  # after the blocks were wrapped: the stages run them
+        plan.pipeline.loss_context = plan.loss_context
     if fsdp:
         from kiln.parallelisms.fsdp import apply_fsdp
         from kiln.parallelisms.mesh import fsdp_mesh

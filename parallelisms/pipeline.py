@@ -20,6 +20,7 @@ Evaluation sends one micro-batch through the stages forward only (nothing to ove
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.components import distributed
-from kiln.components.distributed import local_tensor
+from kiln.components.distributed import is_dtensor, local_tensor
 from kiln.parallelisms.pipeline_schedule import build_schedule, hidden_dtype
 from kiln.parallelisms.pipeline_split import (
     layer_split,
@@ -136,6 +137,7 @@ class Pipeline:
     tied_group: Any = None  # first + last stage ranks of this data-parallel index
     hidden: torch.dtype = torch.float32
     tp: int = 1
+    loss_context: Any = contextlib.nullcontext  # around forward + backward (loss parallel)
     ctx: RunContext = field(default_factory=RunContext)
     parts: list[StagePart] = field(default_factory=list)
     _schedules: dict = field(default_factory=dict)
@@ -202,8 +204,9 @@ class Pipeline:
             part_ids, part_labels = ids[r * span:(r + 1) * span], labels[r * span:(r + 1) * span]
             losses: list[torch.Tensor] = []
             args = (part_ids,) if 0 in self.stages else ()
-            schedule.step(*args, target=part_labels, losses=losses, return_outputs=False,
-                          labels=part_labels)
+            with self.loss_context():
+                schedule.step(*args, target=part_labels, losses=losses, return_outputs=False,
+                              labels=part_labels)
             for loss in losses:
                 total += loss.detach()
         return self._from_last(total)
@@ -220,8 +223,13 @@ class Pipeline:
         params = dict(self.model.named_parameters())
         for name in self.shared:
             p = params.get(name)
-            if p is not None and p.grad is not None:
-                distributed.all_reduce_(local_tensor(p.grad), group=self.tied_group)
+            if p is None or p.grad is None:
+                continue
+            if is_dtensor(p.grad) and p.grad.placements != p.placements:
+                # tensor parallel: the embedding's gradient may come back replicated where its
+                # weight is a row shard; both stages must send the same shard
+                p.grad = p.grad.redistribute(placements=p.placements)
+            distributed.all_reduce_(local_tensor(p.grad), group=self.tied_group)
 
     def copies(self) -> dict[int, int]:
         """How many pipeline stages hold each parameter more than once (grad norm)."""
@@ -251,7 +259,8 @@ class Pipeline:
                 x = torch.empty(b, t // self.tp, self.model.dim, dtype=self.hidden,
                                 device=self.device)
                 distributed.recv_(x, src=self.global_rank(s - 1))
-            h = part(x, labels=labels)
+            with self.loss_context():
+                h = part(x, labels=labels)
             if part.last:
                 out = h.detach().float()
             elif s + 1 not in by_index:

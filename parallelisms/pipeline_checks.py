@@ -40,12 +40,6 @@ def pipeline_problems(cfg, training, model: nn.Module, grad_accum: int,
         problem = microbatch_problem(cfg, runs_per_step(cfg, grad_accum)[1])
         if problem:
             problems.append(f"{pp}: {problem}")
-    if cfg.tp > 1:
-        problems.append(f"parallelism.tp = {cfg.tp} with {pp} is not supported yet (the stage "
-                        "boundaries would carry sequence-parallel slices); use one of them")
-    if cfg.ep > 1:
-        problems.append(f"parallelism.ep = {cfg.ep} with {pp} is not supported yet (the expert "
-                        "mesh spans every rank, not one stage's); use one of them")
     if cfg.compile and SCHEDULES[cfg.pp_schedule][0].endswith(("ZeroBubble", "DualPipeV")):
         problems.append(f"parallelism.compile = true with pp_schedule = \"{cfg.pp_schedule}\": "
                         "torch's zero-bubble schedules split each backward in two, which "

@@ -25,8 +25,19 @@ CASES = {  # name -> (family, overrides)
                                     "--parallelism.pp_schedule=interleaved_1f1b", *EVAL)),
     "moe_gpipe": ("moe", ("--model.n_layers=3", "--parallelism.pp=2",
                           "--parallelism.pp_schedule=gpipe", *EVAL)),
+    # two pipeline runs per step, a shorter first step (a schedule per length), a guard
+    "dense_runs_warmup_guard": ("dense", (
+        "--parallelism.pp=2", "--parallelism.pp_schedule=gpipe", "--parallelism.pp_microbatches=1",
+        "--training.context_warmup.steps=1", "--training.context_warmup.start=16",
+        "--training.context_warmup.multiple=8", "--guards.spike.type=spike_guard",
+        "--guards.spike.warmup_steps=0")),
 }
-PP_FLAGS = ("--parallelism.pp", "--parallelism.pp_schedule")
+FOUR = {  # 4 processes: pp 2 x (FSDP2 2 | tensor parallel 2 | expert parallel 2 over FSDP2 2)
+    "dense_fsdp2": ("dense", ("--parallelism.pp=2", *EVAL)),
+    "dense_tp2": ("dense", ("--parallelism.pp=2", "--parallelism.tp=2", *EVAL)),
+    "moe_ep2": ("moe", ("--parallelism.pp=2", "--parallelism.ep=2", *EVAL)),
+}
+PP_FLAGS = ("--parallelism.pp", "--parallelism.tp", "--parallelism.ep")
 
 
 def _plain(flags: tuple[str, ...]) -> list[str]:
@@ -74,7 +85,7 @@ def _worker(rank: int, world: int, port: int, folder: str, names: list[str],
     results: dict = {}
     try:
         for name in names:
-            family, flags = CASES[name]
+            family, flags = {**CASES, **FOUR}[name]
             results[name] = _run(recipe_for(family, f"{folder}/{name}", *flags, *extra))
         if world == 2:  # the parent's 1-process checkpoint (step STEPS) on pp = 2
             results["resumed"] = _run(recipe_for(
@@ -132,15 +143,20 @@ def test_pp2_equals_one_process_and_resumes_across_pipeline_layouts(tmp_path):
     _close(again["losses"], ref3["losses"][STEPS:])
 
 
-def test_pp2_with_fsdp2_inside_each_stage_on_four_processes(tmp_path):
-    """pp = 2 x dp_shard = 2: each stage FSDP2-sharded over its 2 ranks; the tied embedding's
-    shards summed between the first and the last stage of each data-parallel rank."""
+def test_pp2_with_fsdp2_tensor_and_expert_parallel_on_four_processes(tmp_path):
+    """pp = 2 x dp_shard = 2: each stage FSDP2-sharded over its 2 ranks, the tied embedding's
+    shards summed between the first and the last stage of each data-parallel rank; pp = 2 x
+    tp = 2: sequence-parallel slices cross the stage boundary, loss parallel on the last stage;
+    pp = 2 x ep = 2: each stage's experts split over its 2 ranks."""
     flags = ("--training.global_batch=8", "--training.micro_batch=2")
-    family, case = CASES["dense_1f1b"]
-    reference = _run(recipe_for(family, tmp_path / "ref", *_plain(case), *flags))
-    ranks = _spawn(tmp_path, 4, ["dense_1f1b"], flags)
-    got = ranks[0]["dense_1f1b"]
-    assert "FSDP2 over 2 ranks" in got["plan"] and "pipeline 2" in got["plan"], got["plan"]
-    _close(got["losses"], reference["losses"])
-    assert got["eval"] == pytest.approx(reference["eval"], rel=1e-5)
-    assert all(r["dense_1f1b"]["losses"] == got["losses"] for r in ranks)
+    ranks = _spawn(tmp_path, 4, list(FOUR), flags)
+    for name, (family, case) in FOUR.items():
+        reference = _run(recipe_for(family, tmp_path / f"ref_{name}", *_plain(case), *flags))
+        got = ranks[0][name]
+        assert "pipeline 2" in got["plan"], got["plan"]
+        _close(got["losses"], reference["losses"])
+        assert got["eval"] == pytest.approx(reference["eval"], rel=1e-5), name
+        assert all(r[name]["losses"] == got["losses"] for r in ranks), name
+    assert "FSDP2 over 2 ranks" in ranks[0]["dense_fsdp2"]["plan"]
+    assert "tensor parallel 2" in ranks[0]["dense_tp2"]["plan"]
+    assert "expert parallel 2" in ranks[0]["moe_ep2"]["plan"]
