@@ -180,19 +180,21 @@ def _use_fsdp(cfg: ParallelismConfig, dp_size: int) -> tuple[bool, str]:
 def parallelize(
     model: nn.Module, cfg: ParallelismConfig, world: WorldLike, mesh: DeviceMesh | None = None,
     ep_mesh: DeviceMesh | None = None, *, training=None, grad_accum: int = 1, checkpoint=None,
+    attention=None,
 ) -> ParallelPlan:
     """Apply pipeline split -> float8 -> expert parallel -> tensor parallel -> activation
     checkpointing -> compile -> FSDP2 to ``model`` in place (after checking that the layout
     divides the model). ``mesh`` and ``ep_mesh``: meshes of this layout built earlier (the
     health check), reused. ``training`` (the ``[training]`` table) and ``grad_accum``
     (micro-batches per step and data-parallel rank) are needed for pipeline parallelism,
-    ``checkpoint`` (the ``[checkpoint]`` table) to refuse what it cannot do yet."""
+    ``checkpoint`` (the ``[checkpoint]`` table) and ``attention`` (``[model.attention]``) to
+    refuse what it cannot do yet."""
     shape = layout(cfg, world.world_size)
     problems = model_problems(model, shape.tp, shape.ep, shape.cp)
     if cfg.pp > 1:
         from kiln.parallelisms.pipeline_checks import pipeline_problems
 
-        problems += pipeline_problems(cfg, training, model, grad_accum, checkpoint)
+        problems += pipeline_problems(cfg, training, model, grad_accum, checkpoint, attention)
     raise_problems(problems, shape.describe())
     grad_ranks = shape.grad_ranks  # ranks training different tokens: data and context parallel
     fsdp, note = _use_fsdp(cfg, grad_ranks)

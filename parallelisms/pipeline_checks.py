@@ -14,9 +14,9 @@ from kiln.parallelisms.pipeline_split import SCHEDULES, runs_per_step, split_pro
 
 
 def pipeline_problems(cfg, training, model: nn.Module, grad_accum: int,
-                      checkpoint=None) -> list[str]:
+                      checkpoint=None, attention=None) -> list[str]:
     """Problems of ``[parallelism]`` pp settings against the model, ``[training]`` (``grad_accum``
-    micro-batches per step and data-parallel rank) and ``[checkpoint]``."""
+    micro-batches per step and data-parallel rank), ``[checkpoint]`` and ``[model.attention]``."""
     if cfg.pp <= 1:
         return []
     pp = f"parallelism.pp = {cfg.pp}"
@@ -40,6 +40,14 @@ def pipeline_problems(cfg, training, model: nn.Module, grad_accum: int,
         problem = microbatch_problem(cfg, runs_per_step(cfg, grad_accum)[1])
         if problem:
             problems.append(f"{pp}: {problem}")
+    if cfg.cp > 1:
+        problems.append(f"parallelism.cp = {cfg.cp} with {pp} is not supported yet: the stages "
+                        "would pass each rank's sequence chunks and the attention context of "
+                        "every micro-batch; use one of them")
+    if getattr(attention, "document_mask", False):
+        problems.append(f"model.attention.document_mask = true with {pp} is not supported yet: "
+                        "each micro-batch's mask would have to travel with it through the "
+                        "schedule; set document_mask = false or pp = 1")
     if cfg.compile and SCHEDULES[cfg.pp_schedule][0].endswith(("ZeroBubble", "DualPipeV")):
         problems.append(f"parallelism.compile = true with pp_schedule = \"{cfg.pp_schedule}\": "
                         "torch's zero-bubble schedules split each backward in two, which "

@@ -35,6 +35,7 @@ from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.process_stats import Phases
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
+from kiln.recipes.run_layout import run_layout
 from kiln.recipes.schema import Recipe
 from kiln.recipes.watchdog import Watchdog
 
@@ -170,9 +171,10 @@ class Trainer:
         if not pcfg.meta_init and self.world.distributed:
             for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
                 distributed.broadcast_(t.data, src=0)
-        self.parallel = parallelize(self.model, pcfg, self.world, mesh=self.health.mesh,
-                                    ep_mesh=self.health.ep_mesh, training=tables.training,
-                                    grad_accum=self.plan.grad_accum, checkpoint=tables.checkpoint)
+        self.parallel = parallelize(
+            self.model, pcfg, self.world, mesh=self.health.mesh, ep_mesh=self.health.ep_mesh,
+            training=tables.training, grad_accum=self.plan.grad_accum,
+            checkpoint=tables.checkpoint, attention=getattr(tables.model, "attention", None))
         details = self.parallel.describe().splitlines()[1:]
         if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
             details.append(note)
@@ -202,23 +204,8 @@ class Trainer:
 
     @property
     def layout(self) -> dict:
-        """How the run is spread over processes (saved with every checkpoint; a resume on
-        another layout reports the change and maps per-row state by ``rows``)."""
-        mesh = self.parallel.mesh
-        names = (mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]) if mesh else []
-        per_rank = self.plan.global_batch // self.data_ranks
-        return {
-            "world_size": self.world.world_size,
-            # data-parallel dims always, pipeline / context / tensor / expert ones when used
-            "mesh": {**{name: mesh.size(i) for i, name in enumerate(names)
-                        if name not in ("pp", "cp", "tp") or mesh.size(i) > 1},
-                     **({"ep": self.mesh_layout.ep} if self.mesh_layout.ep > 1 else {})},
-            "fsdp": self.parallel.fsdp,
-            "global_batch": self.plan.global_batch,
-            "micro_batch": self.plan.micro_batch,
-            "grad_accum": self.plan.grad_accum,
-            "rows": [self.data_rank * per_rank, (self.data_rank + 1) * per_rank],
-        }
+        """How the run is spread over processes: saved with every checkpoint (``run_layout``)."""
+        return run_layout(self)
 
     def _checkpoint_hook(self) -> Hook:
         from kiln.checkpointing.hook import CheckpointHook

@@ -57,7 +57,8 @@ def describe(recipe, world_size: int = 1) -> str:
     raise_problems(training_problems(tr, shape.tp, shape.cp)
                    + model_problems(model, shape.tp, shape.ep, shape.cp)
                    + pipeline_problems(recipe.parallelism, tr, model, bp.grad_accum,
-                                       recipe.checkpoint), shape.describe())
+                                       recipe.checkpoint, getattr(recipe.model, "attention",
+                                                                  None)), shape.describe())
     inputs = ModelInputs(getattr(recipe.model, "attention", None), torch.device("meta"),
                          cp=SimpleNamespace(size=shape.cp))
     inputs.check_model(model)

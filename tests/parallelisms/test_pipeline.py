@@ -13,7 +13,7 @@ import torch
 from kiln.checkpointing import rank_json
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.parallelisms.mesh import layout
+from kiln.parallelisms.mesh import MESH_DIMS, layout
 from kiln.parallelisms.pipeline_checks import pipeline_problems
 from kiln.parallelisms.pipeline_schedule import bubble_fraction, microbatch_problem
 from kiln.parallelisms.pipeline_split import (
@@ -34,10 +34,11 @@ def pp(**kw) -> ParallelismConfig:
 
 def test_the_mesh_puts_pp_outermost():
     shape = layout(ParallelismConfig(pp=2, dp_shard=2), 4)
-    assert shape.dims == ("pp", "dp_replicate", "dp_shard", "tp") and shape.shape == (2, 1, 2, 1)
+    assert MESH_DIMS[0] == "pp" and shape.shape == (2, 1, 2, 1, 1)
     assert [shape.pp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert [shape.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]  # stage peers share rows
-    assert layout(ParallelismConfig(), 2).dims == ("dp_replicate", "dp_shard", "tp")
+    assert shape.describe() == "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1 = 4 ranks"
+    assert layout(ParallelismConfig(), 2).describe().startswith("dp_replicate 1")  # pp 1: unsaid
     with pytest.raises(RecipeError, match="parallelism.pp = 3 does not divide the world size 4"):
         layout(ParallelismConfig(pp=3), 4)
 
@@ -102,6 +103,8 @@ def _recipe(*extra: str):
     (("--parallelism.pp=2", "--parallelism.compile=true",
       "--parallelism.pp_schedule=interleaved_zero_bubble"), "compile = true with pp_schedule"),
     (("--parallelism.pp=2", "--checkpoint.export_at_end=true"), "checkpoint.export_at_end"),
+    (("--parallelism.pp=2", "--model.attention.document_mask=true"),
+     "model.attention.document_mask = true with parallelism.pp = 2"),
 ])
 def test_kiln_validate_refuses_bad_pipelines_naming_the_keys(extra, wanted, capsys):
     from kiln.recipes.cli import main
