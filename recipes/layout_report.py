@@ -102,9 +102,9 @@ def layout_report(recipe, model_builder, world_size: int, grad_accum: int = 1) -
         lines.append(f"  pipeline bubble: {bubble_fraction(pcfg, per_run):.1%} of each run idle "
                      f"({pcfg.pp_schedule}, {per_run} micro-batches per run x {runs} runs per "
                      "step; timetable with backward = 2 x forward)")
-        lines.append("    activations       not measured per stage (a rank keeps its stages' "
-                     "share for every micro-batch in flight: all under gpipe, up to pp under "
-                     "1f1b): kiln bench")
+        lines.append("  activations: not measured per stage (a rank keeps its stages' share "
+                     "for every micro-batch in flight: all of them under gpipe, up to pp under "
+                     "1f1b); kiln bench measures a run")
     if note := chunked_loss_note(recipe.training, shape.tp):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
