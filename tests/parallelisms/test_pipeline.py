@@ -212,3 +212,14 @@ def test_checkpoint_json_of_pipeline_ranks_merges_by_group_name():
     assert merged["state"] == {"a": {"k": 1}, "c": {"k": 2}}
     assert rank_json.merge([a, a]) == a  # identical ranks (FSDP, tp): unchanged
     assert rank_json.own_state(merged["state"], {"c"}) == {"c": {"k": 2}}
+
+
+def test_in_loop_downstream_evals_are_refused_under_pp():
+    from types import SimpleNamespace
+
+    from kiln.recipes.downstream import DownstreamEvalHook
+
+    trainer = SimpleNamespace(recipe=SimpleNamespace(evals={"mc": object()}),
+                              mesh_layout=SimpleNamespace(tp=1, pp=2))
+    with pytest.raises(RecipeError, match=r"pipeline parallelism yet \(parallelism.pp = 2\)"):
+        DownstreamEvalHook().on_train_start(trainer)
