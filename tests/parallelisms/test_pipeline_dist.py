@@ -1,7 +1,8 @@
-"""Pipeline parallelism on gloo processes: ``pp = 2`` equals one process (dense and MoE, three
-schedules, the final evaluation included), checkpoints resume across pipeline layouts (pp 2 ->
-1, 1 -> 2 with another split), and ``pp = 2 x dp_shard = 2`` (FSDP2 inside each stage) on 4
-processes. The recipes are the combination test's tiny ones."""
+"""Pipeline parallelism on gloo processes: ``pp = 2`` equals one process (dense, MoE and
+differential attention; GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV;
+the final evaluation included), checkpoints resume across pipeline layouts (pp 2 -> 1, 1 -> 2
+with another split), and on 4 processes pp 2 with FSDP2, HSDP, tensor parallel and expert
+parallel inside each stage. The recipes are the combination test's tiny ones."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ CASES = {  # name -> (family, overrides)
                                     "--parallelism.pp_schedule=interleaved_1f1b", *EVAL)),
     "moe_gpipe": ("moe", ("--model.n_layers=3", "--parallelism.pp=2",
                           "--parallelism.pp_schedule=gpipe", *EVAL)),
+    "diff_izb": ("diff_layerscale", ("--model.n_layers=4", "--parallelism.pp=2",
+                                     "--parallelism.pp_schedule=interleaved_zero_bubble")),
+    # V schedules: the first and the last stage (and the tied embedding) on one rank
+    "dense_zbv": ("dense", ("--model.n_layers=4", "--parallelism.pp=2",
+                            "--parallelism.pp_schedule=zbv_zero_bubble", *EVAL)),
+    "dense_dualpipev": ("dense", ("--model.n_layers=4", "--parallelism.pp=2",
+                                  "--parallelism.pp_schedule=dualpipev",
+                                  "--training.micro_batch=1")),
     # two pipeline runs per step, a shorter first step (a schedule per length), a guard
     "dense_runs_warmup_guard": ("dense", (
         "--parallelism.pp=2", "--parallelism.pp_schedule=gpipe", "--parallelism.pp_microbatches=1",
@@ -32,12 +41,15 @@ CASES = {  # name -> (family, overrides)
         "--training.context_warmup.multiple=8", "--guards.spike.type=spike_guard",
         "--guards.spike.warmup_steps=0")),
 }
-FOUR = {  # 4 processes: pp 2 x (FSDP2 2 | tensor parallel 2 | expert parallel 2 over FSDP2 2)
+FOUR = {  # 4 processes: pp 2 x (FSDP2 2 | HSDP 2 x 1 | tensor parallel 2 | expert parallel 2)
     "dense_fsdp2": ("dense", ("--parallelism.pp=2", *EVAL)),
+    "dense_hsdp": ("dense", ("--parallelism.pp=2", "--parallelism.dp_replicate=2",
+                             "--parallelism.fsdp=on")),
     "dense_tp2": ("dense", ("--parallelism.pp=2", "--parallelism.tp=2", *EVAL)),
     "moe_ep2": ("moe", ("--parallelism.pp=2", "--parallelism.ep=2", *EVAL)),
 }
-PP_FLAGS = ("--parallelism.pp", "--parallelism.tp", "--parallelism.ep")
+PP_FLAGS = ("--parallelism.pp", "--parallelism.tp", "--parallelism.ep",
+            "--parallelism.dp_replicate")
 
 
 def _plain(flags: tuple[str, ...]) -> list[str]:
@@ -145,7 +157,8 @@ def test_pp2_equals_one_process_and_resumes_across_pipeline_layouts(tmp_path):
 
 def test_pp2_with_fsdp2_tensor_and_expert_parallel_on_four_processes(tmp_path):
     """pp = 2 x dp_shard = 2: each stage FSDP2-sharded over its 2 ranks, the tied embedding's
-    shards summed between the first and the last stage of each data-parallel rank; pp = 2 x
+    shards summed between the first and the last stage of each data-parallel rank; HSDP
+    (dp_replicate = 2) inside each stage; pp = 2 x
     tp = 2: sequence-parallel slices cross the stage boundary, loss parallel on the last stage;
     pp = 2 x ep = 2: each stage's experts split over its 2 ranks."""
     flags = ("--training.global_batch=8", "--training.micro_batch=2")
@@ -158,5 +171,6 @@ def test_pp2_with_fsdp2_tensor_and_expert_parallel_on_four_processes(tmp_path):
         assert got["eval"] == pytest.approx(reference["eval"], rel=1e-5), name
         assert all(r[name]["losses"] == got["losses"] for r in ranks), name
     assert "FSDP2 over 2 ranks" in ranks[0]["dense_fsdp2"]["plan"]
+    assert "HSDP over 2 ranks (shard 1 x replicate 2)" in ranks[0]["dense_hsdp"]["plan"]
     assert "tensor parallel 2" in ranks[0]["dense_tp2"]["plan"]
     assert "expert parallel 2" in ranks[0]["moe_ep2"]["plan"]
