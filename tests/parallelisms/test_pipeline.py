@@ -223,3 +223,14 @@ def test_in_loop_downstream_evals_are_refused_under_pp():
                               mesh_layout=SimpleNamespace(tp=1, pp=2))
     with pytest.raises(RecipeError, match=r"pipeline parallelism yet \(parallelism.pp = 2\)"):
         DownstreamEvalHook().on_train_start(trainer)
+
+
+def test_module_diagnostics_are_refused_under_pp():
+    from types import SimpleNamespace
+
+    from kiln.recipes.diagnostics import DiagnosticsHook
+
+    hook = DiagnosticsHook.__new__(DiagnosticsHook)  # its config is not read before the check
+    trainer = SimpleNamespace(mesh_layout=SimpleNamespace(tp=1, pp=2))
+    with pytest.raises(RecipeError, match=r"\[run.diagnostics\] with parallelism.pp = 2"):
+        hook.on_train_start(trainer)
