@@ -8,8 +8,8 @@ The manager works on a *train state*: any object with ``model``, ``optimizers`` 
 ``fsdp``, ``global_batch``, ``micro_batch``, ``grad_accum`` and this rank's global-batch
 ``rows``). The trainer is one; tests use small ones.
 
-Model and optimizers go through ``get_state_dict``/``set_state_dict`` so plain and FSDP2-sharded
-models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
+Model and optimizers go through ``app_state`` (DCP's ``get_state_dict``/``set_state_dict``), so
+plain and FSDP2-sharded models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
 model's carry, the loader cursor) goes into the rank's safetensors file; on the same layout each
 rank reads its own file back, on another layout ``remap`` assembles it by global batch row.
 """
@@ -28,18 +28,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from kiln.checkpointing import layout, payload, remap, rng, save_failure, storage
+from kiln.checkpointing import (
+    app_state,
+    layout,
+    payload,
+    rank_json,
+    remap,
+    rng,
+    save_failure,
+    storage,
+)
 from kiln.checkpointing.load_checks import (
     QKV_ROWS,
     STATE,
-    check_groups,
     check_payload_fits,
     check_qkv_rows,
     check_rank_state,
@@ -51,11 +53,6 @@ from kiln.components import distributed
 from kiln.components.errors import CheckpointError, DataError
 
 RECIPE = "recipe.toml"
-
-
-def optimizers_of(state) -> dict[str, torch.optim.Optimizer]:
-    opts = state.optimizers
-    return dict(opts.optimizers) if hasattr(opts, "optimizers") else dict(opts)
 
 
 @dataclass
@@ -160,11 +157,12 @@ class CheckpointManager:
         storage.save_rank_file(rank_file(tmp, self.world.rank), {**rng_tensors, **carry_tensors},
                                header)
 
-        tensors, rest = storage.split_tree(self._app_state(state, with_optim=True))
+        tensors, rest = storage.split_tree(app_state.collect(state, with_optim=True))
+        rest = rank_json.merge(distributed.all_gather_object(rest))  # pipeline stages differ
         meta = {
             "format": layout.FORMAT, "step": step, "tokens": int(state.progress.tokens),
             "world_size": self.world.world_size, "progress": state.progress.state_dict(),
-            "optimizers": sorted(optimizers_of(state)), "json_state": rest,
+            "optimizers": sorted(app_state.optimizers_of(state)), "json_state": rest,
             "layout": storage.to_json({k: v for k, v in (state_layout or {}).items()
                                        if k != "rows"}, "layout"),
             "qkv_rows": QKV_ROWS,
@@ -286,25 +284,27 @@ class CheckpointManager:
             ranked, mapping = self._rank_state(folder, meta, state)
 
         with_optim = not weights_only or from_ema
-        current = self._app_state(state, with_optim=with_optim)
-        tensors, _ = storage.split_tree(current)
+        current = app_state.collect(state, with_optim=with_optim)
+        tensors, current_rest = storage.split_tree(current)
         storage.load_tensors(
             tensors, folder, no_dist=not self.world.distributed,
             hint=" -- the saved tensors do not fit this model/optimizer; did the model or "
             "optimizer change? `kiln diff` the checkpoint against the recipe")
-        self._apply_app_state(state, tensors, meta["json_state"], with_optim, folder)
+        app_state.apply(state, tensors, meta["json_state"], with_optim, folder,
+                        current_rest.get("model", {}))
 
         if weights_only:
+            optimizers = app_state.optimizers_of(state)
             if from_ema:
-                swapped = [n for n, o in optimizers_of(state).items() if hasattr(o, "swap_ema")]
+                swapped = [n for n, o in optimizers.items() if hasattr(o, "swap_ema")]
                 if not swapped:
                     raise CheckpointError(
                         "checkpoint.from_ema = true, but none of the optimizers "
-                        f"({', '.join(optimizers_of(state))}) keeps EMA weights (swap_ema)"
+                        f"({', '.join(optimizers)}) keeps EMA weights (swap_ema)"
                     )
                 for name in swapped:
-                    optimizers_of(state)[name].swap_ema()
-            for opt in optimizers_of(state).values():
+                    optimizers[name].swap_ema()
+            for opt in optimizers.values():
                 opt.state.clear()  # fresh moments: a new run that starts from these weights
             return Loaded(folder, step, True, saved_ws)
 
@@ -361,34 +361,6 @@ class CheckpointManager:
             except CheckpointError as exc:
                 error = str(exc)
         return distributed.broadcast_object(error) if self.world.distributed else error
-
-    # -------------------------------------------------------------------- model + optimizers
-    def _app_state(self, state, *, with_optim: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"model": get_model_state_dict(state.model)}
-        if with_optim:
-            out["optimizer"] = {name: get_optimizer_state_dict(state.model, opt)
-                                for name, opt in optimizers_of(state).items()}
-        return out
-
-    def _apply_app_state(self, state, tensors: dict, saved_rest: dict, with_optim: bool,
-                         folder: Path) -> None:
-        model_sd = storage.merge_tree(tensors["model"], saved_rest.get("model", {}))
-        set_model_state_dict(state.model, model_sd)
-        if not with_optim:
-            return
-        saved_opt = saved_rest.get("optimizer", {})
-        for name, opt in optimizers_of(state).items():
-            # An optimizer without tensor state (sign-SGD without momentum) has no tensors.
-            loaded, saved = tensors.get("optimizer", {}).get(name, {}), saved_opt.get(name)
-            if not isinstance(saved, dict) or "param_groups" not in saved:
-                raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
-            current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
-            check_groups(folder, name, saved["param_groups"], current_groups)
-            # Hyperparameters come from the current recipe (LR is set from the schedule every
-            # step); the moments and any non-tensor per-parameter state come from the checkpoint.
-            sd = storage.merge_tree(loaded, {"state": saved.get("state", {})})
-            sd["param_groups"] = current_groups
-            set_optimizer_state_dict(state.model, opt, sd)
 
 
 # ---------------------------------------------------------------------------------- helpers

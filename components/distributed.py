@@ -184,6 +184,22 @@ def all_to_all_single_(
     return _copy_back(output, work_out)
 
 
+def send_(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send ``t`` to global rank ``dst`` (blocking; pairs with ``recv_`` there)."""
+    if not is_initialized():
+        raise RuntimeError("send_: no process group (point-to-point needs two processes)")
+    dist.send(_staged(t, group), dst=dst, group=group)
+
+
+def recv_(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Receive into ``t`` (its shape and dtype) from global rank ``src``."""
+    if not is_initialized():
+        raise RuntimeError("recv_: no process group (point-to-point needs two processes)")
+    work = _staged(t, group)
+    dist.recv(work, src=src, group=group)
+    return _copy_back(t, work)
+
+
 def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     """Rank ``src``'s picklable ``obj`` on every rank (kiln's own values only: it unpickles)."""
     if not is_initialized():

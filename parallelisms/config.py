@@ -11,9 +11,9 @@ from kiln.components.base import Config
 
 class ParallelismConfig(Config):
     """How the model is spread over devices and sped up; applied by `kiln.parallelisms.parallelize`
-    in a fixed order: float8 -> expert parallel -> tensor parallel -> activation checkpointing ->
-    per-block compile -> FSDP2 (context parallel shards the batch and gathers keys and values
-    in attention, so it changes no module)."""
+    in a fixed order: pipeline split -> float8 -> expert parallel -> tensor parallel -> activation
+    checkpointing -> per-block compile -> FSDP2 (context parallel shards the batch and gathers
+    keys and values in attention, so it changes no module)."""
 
     # --------------------------------------------------------------------- data parallelism
     dp_shard: int = Field(
@@ -66,6 +66,38 @@ class ParallelismConfig(Config):
         description="expert-parallel degree for ffn = moe: each MoE layer's experts split over "
         "ep data-parallel ranks (rows sent to them all-to-all), routers replicated; must divide "
         "world size / tp and model.ffn.n_experts",
+    )
+    # ------------------------------------------------------------------ pipeline parallelism
+    pp: int = Field(
+        1, ge=1,
+        description="pipeline-parallel degree: the model's layers split into stages over pp "
+        "groups of ranks (outermost mesh dimension), micro-batches flow through them "
+        "(docs/pipeline.md); the data-parallel degree is world size / (pp x tp)",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
+                         "zbv_zero_bubble", "dualpipev"] = Field(
+        "1f1b",
+        description="pp > 1: torch.distributed.pipelining schedule; gpipe and 1f1b run one "
+        "stage per rank, the others pp_stages_per_rank (interleaved_*: stage s on rank s mod "
+        "pp; zbv_zero_bubble and dualpipev: 2 stages per rank in a V)",
+    )
+    pp_stages_per_rank: int = Field(
+        2, ge=1,
+        description="stages per rank of the interleaved schedules (zbv_zero_bubble and "
+        "dualpipev always take 2; gpipe and 1f1b 1)",
+    )
+    pp_microbatches: int = Field(
+        0, ge=0,
+        description="pp > 1: micro-batches per pipeline run (schedule step); 0 = all of the "
+        "step's micro-batches (training.grad_accum per data-parallel rank) in one run; N = "
+        "grad_accum / N runs per optimizer step, N must divide grad_accum (fewer in flight: "
+        "less activation memory, a larger bubble)",
+    )
+    pp_split: list[int] = Field(
+        default_factory=list,
+        description="layers per stage, in order (one entry per stage: pp x stages per rank; "
+        "they sum to the model's layers); empty = balanced by training FLOPs per token "
+        "(embeddings on the first stage, final norm, head and loss on the last)",
     )
     # ------------------------------------------------------------------------------ float8
     float8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(

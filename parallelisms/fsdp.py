@@ -31,9 +31,11 @@ def reshard_policy(cfg: ParallelismConfig, index: int, n_blocks: int) -> bool:
 
 
 def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh,
-               ignored: set[nn.Parameter] | None = None) -> None:
+               ignored: set[nn.Parameter] | None = None,
+               roots: list[nn.Module] | None = None) -> None:
     """``fully_shard`` every block, then the root (embeddings, final norm, head, the rest);
-    ``ignored`` parameters (expert-parallel weights) are left as they are."""
+    ``ignored`` parameters (expert-parallel weights) are left as they are. ``roots``: the
+    modules to shard last instead of ``model`` (pipeline stages: one root each)."""
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
@@ -46,7 +48,8 @@ def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh,
         )
     # The root keeps its parameters gathered after forward (FSDP2's root heuristic: the head's
     # backward is the first thing backward does).
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    for root in roots or [model]:
+        fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
 
 
 def fsdp_summary(cfg: ParallelismConfig, mesh: DeviceMesh) -> str:

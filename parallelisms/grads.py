@@ -128,27 +128,34 @@ def full_sum_squares(groups: list[list[torch.Tensor]], device: torch.device) -> 
 
 
 @torch.no_grad()
-def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, *,
+              stage_ranks: int | None = None, extra: dict[int, int] | None = None
+              ) -> torch.Tensor:
     """The global gradient norm as a plain fp32 tensor, identical on every rank.
 
     Each rank sums ``|g|^p`` over its local tensors (DTensor shards included), each divided by
     the number of ranks holding that same tensor, so one all-reduce over all ranks counts every
     element once, whatever the mix of meshes (FSDP2, HSDP, tensor parallel, whole parameters).
+    Under pipeline parallelism (``stage_ranks``: the ranks of one pipeline stage) a tensor is
+    held only within its stage, and ``extra`` (parameter id -> stages) counts a matrix two
+    stages share (tied embeddings) once; the all-reduce then runs even for plain tensors.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
     # Only a model with DTensor gradients is spread over ranks; a plain one is local (e.g. a
     # single-process reference computed inside a process group) and needs no collective.
-    spread = any(is_dtensor(g) for g in grads)
+    spread = stage_ranks is not None or any(is_dtensor(p.grad) for p in params)
     world = dist.get_world_size() if spread else 1
+    within = stage_ranks or world
+    extra = extra or {}
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        copies, local = _shares(g, world)
-        groups[(copies, local.device)].append(local)
-    if not groups:
+    for p in params:
+        copies, local = _shares(p.grad, within)
+        groups[(copies * extra.get(id(p), 1), local.device)].append(local)
+    if not groups and world == 1:
         return torch.zeros(())
-    device = next(iter(groups))[1]
+    device = next(iter(groups))[1] if groups else torch.device("cpu")
     inf = math.isinf(norm_type)
-    parts = []
+    parts = [torch.zeros((), device=device)]  # a rank without gradients still joins the sum
     for (copies, _), members in groups.items():
         norm = torch.nn.utils.get_total_norm(members, norm_type, foreach=True).float().to(device)
         parts.append(norm if inf else norm**norm_type / copies)
@@ -160,12 +167,14 @@ def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.T
 
 @torch.no_grad()
 def clip_grad_norm(
-    params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0, *,
+    stage_ranks: int | None = None, extra: dict[int, int] | None = None,
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm`` (0 or inf: measure only);
-    return the norm before clipping (a plain tensor, the same on every rank)."""
+    return the norm before clipping (a plain tensor, the same on every rank). ``stage_ranks``
+    and ``extra``: pipeline parallelism (see ``grad_norm``)."""
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, norm_type)
+    total = grad_norm(params, norm_type, stage_ranks=stage_ranks, extra=extra)
     if not max_norm or math.isinf(max_norm) or not params:
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # no host sync: multiply by <= 1

@@ -38,11 +38,13 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def dry_parallelize(model: nn.Module, cfg: ParallelismConfig, world_size: int) -> ParallelPlan:
-    """``parallelize`` a meta ``model`` for ``world_size`` ranks (call inside ``fake_world``)."""
+def dry_parallelize(model: nn.Module, cfg: ParallelismConfig, world_size: int, *,
+                    rank: int = 0, training=None, grad_accum: int = 1) -> ParallelPlan:
+    """``parallelize`` a meta ``model`` for ``world_size`` ranks (call inside ``fake_world``).
+    ``rank`` picks the pipeline stage(s) to keep (its data-parallel shards are rank 0's)."""
     dry = cfg.model_copy(update={"compile": False, "compile_loss": False, "float8": "off"})
-    world = SimpleNamespace(world_size=world_size, rank=0, device=torch.device("cpu"))
-    return parallelize(model, dry, world)
+    world = SimpleNamespace(world_size=world_size, rank=rank, device=torch.device("cpu"))
+    return parallelize(model, dry, world, training=training, grad_accum=grad_accum)
 
 
 def local_numel(p: torch.Tensor) -> int:

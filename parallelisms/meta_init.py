@@ -108,14 +108,48 @@ def choose_mode(params: dict, mode: str, replica_max_params: int) -> str:
     return "replica" if total <= replica_max_params else "sharded"
 
 
+@torch.no_grad()
+def _init_from_whole(model: nn.Module, whole: nn.Module, device: torch.device,
+                     seed: int) -> None:
+    """Initialise the whole model, then copy this rank's tensors (by name; a DTensor keeps
+    its local slice) into ``model``: a pipeline stage gets exactly one process's values."""
+    from kiln.parallelisms.blocks import clean_name
+
+    whole.to_empty(device=device)
+    torch.manual_seed(seed)
+    _init_weights(whole)
+    source = {clean_name(n): t for n, t in (*whole.named_parameters(remove_duplicate=False),
+                                              *whole.named_buffers(remove_duplicate=False))}
+    for name, t in (*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)):
+        full = source[clean_name(name)]
+        if is_dtensor(t):
+            from torch.distributed.tensor import distribute_tensor
+
+            full = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+            t.to_local().copy_(full.to_local())
+        else:
+            t.copy_(full)
+
+
 def materialize(
     model: nn.Module, device: torch.device | str, seed: int, *, mode: str = "auto",
-    replica_max_params: int = 2_000_000_000,
+    replica_max_params: int = 2_000_000_000, pipeline=None,
 ) -> str:
     """Allocate a meta-built (and possibly sharded) model on ``device`` and initialise it from
-    ``seed``; return a short description of the method for the start-up log."""
+    ``seed``; return a short description of the method for the start-up log. ``pipeline``
+    (``kiln.parallelisms.pipeline.Pipeline``): ``model`` is this rank's stages of a model whose
+    whole meta copy the pipeline keeps (``skeleton``, dropped here)."""
     device = torch.device(device)
     model.to_empty(device=device)
+    if pipeline is not None:
+        whole, pipeline.skeleton = pipeline.skeleton, None
+        total = sum(p.numel() for p in whole.parameters()) if whole is not None else 0
+        if whole is not None and (mode == "replica" or (
+                mode == "auto" and total <= replica_max_params)):
+            _init_from_whole(model, whole, device, seed)
+            return "init: whole model, this rank's stages kept (equals single-process init)"
+        seed = seed * 1_000_033 + pipeline.pp_rank  # each stage its own stream
     params = _dtensor_params(model)
     if not params:  # not sharded: every rank initialises the same full model
         torch.manual_seed(seed)

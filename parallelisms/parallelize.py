@@ -1,5 +1,7 @@
 """``parallelize``: the one entry point, applying each step in a fixed, documented order.
 
+0. pipeline split (``parallelism.pp``) — prunes the model to this rank's stages, so every later
+   step works on the part this rank holds (``kiln.parallelisms.pipeline``);
 1. float8 conversion (torchao) — swaps Linear modules, so it comes before anything that holds
    on to them (tensor-parallel hooks are registered on the module objects);
 2. expert parallel (``parallelism.ep``) — MoE expert stacks become ``Shard(0)`` DTensors over
@@ -15,7 +17,8 @@
 
 Context parallel (``parallelism.cp``) changes no module: the plan carries its group
 (``plan.cp``), the trainer gives each rank its chunks of every row and the attention gathers
-keys and values (``context_parallel.py``).
+keys and values (``context_parallel.py``). Under pipeline
+   parallelism each stage module is a root of its own.
 
 Works on a model built on ``meta`` (then ``meta_init.materialize``) or on a real device.
 """
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: s
 
     from kiln.parallelisms.context_parallel import ContextParallel
     from kiln.parallelisms.expert_parallel import ExpertParallel
+    from kiln.parallelisms.pipeline import Pipeline
     from kiln.parallelisms.tensor_parallel import TensorParallel
 
 
@@ -77,6 +81,7 @@ class ParallelPlan:
     dp_size: int = 0  # ranks training different tokens (dp x cp); 0 = the world size
     dp_group: object = None  # their process group, for the replicated (non-FSDP) all-reduce
     cp: ContextParallel | None = None  # context parallel: the trainer shards each row by it
+    pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
 
     @property
     def summary(self) -> str:
@@ -120,6 +125,8 @@ class ParallelPlan:
         """After the last backward: sum the partial gradients of parameters tensor parallel left
         whole; average the expert-parallel gradients and those of a replicated (non-FSDP)
         model."""
+        if self.pipeline is not None:
+            self.pipeline.sync_shared_grads()
         if self.tp is not None:
             self.tp.sync_grads(self.model)
         if self.ep is not None:
@@ -130,8 +137,18 @@ class ParallelPlan:
                              group=self.dp_group, skip=skip)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
-        """Clip to the global norm over all shards (0 = measure only); returns that norm."""
+        """Clip to the global norm over all shards and pipeline stages (0 = measure only);
+        returns that norm."""
+        if self.pipeline is not None:
+            return clip_grad_norm(self.model.parameters(), max_norm,
+                                  stage_ranks=self.pipeline.stage_ranks,
+                                  extra=self.pipeline.copies())
         return clip_grad_norm(self.model.parameters(), max_norm)
+
+    @property
+    def stage_group(self):
+        """The ranks holding the same parameters as this one (all, without a pipeline)."""
+        return self.pipeline.stage_group if self.pipeline is not None else None
 
     def after_optimizer_step(self) -> None:
         """tensorwise float8 + FSDP2 float8 all-gather: precompute next step's weight scales."""
@@ -162,20 +179,31 @@ def _use_fsdp(cfg: ParallelismConfig, dp_size: int) -> tuple[bool, str]:
 
 def parallelize(
     model: nn.Module, cfg: ParallelismConfig, world: WorldLike, mesh: DeviceMesh | None = None,
-    ep_mesh: DeviceMesh | None = None,
+    ep_mesh: DeviceMesh | None = None, *, training=None, grad_accum: int = 1, checkpoint=None,
+    attention=None,
 ) -> ParallelPlan:
-    """Apply float8 -> expert parallel -> tensor parallel -> activation checkpointing -> compile
-    -> FSDP2 to ``model`` in place (after checking that the layout divides the model). ``mesh``
-    and ``ep_mesh``: meshes of this layout built earlier (the health check), reused."""
+    """Apply pipeline split -> float8 -> expert parallel -> tensor parallel -> activation
+    checkpointing -> compile -> FSDP2 to ``model`` in place (after checking that the layout
+    divides the model). ``mesh`` and ``ep_mesh``: meshes of this layout built earlier (the
+    health check), reused. ``training`` (the ``[training]`` table) and ``grad_accum``
+    (micro-batches per step and data-parallel rank) are needed for pipeline parallelism,
+    ``checkpoint`` (the ``[checkpoint]`` table) and ``attention`` (``[model.attention]``) to
+    refuse what it cannot do yet."""
     shape = layout(cfg, world.world_size)
-    raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp), shape.describe())
+    problems = model_problems(model, shape.tp, shape.ep, shape.cp)
+    if cfg.pp > 1:
+        from kiln.parallelisms.pipeline_checks import pipeline_problems
+
+        problems += pipeline_problems(cfg, training, model, grad_accum, checkpoint, attention)
+    raise_problems(problems, shape.describe())
     grad_ranks = shape.grad_ranks  # ranks training different tokens: data and context parallel
     fsdp, note = _use_fsdp(cfg, grad_ranks)
     plan = ParallelPlan(model=model, world_size=world.world_size, fsdp=fsdp,
                         bucket_mb=cfg.grad_bucket_mb, float8=cfg.float8, dp_size=grad_ranks)
     if note:
         plan.notes.append(note)
-    if fsdp or shape.tp > 1 or shape.cp > 1 or 1 < grad_ranks < world.world_size:
+    if (fsdp or shape.tp > 1 or shape.cp > 1 or shape.pp > 1
+            or 1 < grad_ranks < world.world_size):
         from kiln.parallelisms.mesh import build_mesh
 
         plan.mesh = mesh or build_mesh(cfg, world.world_size, world.device.type)
@@ -184,6 +212,13 @@ def parallelize(
 
         plan.cp = context_parallel(plan.mesh)
         plan.parts.append(plan.cp.describe())
+    if shape.pp > 1:
+        from kiln.parallelisms.pipeline import split_model
+
+        plan.pipeline = split_model(
+            model, cfg, plan.mesh, rank=getattr(world, "rank", dist.get_rank()),
+            device=world.device, seq_len=training.seq_len, grad_accum=grad_accum, fsdp=fsdp)
+        plan.parts.append(plan.pipeline.describe())
     if fsdp:
         from kiln.parallelisms.fsdp import fsdp_summary
 
@@ -223,10 +258,14 @@ def parallelize(
     checkpointed = apply_activation_checkpoint(model, cfg)
     compiled = apply_compile(model, cfg, world.device)
     plan.parts += [text for text in (compiled, checkpointed) if text]
+    if plan.pipeline is not None:
+        plan.pipeline.build_parts()  # after the blocks were wrapped: the stages run them
+        plan.pipeline.loss_context = plan.loss_context
     if fsdp:
         from kiln.parallelisms.fsdp import apply_fsdp
         from kiln.parallelisms.mesh import fsdp_mesh
 
         ignored = set(plan.ep.params) if plan.ep is not None else None
-        apply_fsdp(model, cfg, fsdp_mesh(plan.mesh), ignored=ignored)
+        roots = plan.pipeline.parts if plan.pipeline is not None else None
+        apply_fsdp(model, cfg, fsdp_mesh(plan.mesh), ignored=ignored, roots=roots)
     return plan

@@ -259,7 +259,10 @@ def apply_tensor_parallel(
     sp = Shard(1)  # the sequence dimension of (B, T, dim)
     tp = TensorParallel(mesh=mesh, loss_parallel=loss_parallel)
     tied = getattr(model, "tied", False)
+    pruned = {n for names in getattr(model, "pipeline_ends", {}).values() for n in names}
     for name in ("tok_embeddings", "norm", "output"):
+        if getattr(model, name, None) is None and name in pruned:
+            continue  # a pipeline stage that does not hold it
         if not isinstance(getattr(model, name, None), nn.Module):
             raise RecipeError(
                 f"tensor parallel needs a model with tok_embeddings, norm and output "
@@ -275,8 +278,10 @@ def apply_tensor_parallel(
     }
     if isinstance(getattr(model, "state_norm", None), nn.Module):
         top["state_norm"] = SequenceParallel(use_local_output=True)
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
     parallelize_module(model, mesh, top)
-    if tied:  # both plans shard the (vocab, dim) matrix by rows: keep one parameter
+    if tied and model.output is not None and model.tok_embeddings is not None:
+        # both plans shard the (vocab, dim) matrix by rows: keep one parameter
         model.output.weight = model.tok_embeddings.weight
     rank = mesh.get_local_rank()
     for block in model_blocks(model):

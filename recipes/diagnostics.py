@@ -22,6 +22,7 @@ import torch
 
 from kiln.components import distributed
 from kiln.components.attention.logit_stats import attention_logit_stats
+from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import moe_layers
 from kiln.components.ffn.moe_health import router_entropy
 from kiln.parallelisms.blocks import clean_name
@@ -92,6 +93,10 @@ class DiagnosticsHook(Hook):
 
     # ------------------------------------------------------------------------- set-up
     def on_train_start(self, trainer) -> None:
+        if trainer.mesh_layout.pp > 1:  # each rank holds other layers: the sums would mismatch
+            raise RecipeError(f"[run.diagnostics] with parallelism.pp = {trainer.mesh_layout.pp} "
+                              "is not supported yet: each pipeline rank holds other layers; "
+                              "remove the table or train with pp = 1")
         model = trainer.model
         self.model = model
         recurrent = set(getattr(model, "recurrent_ids", []))

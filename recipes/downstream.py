@@ -90,6 +90,10 @@ class DownstreamEvalHook(Hook):
             raise RecipeError("[evals.*] tasks do not run under tensor parallelism yet "
                               f"(parallelism.tp = {trainer.mesh_layout.tp}): evaluate the "
                               "checkpoints with `kiln eval RUN --tasks` instead")
+        if trainer.mesh_layout.pp > 1:  # each rank holds only its pipeline stages
+            raise RecipeError("[evals.*] tasks do not run under pipeline parallelism yet "
+                              f"(parallelism.pp = {trainer.mesh_layout.pp}): evaluate the "
+                              "checkpoints with `kiln eval RUN --tasks` instead")
         paused = [n for n, c in cfgs.items() if c.mode == "pause"]
         if paused and not trainer.recipe.checkpoint.enable:
             raise RecipeError(f"evals.{paused[0]}.mode = \"pause\" saves a snapshot: set "

@@ -39,35 +39,72 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
-def layout_report(recipe, model_builder, world_size: int) -> str:
-    """Lines for ``kiln validate``: mesh, plan and rank 0's memory at ``world_size`` ranks.
-    ``model_builder()`` builds the recipe's model on the meta device."""
-    shape = layout(recipe.parallelism, world_size)
-    with fake_world(world_size):
-        model = model_builder()
-        plan = dry_parallelize(model, recipe.parallelism, world_size)
-        params = list(model.parameters())
-        param_bytes = local_bytes(params)
-        grad_bytes = local_bytes(p for p in params if p.requires_grad)
-        opts = OptimizerSet(model, recipe.optimizer_tables(), recipe.training.steps or 1)
-        per_opt = {}
-        for name, route_ in opts.routes.items():
-            if name not in opts.optimizers:
-                continue
-            elements = sum(local_numel(p) for _, p in (*route_.decay, *route_.no_decay))
-            per_opt[name] = elements * state_bytes_per_element(opts.tables[name])
+def _rank_memory(recipe, model, plan_fn) -> tuple[str, int, int, dict[str, float]]:
+    """(plan summary, parameter, gradient and per-optimizer state bytes) of one rank."""
+    plan = plan_fn(model)
+    params = list(model.parameters())
+    param_bytes = local_bytes(params)
+    grad_bytes = local_bytes(p for p in params if p.requires_grad)
+    opts = OptimizerSet(model, recipe.optimizer_tables(), recipe.training.steps or 1)
+    per_opt = {}
+    for name, route_ in opts.routes.items():
+        if name not in opts.optimizers:
+            continue
+        elements = sum(local_numel(p) for _, p in (*route_.decay, *route_.no_decay))
+        per_opt[name] = elements * state_bytes_per_element(opts.tables[name])
+    return plan.summary, param_bytes, grad_bytes, per_opt
+
+
+def _memory_lines(param_bytes: int, grad_bytes: int, per_opt: dict[str, float],
+                  indent: str) -> list[str]:
     total = param_bytes + grad_bytes + sum(per_opt.values())
-    lines = [
-        f"layout at world size {world_size}: mesh {shape.describe()}",
-        f"  plan: {plan.summary}",
-        "  per rank (rank 0, the largest shards):",
-        f"    parameters        {_gib(param_bytes)}",
-        f"    gradients         {_gib(grad_bytes)}",
-        "    optimizer state   " + _gib(sum(per_opt.values())) + " ("
+    return [
+        f"{indent}parameters        {_gib(param_bytes)}",
+        f"{indent}gradients         {_gib(grad_bytes)}",
+        f"{indent}optimizer state   " + _gib(sum(per_opt.values())) + " ("
         + ", ".join(f"{k} {_gib(v)}" for k, v in per_opt.items()) + ")",
-        f"    total             {_gib(total)} (parameters, gradients, optimizer state)",
+        f"{indent}total             {_gib(total)} (parameters, gradients, optimizer state)",
     ]
-    lines += activation_lines(recipe, model_builder, world_size, shape)
+
+
+def layout_report(recipe, model_builder, world_size: int, grad_accum: int = 1) -> str:
+    """Lines for ``kiln validate``: mesh, plan and rank 0's memory at ``world_size`` ranks
+    (with a pipeline: one rank per stage, and the schedule's bubble). ``model_builder()`` builds
+    the recipe's model on the meta device; ``grad_accum``: micro-batches per step and rank."""
+    pcfg = recipe.parallelism
+    shape = layout(pcfg, world_size)
+    lines = [f"layout at world size {world_size}: mesh {shape.describe()}"]
+    with fake_world(world_size):
+        for pp_rank in range(shape.pp):
+            summary, params, grads, per_opt = _rank_memory(
+                recipe, model_builder(), lambda m, r=pp_rank: dry_parallelize(
+                    m, pcfg, world_size, rank=r * shape.stage_ranks, training=recipe.training,
+                    grad_accum=grad_accum))
+            if pp_rank == 0:
+                lines.append(f"  plan: {summary}")
+            if shape.pp == 1:
+                lines.append("  per rank (rank 0, the largest shards):")
+                lines += _memory_lines(params, grads, per_opt, "    ")
+                continue
+            if pp_rank == 0:
+                lines.append("  per rank of each pipeline rank's stages (its data-parallel "
+                             "rank 0):")
+            lines.append(f"    pipeline rank {pp_rank} (rank {pp_rank * shape.stage_ranks}): "
+                         + ", ".join(_stage_names(pcfg, pp_rank)))
+            lines += _memory_lines(params, grads, per_opt, "      ")
+    if shape.pp == 1:
+        lines += activation_lines(recipe, model_builder, world_size, shape)
+    else:
+        from kiln.parallelisms.pipeline_schedule import bubble_fraction
+        from kiln.parallelisms.pipeline_split import runs_per_step
+
+        runs, per_run = runs_per_step(pcfg, grad_accum)
+        lines.append(f"  pipeline bubble: {bubble_fraction(pcfg, per_run):.1%} of each run idle "
+                     f"({pcfg.pp_schedule}, {per_run} micro-batches per run x {runs} runs per "
+                     "step; timetable with backward = 2 x forward)")
+        lines.append("  activations: not measured per stage (a rank keeps its stages' share "
+                     "for every micro-batch in flight: all of them under gpipe, up to pp under "
+                     "1f1b); kiln bench measures a run")
     if note := chunked_loss_note(recipe.training, shape.tp):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
@@ -95,3 +132,9 @@ def activation_lines(recipe, model_builder, world_size: int, shape) -> list[str]
         lines.append("  activations by parallelism.cp (seq_len " + f"{tr.seq_len}): " + ", ".join(
             f"cp {c}: {_gib(t)}" for c, (t, _) in measured.items()))
     return lines
+
+
+def _stage_names(pcfg, pp_rank: int) -> list[str]:
+    from kiln.parallelisms.pipeline_split import rank_stages
+
+    return [f"stage {s}" for s in rank_stages(pcfg, pp_rank)]

@@ -35,6 +35,7 @@ from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.process_stats import Phases
 from kiln.recipes.recipe import render_recipe, to_dict, write_text_atomic
+from kiln.recipes.run_layout import run_layout
 from kiln.recipes.schema import Recipe
 from kiln.recipes.watchdog import Watchdog
 
@@ -113,9 +114,10 @@ class Trainer:
         phase("data")
         self.model = self._build_model()
         phase("model build")
+        self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))  # whole model
+        self.num_params = self.model.num_params()  # (before a pipeline split)
         self.parallel_summary = self._parallelize()
         phase("parallelize")
-        self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
         self.step_fn = tr.step.build()
@@ -161,29 +163,31 @@ class Trainer:
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
 
     def _parallelize(self) -> str:
-        # Parallelism call site: float8 -> activation checkpointing -> compile -> FSDP2 (or
-        # gradient all-reduce without FSDP), then meta-device init (parallelisms package).
+        # Parallelism call site: pipeline split -> float8 -> activation checkpointing -> compile
+        # -> FSDP2 (or gradient all-reduce without FSDP), then meta-device init (parallelisms).
         from kiln.parallelisms import materialize, parallelize
         from kiln.parallelisms.compile import compile_loss
 
-        pcfg = self.recipe.parallelism
+        pcfg, tables = self.recipe.parallelism, self.recipe
         if not pcfg.meta_init and self.world.distributed:
             for t in [*self.model.parameters(), *self.model.buffers()]:  # same weights everywhere
                 distributed.broadcast_(t.data, src=0)
-        self.parallel = parallelize(self.model, pcfg, self.world, mesh=self.health.mesh,
-                                    ep_mesh=self.health.ep_mesh)
+        self.parallel = parallelize(
+            self.model, pcfg, self.world, mesh=self.health.mesh, ep_mesh=self.health.ep_mesh,
+            training=tables.training, grad_accum=self.plan.grad_accum,
+            checkpoint=tables.checkpoint, attention=getattr(tables.model, "attention", None))
         details = self.parallel.describe().splitlines()[1:]
         if note := chunked_loss_note(self.recipe.training, self.mesh_layout.tp):
             details.append(note)
         if pcfg.meta_init:
             details.append(materialize(
                 self.model, self.device, self.recipe.training.seed, mode=pcfg.init_mode,
-                replica_max_params=pcfg.replica_init_max_params,
+                replica_max_params=pcfg.replica_init_max_params, pipeline=self.parallel.pipeline,
             ))
         if self.recipe.training.init_check and self.world.distributed:
             from kiln.recipes.init_check import check_identical_init
 
-            details.append(check_identical_init(self.model))
+            details.append(check_identical_init(self.model, self.parallel.stage_group))
         if pcfg.compile_loss:
             self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
             self.chunk_loss = compile_loss(chunk_loss_sum, pcfg, self.device)
@@ -201,23 +205,8 @@ class Trainer:
 
     @property
     def layout(self) -> dict:
-        """How the run is spread over processes (saved with every checkpoint; a resume on
-        another layout reports the change and maps per-row state by ``rows``)."""
-        mesh = self.parallel.mesh
-        names = (mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]) if mesh else []
-        per_rank = self.plan.global_batch // self.data_ranks
-        return {
-            "world_size": self.world.world_size,
-            # data-parallel dims always, context / tensor / expert parallel ones when used
-            "mesh": {**{name: mesh.size(i) for i, name in enumerate(names)
-                        if name not in ("cp", "tp") or mesh.size(i) > 1},
-                     **({"ep": self.mesh_layout.ep} if self.mesh_layout.ep > 1 else {})},
-            "fsdp": self.parallel.fsdp,
-            "global_batch": self.plan.global_batch,
-            "micro_batch": self.plan.micro_batch,
-            "grad_accum": self.plan.grad_accum,
-            "rows": [self.data_rank * per_rank, (self.data_rank + 1) * per_rank],
-        }
+        """How the run is spread over processes: saved with every checkpoint (``run_layout``)."""
+        return run_layout(self)
 
     def _start_from_pretrained(self) -> None:
         """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
@@ -249,17 +238,23 @@ class Trainer:
         self.optimizers.zero_grad()
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); chunked
-        through the model's ``head`` argument when ``training.loss_chunk_tokens`` is set."""
-        # not under tensor parallel: the logits are vocabulary shards (see chunked_loss_note)
-        chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
+        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); under
+        pipeline parallelism forward through every stage (evaluation; the same on all ranks)."""
+        if self.parallel.pipeline is not None:
+            return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
         ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
+        return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels)
+
+    def stage_loss(self, run, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via
+        its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits)."""
+        chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
         if chunk:
             with self.autocast:
-                loss = self.model(ids, head=LossHead(labels, chunk, self.chunk_loss), **extra)
+                loss = run(head=LossHead(labels, chunk, self.chunk_loss))
         else:
             with self.autocast:
-                logits = self.model(ids, **extra)  # (B, T, V)
+                logits = run()  # (B, T, V)
             # Through the plan: with loss parallel the logits are sharded over the vocabulary.
             loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
                                       labels.flatten())
@@ -338,7 +333,7 @@ class Trainer:
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> Progress:
         self.print(f"kiln: {self.recipe.run.name}: {self.total_steps} steps, "
-                   f"{self.model.num_params():,} parameters, {self.parallel_summary}")
+                   f"{self.num_params:,} parameters, {self.parallel_summary}")
         self.print(f"batch: global {self.plan.global_batch} x seq {self.plan.seq_len} = "
                    f"{self.plan.tokens_per_step:,} tokens/step; micro {self.plan.micro_batch} "
                    f"x accum {self.plan.grad_accum} per rank")

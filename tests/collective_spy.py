@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from kiln.components import distributed
 
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE = tuple(str(REPO / top) + "/" for top in
                ("components", "parallelisms", "checkpointing", "recipes"))
 HELPERS = str(REPO / "components" / "distributed.py")
+P2P_OPS = ("isend", "irecv")
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
@@ -45,12 +47,17 @@ class CollectiveSpy:
         for name in COLLECTIVES:
             real = getattr(dist, name)
             self._saved[name] = real
-            setattr(dist, name, self._wrap(name, real))
+            spy = self._wrap(name, real)
+            setattr(dist, name, spy)
+            if name in P2P_OPS:  # ``P2POp`` (pipelining's batched transfers) checks its op by
+                setattr(c10d, name, spy)  # identity against the module's own isend / irecv
         return self
 
     def uninstall(self) -> None:
         for name, real in self._saved.items():
             setattr(dist, name, real)
+            if name in P2P_OPS:
+                setattr(c10d, name, real)
 
     def _wrap(self, name: str, real):
         @functools.wraps(real)

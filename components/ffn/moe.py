@@ -251,11 +251,12 @@ def idle_expert_params(module: nn.Module) -> int:
 
 
 @torch.no_grad()
-def balance_step(layers: list[MoE], skipped: bool) -> None:
+def balance_step(layers: list[MoE], skipped: bool, group=None) -> None:
     """After a global step: sum every layer's loads over all ranks in one all-reduce (each rank
     counted its own tokens: its data-parallel batch, its tensor-parallel sequence slice) and
     move the biases; on a skipped step drop the loads instead. Every rank takes the same
-    decision, so the collective is called by all or none."""
+    decision, so the collective is called by all or none. ``group``: the ranks holding these
+    layers (a pipeline stage's; default all)."""
     if not layers:
         return
     if skipped:
@@ -263,7 +264,7 @@ def balance_step(layers: list[MoE], skipped: bool) -> None:
             layer.discard_load()
         return
     loads = torch.stack([layer.tokens_per_expert for layer in layers])  # (L, E)
-    distributed.all_reduce_(loads)
+    distributed.all_reduce_(loads, group=group)
     for layer, load in zip(layers, loads, strict=True):
         layer.apply_load(load)
 
@@ -317,7 +318,7 @@ class MoEModelMixin:
 
     def on_global_step(self, skipped: bool) -> None:
         """Once per global step (after all its segments): move the expert biases."""
-        balance_step(self._moe_layers(), skipped)
+        balance_step(self._moe_layers(), skipped, group=getattr(self, "balance_group", None))
 
     def pop_aux_loss(self) -> torch.Tensor | None:
         return pop_aux_loss(self._moe_layers())

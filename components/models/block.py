@@ -97,11 +97,15 @@ def check_block_shapes(cfg: Any) -> None:
         raise ValueError(problem)
 
 
-def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool) -> None:
+def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool, *,
+                indices: list[int] | None = None, n_layers: int = 0) -> None:
     """Init each block with residual-writer std ``std / sqrt(2 * (i + 1))`` (``depth_init``)
-    or ``std / sqrt(2 * len(blocks))``."""
-    for i, block in enumerate(blocks):
-        depth = 2 * (i + 1) if depth_init else 2 * len(blocks)
+    or ``std / sqrt(2 * n_layers)``; ``i`` is the block's index in the whole model (``indices``:
+    a pipeline stage holds only some blocks), ``n_layers`` defaults to ``len(blocks)``."""
+    indices = list(range(len(blocks))) if indices is None else indices
+    total = n_layers or len(blocks)
+    for i, block in zip(indices, blocks, strict=True):
+        depth = 2 * (i + 1) if depth_init else 2 * total
         init_component(block, std, std / math.sqrt(depth))
 
 
@@ -131,6 +135,7 @@ class RetiedOnEmpty(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
-        if self.tied and self.output.weight is not self.tok_embeddings.weight:
+        if (self.tied and self.output is not None and self.tok_embeddings is not None
+                and self.output.weight is not self.tok_embeddings.weight):  # (pipeline stages)
             self.output.weight = self.tok_embeddings.weight
         return self

@@ -2,7 +2,10 @@
 (``tok_embeddings``, ``layers``, ``norm``, ``output``; 0.3.0 calls the head ``lm_head``).
 
 Model protocol the trainer and the parallelism code rely on: ``forward(ids) -> logits``,
-``blocks()``, ``init_weights()``, ``flops_per_token(seq_len)`` and ``num_params()``.
+``blocks()``, ``init_weights()``, ``flops_per_token(seq_len)`` and ``num_params()``; and the
+pipeline stage contract (``pipeline_ends``, ``stage_forward``; docs/design.md): a copy pruned to
+some blocks, with the embeddings or the norm and head set to None, runs and initialises as one
+pipeline stage.
 
 Initialisation (torchtitan llama3, so loss curves are comparable):
 - untied ``tok_embeddings`` ~ N(0, 1); untied ``output`` ~ N(0, dim**-0.5) truncated at 3 sigma;
@@ -65,6 +68,8 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
     """Dense decoder-only transformer (Llama 3 style: RMSNorm, RoPE, GQA, SwiGLU)."""
 
     Config = TransformerConfig
+    # Pipeline stage contract: the modules besides ``layers`` on the first and the last stage.
+    pipeline_ends = {"first": ("tok_embeddings",), "last": ("norm", "output")}
 
     def __init__(self, cfg: TransformerConfig, *, vocab_size: int, seq_len: int) -> None:
         super().__init__()
@@ -95,11 +100,13 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
     def init_weights(self) -> None:
         """Re-initialise every parameter and buffer from the current RNG, in a fixed order."""
         std = self.init_std
-        emb = self.tok_embeddings.weight
-        nn.init.normal_(emb, mean=0.0, std=std if self.tied else 1.0)
-        init_blocks(self.blocks(), std, self.depth_init)
-        init_component(self.norm, std, std)
-        if not self.tied:
+        if self.tok_embeddings is not None:  # None: a pipeline stage without it
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std if self.tied else 1.0)
+        init_blocks(self.blocks(), std, self.depth_init,
+                    indices=[int(k) for k in self.layers], n_layers=self.n_layers)
+        if self.norm is not None:
+            init_component(self.norm, std, std)
+        if not self.tied and self.output is not None:
             out_std = self.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
@@ -108,9 +115,20 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
         """(B, T) -> logits (B, T, V); with ``head``, ``head(hidden, weight, softcap)`` instead
         (the trainer's chunked loss, ``lm_head``); ``context``: every block's attention layout
         (document mask, context parallel: ``attention/context.py``)."""
-        h = self.tok_embeddings(input_ids)  # (B, T, dim)
-        for block in self.layers.values():
-            h = block(h, context=context)
+        return self.stage_forward(input_ids, self.layers.keys(), first=True, last=True,
+                                  head=head, context=context)
+
+    def stage_forward(self, x: torch.Tensor, keys, *, first: bool, last: bool,
+                      head: HeadFn | None = None,
+                      context: AttentionContext | None = None) -> torch.Tensor:
+        """Blocks ``keys`` of ``layers``: from token ids (B, T) when ``first``, else from the
+        previous stage's hidden states (B, T, dim); to logits / ``head(...)`` when ``last``,
+        else to hidden states (B, T, dim)."""
+        h = self.tok_embeddings(x) if first else x  # (B, T, dim)
+        for key in keys:
+            h = self.layers[key](h, context=context)
+        if not last:
+            return h
         h = self.norm(h)
         if head is not None:
             return head(h, self.output.weight, self.logit_softcap)
@@ -122,7 +140,9 @@ class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, au
         n = sum(p.numel() for p in self.parameters())
         if active_only:
             n -= idle_expert_params(self)
-        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+        if exclude_embeddings and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
 
     def param_summary(self) -> dict[str, int]:
         """For ``kiln validate``: with MoE layers, the parameters one token uses."""

@@ -1,4 +1,10 @@
-"""The standard step: gradient accumulation over micro-batches, clip, guard, optimizer step."""
+"""The standard step: gradient accumulation over micro-batches, clip, guard, optimizer step.
+
+Under pipeline parallelism (``trainer.parallel.pipeline``) the micro-batches' forward and
+backward run through the pipeline schedule instead of the loop; the loss comes back from the
+last stage, the same on every rank, so what follows (gradient sync, the global clip, the guards'
+one decision, the optimizer step) is unchanged.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +30,11 @@ class StandardStep:
 
     def __call__(self, trainer, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         trainer.zero_grad()
-        n = len(micro_batches)
-        total = torch.zeros((), device=trainer.device)
-        for i, batch in enumerate(micro_batches):
-            with trainer.grad_sync(i == n - 1):
-                loss = trainer.forward_loss(batch) / n  # mean over the step's tokens
-                loss.backward()
-            total += loss.detach()
+        pipeline = getattr(trainer.parallel, "pipeline", None)
+        if pipeline is not None:
+            total = pipeline.train(micro_batches, trainer.stage_loss, trainer.autocast)
+        else:
+            total = self.accumulate(trainer, micro_batches)
         trainer.sync_grads()
         grad_norm = trainer.clip_grads()
         stats = trainer.global_stats(loss=total, grad_norm=grad_norm)  # the one host sync
@@ -40,3 +44,15 @@ class StandardStep:
             loss=stats["loss"], tokens=trainer.tokens_per_step, grad_norm=stats.get("grad_norm"),
             skipped=decision.skip, reason=decision.reason,
         )
+
+    @staticmethod
+    def accumulate(trainer, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every micro-batch; this rank's mean loss."""
+        n = len(micro_batches)
+        total = torch.zeros((), device=trainer.device)
+        for i, batch in enumerate(micro_batches):
+            with trainer.grad_sync(i == n - 1):
+                loss = trainer.forward_loss(batch) / n  # mean over the step's tokens
+                loss.backward()
+            total += loss.detach()
+        return total

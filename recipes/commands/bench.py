@@ -88,7 +88,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
     result = {
         "recipe": recipe_path,
         "parallelism": trainer.parallel_summary,
-        "params": trainer.model.num_params(),
+        "params": trainer.num_params,  # the whole model (a pipeline rank holds a part)
         "tokens_per_step": trainer.plan.tokens_per_step,
         "tokens_per_second": tokens_per_s,
         "step_time_s": step_time,

@@ -14,6 +14,7 @@ from kiln.components.errors import KilnError, RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.parallelisms.layout_check import model_problems, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
+from kiln.parallelisms.pipeline_checks import pipeline_problems
 from kiln.recipes import batch_plan
 from kiln.recipes.layout_report import layout_report
 from kiln.recipes.model_inputs import ModelInputs
@@ -54,7 +55,10 @@ def describe(recipe, world_size: int = 1) -> str:
     bp = batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
     model = build_meta_model(recipe)
     raise_problems(training_problems(tr, shape.tp, shape.cp)
-                   + model_problems(model, shape.tp, shape.ep, shape.cp), shape.describe())
+                   + model_problems(model, shape.tp, shape.ep, shape.cp)
+                   + pipeline_problems(recipe.parallelism, tr, model, bp.grad_accum,
+                                       recipe.checkpoint, getattr(recipe.model, "attention",
+                                                                  None)), shape.describe())
     inputs = ModelInputs(getattr(recipe.model, "attention", None), torch.device("meta"),
                          cp=SimpleNamespace(size=shape.cp))
     inputs.check_model(model)
@@ -76,7 +80,8 @@ def describe(recipe, world_size: int = 1) -> str:
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
     if world_size > 1:
-        lines.append(layout_report(recipe, lambda: build_meta_model(recipe), world_size))
+        lines.append(layout_report(recipe, lambda: build_meta_model(recipe), world_size,
+                                   grad_accum=bp.grad_accum))
     return "\n".join(lines)
 
 

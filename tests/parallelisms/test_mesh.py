@@ -10,8 +10,8 @@ from kiln.parallelisms.mesh import mesh_shape
 @pytest.mark.parametrize(
     ("shard", "rep", "world", "shape"),
     [
-        (-1, 1, 8, (1, 8, 1, 1)), (-1, 2, 8, (2, 4, 1, 1)), (4, 2, 8, (2, 4, 1, 1)),
-        (1, 2, 2, (2, 1, 1, 1)), (-1, 1, 1, (1, 1, 1, 1)),
+        (-1, 1, 8, (1, 1, 8, 1, 1)), (-1, 2, 8, (1, 2, 4, 1, 1)), (4, 2, 8, (1, 2, 4, 1, 1)),
+        (1, 2, 2, (1, 2, 1, 1, 1)), (-1, 1, 1, (1, 1, 1, 1, 1)),
     ],
 )
 def test_shapes(shard, rep, world, shape):
@@ -38,7 +38,7 @@ def test_expert_parallel_borrows_data_parallel_ranks():
     from kiln.parallelisms.mesh import layout
 
     shape = layout(ParallelismConfig(tp=2, ep=2), 8)
-    assert (shape.shape, shape.ep, shape.dp) == ((1, 4, 1, 2), 2, 4)
+    assert (shape.shape, shape.ep, shape.dp) == ((1, 1, 4, 1, 2), 2, 4)
     assert "experts over ep 2" in shape.describe()
     with pytest.raises(RecipeError, match=r"parallelism.ep = 3 does not divide the "
                                           r"data-parallel size 4"):
@@ -50,7 +50,7 @@ def test_context_parallel_sits_between_data_and_tensor_parallel():
     from kiln.parallelisms.mesh import build_mesh, dp_mesh, fsdp_mesh, layout
 
     shape = layout(ParallelismConfig(cp=2, tp=2), 8)
-    assert shape.shape == (1, 2, 2, 2) and (shape.dp, shape.grad_ranks) == (2, 4)
+    assert shape.shape == (1, 1, 2, 2, 2) and (shape.dp, shape.grad_ranks) == (2, 4)
     assert shape.describe() == "dp_replicate 1 x dp_shard 2 x cp 2 x tp 2 = 8 ranks"
     assert [shape.coordinate(r, "cp") for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [shape.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # cp x tp share

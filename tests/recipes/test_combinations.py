@@ -6,10 +6,10 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 The families cover every registered model, attention and feed-forward component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. Slow subset: compiled
-blocks, and 2 gloo processes under FSDP2, tensor parallel and expert parallel (also the device
-check of every collective), context parallel with the document mask, each family's 2-process
-FSDP2 checkpoint then resumed on one process (elastic resume). The chunked loss
-(``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
+blocks, and 2 gloo processes under FSDP2, tensor parallel, expert parallel and pipeline parallel
+(also the device check of every collective), context parallel with the document mask, each
+family's 2-process FSDP2 checkpoint then resumed on one process (elastic resume). The chunked
+loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every
 FSDP2 run. The document mask runs in every family and step under the checkpointing modes. The
 hang watchdog watches every run (on by default); every 2-process run starts with the health
 check (on by default there), whose collectives the spy checks like the training's.
@@ -329,6 +329,8 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
             ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise", CHUNK)),
             ("ep2", "moe", ("--parallelism.ep=2",)),
             ("cp2", "looped_moe", CP2),
+            ("pp2", "moe", ("--parallelism.pp=2", "--parallelism.float8=rowwise", CHUNK,
+                            "--parallelism.activation_checkpoint=full")),
         ):
             args = (*flags, "--checkpoint.enable=true")
             results[name], trainer = train(recipe_for(family, f"{folder}/{name}", *args))
@@ -382,7 +384,8 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
     assert "tensor parallel 2" in ranks[0]["tp2_plan"] and "float8" in ranks[0]["tp2_plan"]
     assert "expert parallel 2" in ranks[0]["ep2_plan"]
     assert "context parallel 2" in ranks[0]["cp2_plan"]
-    for name in ("tp2", "ep2", "cp2"):
+    assert "pipeline 2" in ranks[0]["pp2_plan"] and "float8" in ranks[0]["pp2_plan"]
+    for name in ("tp2", "ep2", "cp2", "pp2"):
         losses = ranks[0][name]
         assert len(losses) == STEPS and all(map(math.isfinite, losses)), (name, losses)
         assert ranks[1][name] == losses, f"{name}: ranks disagree"
@@ -394,17 +397,21 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == 1 and math.isfinite(losses[0]), (family, losses)
         assert "layout: 2 processes, dp_replicate=1 x dp_shard=2, FSDP -> 1 process" \
             in out.getvalue(), (family, out.getvalue())
-    # the tensor / expert parallel checkpoints (step STEPS + 1) on one process, one step further
+    # the tensor / expert / pipeline parallel checkpoints (step STEPS + 1) on one process, one
+    # step further
     for name, family, flags, mesh in (
-        ("tp2", "dense", ("--parallelism.float8=rowwise", CHUNK), "dp_shard=1 x tp=2"),
-        ("ep2", "moe", (), "dp_shard=2 x ep=2, FSDP"),
-        ("cp2", "looped_moe", CP2[1:], "dp_shard=1 x cp=2, FSDP"),
+        ("tp2", "dense", ("--parallelism.float8=rowwise", CHUNK),
+         "dp_replicate=1 x dp_shard=1 x tp=2"),
+        ("ep2", "moe", (), "dp_replicate=1 x dp_shard=2 x ep=2, FSDP"),
+        ("cp2", "looped_moe", CP2[1:], "dp_replicate=1 x dp_shard=1 x cp=2, FSDP"),
+        ("pp2", "moe", ("--parallelism.float8=rowwise", CHUNK),
+         "pp=2 x dp_replicate=1 x dp_shard=1"),
     ):
         out = io.StringIO()
         losses, _ = train(recipe_for(family, tmp_path / name, *flags, "--checkpoint.enable=true",
                                      f"--training.steps={STEPS + 2}"), out=out)
         assert len(losses) == 1 and math.isfinite(losses[0]), (name, losses)
-        assert f"layout: 2 processes, dp_replicate=1 x {mesh} -> 1 process" \
+        assert f"layout: 2 processes, {mesh} -> 1 process" \
             in out.getvalue(), (name, [x for x in out.getvalue().splitlines() if "layout" in x])
     for r, res in enumerate(ranks):
         spy = res["spy"]

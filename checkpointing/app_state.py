@@ -1,0 +1,66 @@
+"""A train state's model and optimizers as one DCP state dict, and back.
+
+``get_state_dict``/``set_state_dict`` give plain and FSDP2-sharded models one path (DCP
+reshards tensors across layouts). The JSON part (param_groups, non-tensor optimizer state) holds
+every pipeline rank's entries (``rank_json``); loading keeps this rank's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from kiln.checkpointing import rank_json, storage
+from kiln.checkpointing.load_checks import check_groups
+from kiln.components import distributed
+from kiln.components.errors import CheckpointError
+
+
+def optimizers_of(state) -> dict[str, torch.optim.Optimizer]:
+    opts = state.optimizers
+    return dict(opts.optimizers) if hasattr(opts, "optimizers") else dict(opts)
+
+
+def collect(state, *, with_optim: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+    if with_optim:
+        out["optimizer"] = {name: get_optimizer_state_dict(state.model, opt)
+                            for name, opt in optimizers_of(state).items()}
+    return out
+
+
+def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path,
+          model_rest: dict) -> None:
+    # The saved JSON parts hold every rank's entries (rank_json): keep this rank's.
+    mine = {k: v for k, v in saved_rest.get("model", {}).items() if k in model_rest}
+    model_sd = storage.merge_tree(tensors["model"], mine)
+    set_model_state_dict(state.model, model_sd)
+    if not with_optim:
+        return
+    saved_opt = saved_rest.get("optimizer", {})
+    for name, opt in optimizers_of(state).items():
+        # An optimizer without tensor state (sign-SGD without momentum) has no tensors.
+        loaded, saved = tensors.get("optimizer", {}).get(name, {}), saved_opt.get(name)
+        if not isinstance(saved, dict) or "param_groups" not in saved:
+            raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
+        current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
+        every = distributed.all_gather_object(current_groups)  # all pipeline stages
+        merged = every[0]
+        for groups in every[1:]:
+            merged = rank_json.merge_groups(merged, groups)
+        check_groups(folder, name, saved["param_groups"], merged)
+        # Hyperparameters come from the current recipe (LR is set from the schedule every
+        # step); the moments and any non-tensor per-parameter state come from the checkpoint.
+        names = {str(p) for g in current_groups for p in g.get("params", [])}
+        sd = storage.merge_tree(loaded, {"state": rank_json.own_state(
+            saved.get("state", {}), names)})
+        sd["param_groups"] = current_groups
+        set_optimizer_state_dict(state.model, opt, sd)
