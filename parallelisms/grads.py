@@ -137,6 +137,13 @@ def clip_grad_norm(
     """Scale gradients so their global norm is at most ``max_norm`` (0 or inf: measure only);
     return the norm before clipping (a plain tensor, the same on every rank)."""
     params = [p for p in params if p.grad is not None]
+    if not any(is_dtensor(p.grad) for p in params):  # one process's whole gradients: torch's
+        grads = [p.grad for p in params]  # own two calls, without the per-tensor bookkeeping
+        total = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True).float() \
+            if grads else torch.zeros(())
+        if max_norm and not math.isinf(max_norm) and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
     total = grad_norm(params, norm_type)
     if not max_norm or math.isinf(max_norm) or not params:
         return total
