@@ -108,7 +108,7 @@ def groups(args) -> list[Group]:
                               "tokens_per_second", "tok/s", goal=">= 1.5x")],
                          {**base, "batch": batch, "prompt": 32, "new_tokens": new_tokens,
                           "repeats": 1 if quick else 3}))
-    out.append(Group("eval", "eval", "lm-eval hf (loglikelihood)",
+    out.append(Group("eval", "eval", "lm-evaluation-harness hf model (loglikelihood)",
                      [Row("downstream multiple choice", "examples_per_second", "examples/s")],
                      {**base, "rounds": 1 if quick else args.rounds,
                       "examples": 8 if quick else 200}, third_party=False, paired=True))
