@@ -9,9 +9,10 @@ The manager works on a *train state*: any object with ``model``, ``optimizers`` 
 ``rows``). The trainer is one; tests use small ones.
 
 Model and optimizers go through ``app_state`` (DCP's ``get_state_dict``/``set_state_dict``), so
-plain and FSDP2-sharded models share one path (DCP reshards tensors across layouts). Everything per-rank (RNG, the
-model's carry, the loader cursor) goes into the rank's safetensors file; on the same layout each
-rank reads its own file back, on another layout ``remap`` assembles it by global batch row.
+plain and FSDP2-sharded models share one path (DCP reshards tensors across layouts). Everything
+per-rank (RNG, the model's carry, the loader cursor) goes into the rank's safetensors file; on the
+same layout each rank reads its own file back, on another layout ``remap`` assembles it by global
+batch row.
 """
 
 from __future__ import annotations

@@ -174,6 +174,15 @@ def clip_grad_norm(
     return the norm before clipping (a plain tensor, the same on every rank). ``stage_ranks``
     and ``extra``: pipeline parallelism (see ``grad_norm``)."""
     params = [p for p in params if p.grad is not None]
+    if stage_ranks is None and not extra and not any(is_dtensor(p.grad) for p in params):
+        # One process's whole gradients: torch's own two calls, without the per-tensor
+        # bookkeeping of grad_norm (host overhead on small models).
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True).float() \
+            if grads else torch.zeros(())
+        if max_norm and not math.isinf(max_norm) and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
     total = grad_norm(params, norm_type, stage_ranks=stage_ranks, extra=extra)
     if not max_norm or math.isinf(max_norm) or not params:
         return total

@@ -185,7 +185,9 @@ class CausalAttention(nn.Module):
         hd = self.head_dim
         if hasattr(self, "wqkv"):
             return split_fused_qkv(self.wqkv(x), self.n_heads // self.n_kv_heads, hd)
-        return tuple(lin(x).unflatten(-1, (-1, hd)) for lin in (self.wq, self.wk, self.wv))
+        # view, not unflatten: Tensor.unflatten is a Python wrapper, 3 calls per layer per token
+        # while decoding (the same op)
+        return tuple(lin(x).view(*x.shape[:-1], -1, hd) for lin in (self.wq, self.wk, self.wv))
 
 
 def split_fused_qkv(

@@ -162,17 +162,20 @@ class MoE(nn.Module):
         if self.training and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
-        xs = flat[order // k]  # (N*k, D) rows sorted by expert
+        token = order // k  # (N*k,) the token of each sorted assignment
+        # index_select / index_add_ rather than indexing: their backward passes are a gather and
+        # a scatter-add, where flat[token] would backpropagate through a serial index_put
+        xs = flat.index_select(0, token)  # (N*k, D) rows sorted by expert
         if self.ep > 1:
             w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))  # my experts
             ys = run_experts_all_to_all(self.cfg.dispatch, xs, counts, w1, w3, w2,
                                         self.expert_group, self.ep)
         else:
             ys = run_experts(self.cfg.dispatch, xs, self.w1, self.w3, self.w2, counts)  # (N*k, D)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys[inverse].view(n, k, -1)  # (N, k, D) back in assignment order
-        out = torch.einsum("nkd,nk->nd", y, gates.to(y.dtype))  # (N, D)
+        # Combine: each sorted row times its gate, summed into its token (7% faster than
+        # unsorting into (N, k, D) and a k-deep bmm, forward + backward on CPU)
+        weighted = ys * gates.reshape(-1)[order].to(ys.dtype)[:, None]  # (N*k, D)
+        out = ys.new_zeros(n, ys.shape[-1]).index_add_(0, token, weighted)  # (N, D)
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
         if self.cfg.aux_loss_coeff and self.training:

@@ -135,7 +135,7 @@ def _rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _rotate_real(x, table)
     rot = torch.view_as_complex(table).unsqueeze(-2)  # ([B,] T, 1, D/2) complex
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2) complex
+    xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))  # (B, T, H, D/2) complex
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
 

@@ -1,0 +1,58 @@
+"""Helpers both sides of every row use: the CPU model, process age, a median timer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Unavailable(Exception):
+    """A side cannot run here (its peer is not installed, or kiln lacks the feature yet): the
+    row says so instead of failing the whole table."""
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def process_age() -> float:
+    """Seconds since this process started (0 where /proc is missing)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` (after none: callers warm up first)."""
+    times = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+# torchtitan's llama3 debug shape (6,163,712 parameters at seq 256): the dense rows' model
+LLAMA_DEBUG = str(REPO / "train_configs" / "llama_debug.toml")
