@@ -102,7 +102,11 @@ class CheckpointManager:
         tmp = self.root / f"{layout.TMP_PREFIX}{name}"
         try:
             self._together(lambda: self._prepare(tmp))
-            seal, tensors = self._together(lambda: self._write_small(state, tmp, step, extra))
+            # Every rank gathers the JSON state first: a collective inside a part that can fail
+            # on one rank would leave the others waiting in it.
+            tensors, rest = storage.split_tree(app_state.collect(state, with_optim=True))
+            rest = rank_json.merge(distributed.all_gather_object(rest))  # pipeline stages differ
+            seal = self._together(lambda: self._write_small(state, tmp, step, extra, rest))
             writer = FileSystemWriter(str(tmp), sync_files=True)
             storage.quiet_dcp()
             if self.async_save:
@@ -138,11 +142,11 @@ class CheckpointManager:
             layout.remove_temporaries(self.root)
             tmp.mkdir()
 
-    def _write_small(self, state, tmp: Path, step: int,
-                     extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict]:
+    def _write_small(self, state, tmp: Path, step: int, extra: dict[str, Any] | None,
+                     rest: dict[str, Any]) -> dict[str, Any]:
         """This rank's file (RNG, carry, payload, loader cursor: captured at this step) and, on
-        rank 0, state.json and recipe.toml. Returns (the manifest's extra fields, the tensors
-        DCP writes)."""
+        rank 0, state.json (with ``rest``, the model and optimizer state that is not tensors) and
+        recipe.toml. Returns the manifest's extra fields."""
         rng_tensors, rng_info = rng.capture()
         pay = payload.capture(step, state.model, state.guards)
         carry_tensors, pay_header = payload.split(pay)
@@ -157,9 +161,6 @@ class CheckpointManager:
         }
         storage.save_rank_file(rank_file(tmp, self.world.rank), {**rng_tensors, **carry_tensors},
                                header)
-
-        tensors, rest = storage.split_tree(app_state.collect(state, with_optim=True))
-        rest = rank_json.merge(distributed.all_gather_object(rest))  # pipeline stages differ
         meta = {
             "format": layout.FORMAT, "step": step, "tokens": int(state.progress.tokens),
             "world_size": self.world.world_size, "progress": state.progress.state_dict(),
@@ -178,7 +179,7 @@ class CheckpointManager:
             recipe_toml = getattr(state, "recipe_toml", None)
             if recipe_toml is not None:
                 layout.write_atomic(tmp / RECIPE, recipe_toml)
-        return seal, tensors
+        return seal
 
     def _together(self, part: Callable[[], Any]) -> Any:
         return save_failure.together(self.world, self.root, part)
