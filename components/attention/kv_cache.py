@@ -112,8 +112,10 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if session.mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=session.mask, enable_gqa=gqa)
     if session.causal and session.start:
-        # New tokens after cached ones: SDPA's is_causal aligns top-left, so spell it out.
         t, s = q.shape[2], k.shape[2]
+        if t == 1:  # one new token sees every cached one: no mask, SDPA's unmasked kernel
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        # New tokens after cached ones: SDPA's is_causal aligns top-left, so spell it out.
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=session.causal, enable_gqa=gqa)

@@ -112,3 +112,9 @@ def test_one_quick_round(group, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)["rows"]
     assert rows and all(not r["problem"] and r["speedup"] > 0 for r in rows), rows
+    if group == "generate-b8":  # the profile docs/benchmarks.md quotes, on the same checkpoint
+        prof = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_generate.py"),
+                               str(tmp_path / "generate"), "kiln", "--new-tokens", "4",
+                               "--threads", "1"], capture_output=True, text=True, timeout=600,
+                              cwd=REPO)
+        assert prof.returncode == 0 and "aten::mm" in prof.stdout, prof.stderr[-3000:]
