@@ -18,24 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rows, also when imported by path
+
+from bench_rows.common import cpu_model  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "ran", "sat", "on", "a", "mat", "hat", "big", "small", "red",
          "blue", "house", "tree", "kiln", "fire", "clay", "pot", "water", "then", "he", "she",
          "takes", "puts", "into", "slowly", "and", "with", "hands", "oven", "glaze"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def sentence(r: random.Random, lo: int, hi: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 class Unavailable(Exception):
     """A side cannot run here (its peer is not installed, or kiln lacks the feature yet): the
     row says so instead of failing the whole table."""
+
+
+def torchtitan_missing(exc: ImportError) -> Unavailable:
+    return Unavailable(f"torchtitan 0.2.x and triton are not importable in {sys.executable} "
+                       f"({exc}); see scripts/bench_peers.py")
 
 
 def cpu_model() -> str:

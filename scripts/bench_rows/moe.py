@@ -18,9 +18,8 @@ peer leaves out.
 from __future__ import annotations
 
 import contextlib
-import sys
 
-from bench_rows.common import Unavailable, median_seconds, set_threads
+from bench_rows.common import median_seconds, set_threads, torchtitan_missing
 
 SHAPE = {"batch": 8, "seq": 256, "dim": 256, "experts": 8, "top_k": 2, "hidden": 256}
 
@@ -84,8 +83,7 @@ def peer(p: dict) -> dict:
         from torchtitan.models.moe import utils as titan_utils
         from torchtitan.models.moe.kernels import generate_permute_indices
     except ImportError as exc:
-        raise Unavailable(f"torchtitan 0.2.x and triton are not importable in {sys.executable} "
-                          f"({exc}); see scripts/bench_peers.py") from None
+        raise torchtitan_missing(exc) from None
     set_threads(p["threads"])
     _histc_on_integers(torch)
     torch.manual_seed(0)

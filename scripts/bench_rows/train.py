@@ -15,10 +15,9 @@ cost counts on kiln's side only).
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 
-from bench_rows.common import LLAMA_DEBUG, Unavailable, process_age, set_threads
+from bench_rows.common import LLAMA_DEBUG, process_age, set_threads, torchtitan_missing
 
 BATCH, SEQ, VOCAB = 4, 256, 2048  # llama_debug.toml = torchtitan's debugmodel at seq 256
 
@@ -50,8 +49,7 @@ def peer(p: dict) -> dict:
         from torchtitan.models.llama3 import Transformer, llama3_args
         from torchtitan.models.llama3.infra.parallelize import apply_compile
     except ImportError as exc:
-        raise Unavailable(f"torchtitan 0.2.x and triton are not importable in {sys.executable} "
-                          f"({exc}); see scripts/bench_peers.py") from None
+        raise torchtitan_missing(exc) from None
     set_threads(p["threads"])
     torch.manual_seed(0)
     model = Transformer(llama3_args["debugmodel"])  # dim 256, 6 layers, 16 heads, sdpa causal
