@@ -160,7 +160,8 @@ if [ -f "$RUN/{DONE}" ]; then
 fi
 export NGPU=${{NGPU:-${{SLURM_GPUS_ON_NODE:-1}}}}
 export NNODES=${{SLURM_JOB_NUM_NODES:-1}}
-FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads every line (head would close the pipe: SIGPIPE, exit 141 under pipefail)
+FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export RDZV_ENDPOINT="$FIRST_NODE:${{RDZV_PORT:-29500}}"
 export RDZV_ID="kiln-${{SLURM_ARRAY_JOB_ID:-0}}-$TASK"
 eval "set -- ${{ARGS[$TASK]}}"
