@@ -36,6 +36,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kiln.checkpointing.layout import write_atomic
 from kiln.components import distributed
 from kiln.components.base import Config
 from kiln.components.errors import KilnError, TrainingHung
@@ -223,7 +224,7 @@ class Watchdog(Hook):
     def _fire(self, reason: str | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if reason is not None and not (self.folder / TRIGGER).exists():
-            _write_atomic(self.folder / TRIGGER, json.dumps({"rank": self.rank,
+            write_atomic(self.folder / TRIGGER, json.dumps({"rank": self.rank,
                                                              "reason": reason}))
         if reason is None:
             reason = json.loads((self.folder / TRIGGER).read_text(encoding="utf-8"))["reason"]
@@ -255,7 +256,7 @@ class Watchdog(Hook):
             faulthandler.dump_traceback(f, all_threads=True)
         os.replace(tmp, path)
         if trace is not None:
-            _write_atomic(self.folder / f"rank_{self.rank}.flight_recorder.json", trace)
+            write_atomic(self.folder / f"rank_{self.rank}.flight_recorder.json", trace)
 
     def _gather(self) -> dict[int, dict | None]:
         deadline = time.monotonic() + self.cfg.grace_s
@@ -296,13 +297,6 @@ def _flight_recorder() -> str | None:
         except RuntimeError:
             continue  # e.g. no NCCL group in this process
     return None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # one temporary name per process: two ranks firing at once both write the trigger
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _leave(error: KilnError, exit) -> None:
