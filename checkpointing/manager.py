@@ -79,6 +79,7 @@ class CheckpointManager:
         self.log = log
         self.on_error = on_error  # a failed save: "stop" (CheckpointError) or "continue"
         self._pending: dict[str, Any] | None = None  # the one save in flight
+        self._purging: threading.Thread | None = None  # deletes rotated-out checkpoints
         self._async_failure: tuple[int, str] | None = None  # (step, reason), rank 0's thread
         self.last_saved_step: int | None = None
         self.last_save_s: float | None = None  # how long the last save took to write, in full
@@ -174,11 +175,11 @@ class CheckpointManager:
                 # JSON has no NaN: a non-finite loss (a step a guard skipped) is kept as text
                 **{k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
                    for k, v in (extra or {}).items()}}
-        if self.world.is_main:
-            layout.write_json(tmp / STATE, meta)
+        if self.world.is_main:  # plain writes: the folder is published whole, once sealed
+            (tmp / STATE).write_text(layout.json_text(meta), encoding="utf-8")
             recipe_toml = getattr(state, "recipe_toml", None)
             if recipe_toml is not None:
-                layout.write_atomic(tmp / RECIPE, recipe_toml)
+                (tmp / RECIPE).write_text(recipe_toml, encoding="utf-8")
         return seal
 
     def _together(self, part: Callable[[], Any]) -> Any:
@@ -208,11 +209,15 @@ class CheckpointManager:
         handled as in ``save`` (every rank takes rank 0's verdict; ``agree=False``, after an
         error elsewhere: no collective, rank 0 only reports it)."""
         pending, self._pending = self._pending, None
+        if pending is not None:
+            pending["future"].exception()  # this rank's share written (or failed: rank 0 knows)
+            if "thread" in pending:
+                pending["thread"].join()
+        if self._purging is not None:  # after the publish above, which may have started it
+            self._purging.join()
+            self._purging = None
         if pending is None:
             return
-        pending["future"].exception()  # this rank's share written (or failed: rank 0 knows)
-        if "thread" in pending:
-            pending["thread"].join()
         failure, self._async_failure = self._async_failure, None
         if agree and self.world.distributed:
             failure = distributed.broadcast_object(failure)
@@ -249,9 +254,13 @@ class CheckpointManager:
         layout.write_manifest(tmp, step, seal)
         layout.publish(tmp, self.root / name)
         try:
-            layout.write_atomic(self.root / "latest", name + "\n")
+            layout.write_atomic(self.root / "latest", name + "\n", durable=False)
             removed = layout.rotate(self.root, self.keep_last)
             layout.write_index(self.root)
+            if removed:  # deleting their files is slow; the next save (or the end) waits
+                self._purging = threading.Thread(target=layout.purge, args=(self.root,),
+                                                 name="kiln-checkpoint-purge", daemon=True)
+                self._purging.start()
         except OSError as exc:  # the snapshot is complete; these only help humans and tools
             self.log(f"kiln: WARNING: checkpoint step {step} is saved, but updating latest / "
                      f"rotating / index.json failed ({exc}); a resume finds it anyway")

@@ -35,7 +35,7 @@ def test_a_sealed_folder_verifies(tmp_path):
 
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "a.bin").write_bytes(b"x" * 50), "truncated"),
-    (lambda f: (f / "a.bin").write_bytes(b"y" * 100), "sha256"),
+    (lambda f: (f / "a.bin").write_bytes(b"y" * 100), r"checksum \(xxh3_128\)"),
     (lambda f: (f / "sub/b.json").unlink(), "missing"),
     (lambda f: (f / "c.bin").write_bytes(b"z"), "not in the manifest"),
     (lambda f: (f / layout.MANIFEST).unlink(), "renamed into place only once"),
@@ -47,6 +47,28 @@ def test_damaged_folders_give_a_clear_error(tmp_path, damage, message):
     damage(folder)
     with pytest.raises(CheckpointError, match=message):
         layout.verify(folder)
+
+
+def test_a_version_1_manifest_is_still_verified_with_its_sha256(tmp_path):
+    folder = make(tmp_path, 3)
+    m = json.loads((folder / layout.MANIFEST).read_text())
+    files = {rel: {"size": info["size"], "sha256": layout.sha256(folder / rel)}
+             for rel, info in m["files"].items()}
+    (folder / layout.MANIFEST).write_text(json.dumps({**m, "version": 1, "files": files}))
+    assert layout.verify(folder)["version"] == 1
+    (folder / "a.bin").write_bytes(b"y" * 100)
+    with pytest.raises(CheckpointError, match=r"checksum \(sha256\)"):
+        layout.verify(folder)
+
+
+def test_the_checksum_is_xxh3_128_of_the_bytes(tmp_path):
+    import xxhash
+
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "data").write_bytes(bytes(range(256)) * 1000)
+    assert layout.checksum(tmp_path / "empty") == xxhash.xxh3_128(b"").hexdigest()
+    assert layout.checksum(tmp_path / "data") == \
+        xxhash.xxh3_128(bytes(range(256)) * 1000).hexdigest()
 
 
 def test_future_format_version_is_refused(tmp_path):
@@ -73,8 +95,12 @@ def test_rotation_keeps_the_newest_and_final(tmp_path):
     layout.set_link(tmp_path, "final", "step_0000002")
     removed = layout.rotate(tmp_path, keep_last=2)
     assert removed == ["step_0000001", "step_0000003"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_0000002", "step_0000004",
-                                                          "step_0000005"]
+    kept = ["final", "step_0000002", "step_0000004", "step_0000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # set aside, not yet deleted
+        ".tmp-purge-step_0000001", ".tmp-purge-step_0000003", *kept]
+    assert [s for s, _ in layout.list_checkpoints(tmp_path)] == [2, 4, 5]
+    layout.purge(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
     assert (tmp_path / "final" / "a.bin").is_file()
     assert layout.rotate(tmp_path, keep_last=0) == []
 

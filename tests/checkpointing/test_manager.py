@@ -55,6 +55,7 @@ def test_layout_latest_index_and_rotation(tmp_path):
     m.save(s)
     s.train_step()
     m.save(s)
+    m.wait()  # the rotated-out folder is deleted in the background; wait() joins that
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["final", "index.json", "latest", "step_0000004", "step_0000005",
                      "step_0000006"]
@@ -79,7 +80,7 @@ def _flip_byte(path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda f: _flip_byte(f / "__0_0.distcp"), "sha256"),
+    (lambda f: _flip_byte(f / "__0_0.distcp"), "checksum"),
     (lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:100]),
      "truncated"),
     (lambda f: (f / "rank_00000.safetensors").unlink(), "missing"),
@@ -216,7 +217,7 @@ def _save_then_die(root: str, where: str) -> None:
 
         FileSystemWriter.write_data = partial
     elif where == "manifest":
-        lay.sha256 = die  # while sealing
+        lay.checksum = die  # while sealing
     elif where == "rank_file":
         sto.save_rank_file = die
     m.save(s)

@@ -66,7 +66,7 @@ def _copy(cut, run, damage="flipped byte", steps=(5,)):
 
 
 @pytest.mark.parametrize("damage, says", [
-    ("flipped byte", "sha256"), ("truncated tensor file", "truncated"),
+    ("flipped byte", "checksum"), ("truncated tensor file", "truncated"),
     ("deleted rank file", "missing files"), ("no manifest", "no manifest.json"),
     ("truncated state.json", "truncated")])
 def test_recovers_from_the_newest_valid_snapshot_and_ends_like_the_full_run(cut, tmp_path,
@@ -91,7 +91,7 @@ def test_strict_resume_refuses(cut, tmp_path, capsys):
     run = _copy(cut, tmp_path / "strict")
     assert _cli(run, "--checkpoint.strict_resume=true") == 2
     err = capsys.readouterr().err
-    assert "sha256" in err and "strict_resume = true" in err
+    assert "checksum" in err and "strict_resume = true" in err
     assert (run / "checkpoints" / "step_0000005").is_dir()  # nothing moved
     assert not (run / "RECOVERED.json").exists()
 
