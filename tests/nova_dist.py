@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from kiln.components import distributed
+from tests.parallelisms.tiny import free_port, init_gloo
 
 WORLD = 2
 
@@ -290,10 +289,7 @@ def case_timing() -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, port)
     try:
         tmp = [out if rank == 0 else ""]
         dist.broadcast_object_list(tmp)
@@ -305,17 +301,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @functools.cache
 def results() -> dict:
     """Run the spawn once; rank 0's results, plus ``rank1`` for rank 1's."""
     out = tempfile.mkdtemp(prefix="kiln-nova-dist-")
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
     res = json.loads(Path(out, "rank0.json").read_text())
     res["rank1"] = json.loads(Path(out, "rank1.json").read_text())
     return res

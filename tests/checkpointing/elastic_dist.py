@@ -10,13 +10,10 @@ the test to compare).
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
@@ -29,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.checkpointing import storage
 from kiln.components import distributed
+from tests.parallelisms.tiny import free_port, init_gloo
 
 WORLD = 2
 # 8-bit: uneven rows (33 + 32) of 128, 32-element rows (the tiny Nova embedding), uneven 2 + 1
@@ -143,10 +141,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     import faulthandler
 
     faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, port)
     try:
         case_optimizers(Path(tmp), rank)
         case_runs(Path(tmp), rank)
@@ -155,7 +150,4 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 def run(tmp: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, str(tmp)), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp)), nprocs=WORLD)

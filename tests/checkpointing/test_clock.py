@@ -21,6 +21,7 @@ from kiln.recipes.hooks import Hook
 from kiln.recipes.recipe import load_recipe
 from kiln.recipes.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
+from tests.parallelisms.tiny import free_port, init_gloo
 
 TINY = [
     "--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
@@ -166,13 +167,10 @@ def test_interval_minutes_saves_on_time_and_counts_in_keep_last(tmp_path, fake_c
 
 # ---------------------------------------------------------------- 2 processes: rank 0 decides
 def _agree_worker(rank: int, port: int, out: str) -> None:
-    import torch
 
     from kiln.components import distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
+    init_gloo(rank, 2, port)
     try:
         # rank 0 alone decides the clock flags; any rank's signal counts
         got = [clock.agree([rank == 1, rank == 0, rank == 1])]
@@ -186,8 +184,6 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_every_rank_follows_the_same_decision(tmp_path):
     import torch
-
-    from tests.parallelisms.tiny import free_port
 
     torch.multiprocessing.spawn(_agree_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import sys
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from kiln.recipes.recipe import load_recipe
 from tests.checkpointing.elastic import StopAfter
 from tests.components.data.conftest import write_corpus
 from tests.conftest import CONFIGS
-from tests.parallelisms.tiny import free_port
+from tests.parallelisms.tiny import free_port, rank_env
 from tests.recipes.test_combinations import DENSE, TINY
 
 N, K = 4, 2  # steps; the cut runs save at K and stop
@@ -119,9 +118,7 @@ TWO = {"plain": (), "mask": MASK}
 def _worker(rank: int, world: int, port: int, folder: str, parts: dict) -> None:
     from kiln.components import distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     corpus = f"{folder}/corpus"
     results = {}
     try:

@@ -5,7 +5,6 @@ rank before any training (2 gloo processes, faults injected into one)."""
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from kiln.components.errors import HealthCheckFailed
 from kiln.parallelisms import health
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.health import HealthCheckConfig, run_health_check
+from tests.parallelisms.tiny import free_port, rank_env
 
 ONE = SimpleNamespace(rank=0, world_size=1, local_rank=0, distributed=False,
                       device=torch.device("cpu"))
@@ -74,9 +74,7 @@ def test_bus_bandwidth_factors_follow_nccl_tests():
 def _worker(rank: int, port: int, out: str) -> None:
     from kiln.components import distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_env(rank, 2, port)
     world = distributed.init("cpu")
     results: dict = {}
     real_all_reduce, real_all_to_all = distributed.all_reduce_, distributed.all_to_all_single_
@@ -117,8 +115,6 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_pass_and_a_wrong_rank_is_named_by_every_rank(tmp_path):
-    from tests.parallelisms.tiny import free_port
-
     torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     clean = ranks[0]["clean"]["ok"]

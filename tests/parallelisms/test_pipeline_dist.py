@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from tests.parallelisms.tiny import free_port, rank_env
 from tests.recipes.test_combinations import STEPS, recipe_for
 
 pytestmark = pytest.mark.slow
@@ -91,9 +92,7 @@ def _worker(rank: int, world: int, port: int, folder: str, names: list[str],
             extra: tuple[str, ...]) -> None:
     from kiln.components import distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     results: dict = {}
     try:
         for name in names:
@@ -110,8 +109,6 @@ def _worker(rank: int, world: int, port: int, folder: str, names: list[str],
 
 
 def _spawn(tmp_path, world: int, names: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
-    from tests.parallelisms.tiny import free_port
-
     torch.multiprocessing.spawn(_worker, args=(world, free_port(), str(tmp_path), names, extra),
                                 nprocs=world)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

@@ -58,8 +58,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world_size: int, port: int) -> None:
+def rank_env(rank: int, world_size: int, port: int) -> None:
+    """Make a ``torch.multiprocessing.spawn`` worker look like one torchrun rank on this host:
+    MASTER_ADDR / MASTER_PORT (``free_port()``), RANK, WORLD_SIZE, LOCAL_RANK, and one thread
+    (OMP_NUM_THREADS=1 too), since the ranks share the machine's cores."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    rank_env(rank, world_size, port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -31,6 +31,7 @@ from kiln.components import registry
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.recipes.recipe import load_recipe
 from tests.conftest import CONFIGS
+from tests.parallelisms.tiny import free_port, rank_env
 
 STEPS = 2
 TINY = ("--training.seq_len=32", "--training.global_batch=4", "--training.micro_batch=2",
@@ -314,9 +315,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     from kiln.components import distributed
     from tests.collective_spy import CollectiveSpy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_env(rank, 2, port)
     spy = CollectiveSpy().install()
     results: dict = {}
     try:
@@ -362,7 +361,6 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
 @pytest.mark.slow
 def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tmp_path):
     from tests.components.evals import samples
-    from tests.parallelisms.tiny import free_port
     from tests.recipes.test_downstream import metrics_of, task_flags
 
     families = list(discovered())
@@ -491,9 +489,7 @@ def _diag_worker(rank: int, port: int, folder: str) -> None:
     from kiln.components import distributed
     from tests.collective_spy import CollectiveSpy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_env(rank, 2, port)
     spy = CollectiveSpy().install()
     results: dict = {}
     try:
@@ -517,8 +513,6 @@ def _diag_line(folder) -> dict:
 def test_two_processes_diagnostics_are_of_the_full_tensors(tmp_path):
     """FSDP2 (looped MoE) and tensor parallel (dense) on 2 gloo ranks log the figures one
     process logs for the same global batch: reduced over ranks, not one rank's shard or rows."""
-    from tests.parallelisms.tiny import free_port
-
     torch.multiprocessing.spawn(_diag_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, family, _ in DIAG_CELLS:
