@@ -27,6 +27,31 @@ def _bench():
     return module
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_task_index():
+    """lm-eval's TaskManager reads all its ~14,700 built-in task YAMLs each time it is made
+    (tens of seconds on a 2-core machine), and every harness run of this module (the helpers'
+    and ``kiln harness``'s own) makes one over its folder and this module's task folder: index
+    each folder once, and merge as the harness does (a later folder's names win). The runs get
+    a dict of their own; no run changes an entry (the task factory deep-copies its config)."""
+    from lm_eval.tasks import _index
+
+    real, built = _index.TaskIndex.build, {}
+
+    def build(paths, **kw):
+        index = {}
+        for root in paths:
+            key = (str(root), tuple(sorted(kw.items())))
+            if key not in built:
+                built[key] = real([root], **kw)
+            index.update(built[key])
+        return index
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_index.TaskIndex, "build", staticmethod(build))
+        yield built
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     b = _bench()
