@@ -5,6 +5,7 @@ script keeps working. Nothing here times anything."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -89,32 +90,56 @@ def test_a_side_whose_peer_is_missing_reports_it_instead_of_failing(tmp_path):
         out.stdout.splitlines()[-1])["unavailable"]
 
 
+@functools.cache  # a fresh interpreter per question; the slow tests ask each several times
 def _peer_has(module: str, python: str = PEER_PYTHON) -> bool:
     return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
 NEEDS = {"train": "torchtitan", "moe": "torchtitan", "generate": "transformers"}
+QUICK = ["train-fp32", "moe-bf16", "generate-b8", "eval", "checkpoint", "overhead"]
+
+
+def _missing(group: str) -> str:
+    """Why ``group`` cannot run here ("" if it can)."""
+    needs = NEEDS.get(group.split("-")[0])
+    if needs and not _peer_has(needs):
+        return f"{needs} is not installed in {PEER_PYTHON} (set KILN_PEER_PYTHON)"
+    if group == "eval" and not all(_peer_has(m, sys.executable) for m in ("lm_eval", "accelerate")):
+        return "lm-eval and accelerate (the dev extra) are not installed here"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def quick_round(tmp_path_factory):
+    """One tiny round of every group that can run here, in one bench_peers process (each side
+    still in its own process, as in a real run): (work folder, rows by group)."""
+    work = tmp_path_factory.mktemp("bench_peers")
+    runnable = [g for g in QUICK if not _missing(g)]
+    if not runnable:
+        return work, {}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--threads",
+                          "1", *[x for g in runnable for x in ("--only", g)], "--json",
+                          "--peer-python", PEER_PYTHON, "--work", str(work)],
+                         capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows: dict[str, list[dict]] = {}
+    for row in json.loads(out.stdout)["rows"]:
+        rows.setdefault(row["group"], []).append(row)
+    assert sorted(rows) == sorted(runnable), sorted(rows)
+    return work, rows
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group", ["train-fp32", "moe-bf16", "generate-b8", "eval", "checkpoint",
-                                   "overhead"])
-def test_one_quick_round(group, tmp_path):
-    needs = NEEDS.get(group.split("-")[0])
-    if needs and not _peer_has(needs):
-        pytest.skip(f"{needs} is not installed in {PEER_PYTHON} (set KILN_PEER_PYTHON)")
-    if group == "eval" and not all(_peer_has(m, sys.executable) for m in ("lm_eval", "accelerate")):
-        pytest.skip("lm-eval and accelerate (the dev extra) are not installed here")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--threads",
-                          "1", "--only", group, "--json", "--peer-python", PEER_PYTHON,
-                          "--work", str(tmp_path)],
-                         capture_output=True, text=True, timeout=1800, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout)["rows"]
+@pytest.mark.parametrize("group", QUICK)
+def test_one_quick_round(group, quick_round):
+    if why := _missing(group):
+        pytest.skip(why)
+    work, by_group = quick_round
+    rows = by_group[group]
     assert rows and all(not r["problem"] and r["speedup"] > 0 for r in rows), rows
     if group == "generate-b8":  # the profile docs/benchmarks.md quotes, on the same checkpoint
         prof = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_generate.py"),
-                               str(tmp_path / "generate"), "kiln", "--new-tokens", "4",
+                               str(work / "generate"), "kiln", "--new-tokens", "4",
                                "--threads", "1"], capture_output=True, text=True, timeout=600,
                               cwd=REPO)
         assert prof.returncode == 0 and "aten::mm" in prof.stdout, prof.stderr[-3000:]
