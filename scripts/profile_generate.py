@@ -1,7 +1,8 @@
-"""Where generation spends its time: ``torch.profiler`` around one greedy generation at batch 8
-(32-token prompts, fp32, KV cache) of kiln's ``generate`` or of ``transformers``' ``generate``, on
-the checkpoint and export ``scripts/bench_peers.py --only generate`` leaves under its work folder
-(``runs/bench_peers/generate``). Prints the operators by self CPU time (docs/benchmarks.md).
+"""Where generation spends its time: ``torch.profiler`` around one greedy generation (batch 8,
+or ``--batch``; 32-token prompts, fp32, KV cache) of kiln's ``generate`` or of ``transformers``'
+``generate``, on the checkpoint and export ``scripts/bench_peers.py --only generate`` leaves under
+its work folder (``runs/bench_peers/generate``). Prints the operators by self CPU time
+(docs/benchmarks.md).
 
     python scripts/profile_generate.py runs/bench_peers/generate kiln
     PEER_ENV/bin/python scripts/profile_generate.py runs/bench_peers/generate peer
@@ -20,12 +21,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", type=Path, help="bench_peers' generate folder (run/, export/)")
     parser.add_argument("side", choices=("kiln", "peer"))
+    parser.add_argument("--batch", type=int, default=8, help="prompts (rows) per generation")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=14, help="operators to print")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = torch.randint(3, 258, (8, 32), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(3, 258, (args.batch, 32), generator=torch.Generator().manual_seed(0))
     if args.side == "kiln":
         from kiln.checkpointing.resume import find_checkpoint
         from kiln.recipes.generate import Sampling, generate

@@ -164,10 +164,10 @@ class CausalAttention(nn.Module):
             # SDPA wants (B, H, T, D); a transpose is a view.
             out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context)
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
-            q, k = self.position(q, k, positions=cache.session.positions)
-            k, v = cache.update(k, v)  # (B, S, Hk, D)
-            out = cached_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              cache.session)
+            session = cache.session
+            q, k = self.position(q, k, positions=session.positions, limit=session.limit)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hk, S, D)
+            out = cached_sdpa(q.transpose(1, 2), k, v, session)
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -183,17 +183,16 @@ class DifferentialAttention(CausalAttention):
             attend = lambda q_, k_, v_: F.scaled_dot_product_attention(  # noqa: E731
                 q_, k_, v_, is_causal=True, enable_gqa=hk != h)
         else:  # decoding: the rotated keys and the values of earlier tokens are cached
-            q, k = self.position(q, k, positions=cache.session.positions)
-            k, v = cache.update(k, v)  # (B, S, 2Hk, d), (B, S, Hk, 2d)
-            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, cache.session)  # noqa: E731
-        s = k.shape[1]
-        q = q.reshape(b, t, h, 2, half)  # (B, T, H, 2, d)
-        k = k.reshape(b, s, hk, 2, half)  # (B, S, Hk, 2, d)
-        v = v.transpose(1, 2)  # (B, Hk, S, 2d)
-        a1v, a2v = (
-            attend(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2), v)  # (B,H,T,2d)
-            for c in (0, 1)
-        )
+            session = cache.session
+            q, k = self.position(q, k, positions=session.positions, limit=session.limit)
+            # cached in SDPA's layout: (B, 2Hk, S, d), (B, Hk, S, 2d)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))
+            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, session)  # noqa: E731
+        if cache is None:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, 2Hk, S, d), (B, Hk, S, 2d)
+        q = q.reshape(b, t, h, 2, half).transpose(1, 2)  # (B, H, T, 2, d)
+        k = k.view(b, hk, 2, -1, half)  # (B, Hk, 2, S, d): sub-head 2i+c is half c of head i
+        a1v, a2v = (attend(q[..., c, :], k[:, :, c], v) for c in (0, 1))  # (B, H, T, 2d) each
         lam = self.lambda_value(h).to(a1v.dtype).view(1, h, 1, 1)
         out = self.head_norm(a1v - lam * a2v) * (1 - self.lambda_init)  # (B, H, T, 2d)
         if self.head_gate is not None:

@@ -7,8 +7,14 @@ new tokens' positions and the attention mask, identical for every layer:
 
 - ``session.begin(valid)`` before a forward of T new tokens per row (``valid`` (B, T) bool:
   False marks left padding of shorter prompts); ``session.end()`` after it.
-- A module calls ``cache.update(k, v)`` with the new keys/values (B, T, H, D), after the
-  position rotation, and attends with ``cached_sdpa`` over everything cached so far.
+- A module calls ``cache.update(k, v)`` with the new keys/values in SDPA's layout
+  (B, H, T, D), after the position rotation, and attends with ``cached_sdpa`` over everything
+  cached so far.
+
+The cache is preallocated as (B, H, S, D), SDPA's own layout, and written in place: a decode
+step's SDPA reads ``[:, :, :stop]``, each head's keys one contiguous block. A (B, S, H, D) cache
+handed SDPA a transposed view, which its CPU kernel read 1.3x slower (docs/benchmarks.md,
+"Generation").
 
 Positions count only valid tokens, so a left-padded row sees the positions it would have alone.
 Padding is masked out of every query's keys; a padding query attends to itself only (a row
@@ -36,6 +42,8 @@ class CacheSession:
     def __init__(self, batch: int, max_len: int, device: torch.device | str) -> None:
         self.max_len = max_len
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.count = torch.zeros(batch, 1, dtype=torch.long, device=device)  # valid so far
+        self.padded = False  # whether any cached token is padding (then every query needs a mask)
         self.start = 0  # tokens cached before the current forward
         self.stop = 0  # tokens cached after it
         self.positions: torch.Tensor | None = None  # (B, T) of the new tokens
@@ -49,12 +57,17 @@ class CacheSession:
             raise ValueError(f"the KV cache holds {self.max_len} tokens; {self.start + t} needed")
         self.stop = self.start + t
         self.valid[:, self.start:self.stop] = valid
-        seen = self.valid[:, :self.stop]  # (B, S)
-        self.positions = (seen.long().cumsum(1) - 1).clamp(min=0)[:, self.start:]  # (B, T)
-        if bool(seen.all()):
+        # A token's position = the valid tokens before it; counted from the running total, so a
+        # decode step costs the same at every length (no cumsum over the whole cache).
+        ran = valid.long().cumsum(1)  # (B, T)
+        self.positions = (self.count + ran - 1).clamp(min=0)  # (B, T)
+        self.count = self.count + ran[:, -1:]
+        self.padded = self.padded or not bool(valid.all())
+        if not self.padded:
             # No padding: plain causal attention (one query: it sees every key anyway).
             self.mask = None
         else:
+            seen = self.valid[:, :self.stop]  # (B, S)
             q_idx = torch.arange(self.start, self.stop, device=seen.device)[:, None]  # (T, 1)
             k_idx = torch.arange(self.stop, device=seen.device)[None, :]  # (1, S)
             allowed = (k_idx <= q_idx) & seen[:, None, :]  # (B, T, S)
@@ -69,9 +82,15 @@ class CacheSession:
     def select(self, rows: torch.Tensor) -> None:
         """Between forwards: row i of the cache becomes old row ``rows[i]`` (rows may repeat:
         several continuations scored after one cached context)."""
-        self.valid = self.valid[rows]
+        self.valid, self.count = self.valid[rows], self.count[rows]
         for cache in self.caches:
             cache.slots = [(k[rows], v[rows]) for k, v in cache.slots]
+
+    @property
+    def limit(self) -> int | None:
+        """A bound on the new tokens' positions known without reading them (RoPE's ``limit``):
+        without padding they are start..stop - 1; None = the rotation reads their maximum."""
+        return None if self.padded else self.stop
 
     @property
     def causal(self) -> bool:
@@ -89,20 +108,21 @@ class KVCache:
         session.caches.append(self)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new k (B, T, Hk, Dk) and v (B, T, Hk, Dv); return all so far (B, S, ...)."""
+        """Store the new k (B, Hk, T, Dk) and v (B, Hk, T, Dv); return all so far
+        (B, Hk, S, ...), contiguous per head."""
         s, i = self.session, self.calls
         self.calls += 1
         if i == len(self.slots):
             if s.start:
                 raise RuntimeError("an attention module was called more often than in the "
                                    "first forward of this generation; keep the loop count fixed")
-            b = k.shape[0]
-            self.slots.append((k.new_empty(b, s.max_len, *k.shape[2:]),
-                               v.new_empty(b, s.max_len, *v.shape[2:])))
+            b, h = k.shape[:2]
+            self.slots.append((k.new_empty(b, h, s.max_len, k.shape[-1]),
+                               v.new_empty(b, v.shape[1], s.max_len, v.shape[-1])))
         kc, vc = self.slots[i]
-        kc[:, s.start:s.stop] = k
-        vc[:, s.start:s.stop] = v
-        return kc[:, :s.stop], vc[:, :s.stop]
+        kc[:, :, s.start:s.stop] = k
+        vc[:, :, s.start:s.stop] = v
+        return kc[:, :, :s.stop], vc[:, :, :s.stop]
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
