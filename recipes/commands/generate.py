@@ -127,9 +127,14 @@ def run(args) -> int:
     stream = Stream(tokenizer, encoded[0], sys.stdout) if len(prompts) == 1 else None
     if stream is not None:
         sys.stdout.write(prompts[0])
-    outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                    eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
-                    vocab_size=tokenizer.vocab_size, on_tokens=stream)
+    # Inference mode, not only no_grad: no version counters or view tracking on any tensor.
+    # Batch 1 decoding spent 1.18x the CPU time without it (docs/benchmarks.md, "Generation").
+    # generate() itself keeps no_grad: a trainer's downstream evaluation calls it on the model
+    # it trains (a compiled model would compile once more for inference mode).
+    with torch.inference_mode():
+        outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
+                        vocab_size=tokenizer.vocab_size, on_tokens=stream)
     if stream is not None:
         rest = stream.text()[stream.shown:]  # whatever the stream held back
         sys.stdout.write(rest + "\n")
