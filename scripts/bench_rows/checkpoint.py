@@ -1,7 +1,7 @@
 """Checkpoint save and load throughput (MB/s of tensor state): kiln's ``CheckpointManager``
-(DCP tensors + rank file with RNG and runtime payload + manifest with sha256 of every file,
+(DCP tensors + rank file with RNG and runtime payload + manifest with a checksum of each file,
 written to a temporary folder and renamed into place, ``latest``/index updated, old ones rotated
-out; loading verifies every hash first) against a bare ``dcp.save`` / ``dcp.load`` of the same
+out; loading verifies every checksum first) against a bare ``dcp.save`` / ``dcp.load`` of the same
 state (``get_state_dict`` / ``set_state_dict``, torch's documented recipe). Both write with
 ``sync_files`` (fsync), into fresh folders on the same disk.
 
