@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from kiln.checkpointing import rank_json, storage
@@ -44,20 +45,25 @@ def collect(state, *, with_optim: bool) -> dict[str, Any]:
 
 
 def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path,
-          model_rest: dict) -> None:
+          current: dict) -> None:
+    """Set ``state`` from the loaded ``tensors`` and the saved JSON parts. ``current`` is what
+    ``collect`` returned before the load: its JSON parts (this rank's model entries, the
+    optimizers' param_groups) are reused, so nothing is collected twice."""
     # The saved JSON parts hold every rank's entries (rank_json): keep this rank's.
+    _, model_rest = storage.split_tree(current["model"])
     mine = {k: v for k, v in saved_rest.get("model", {}).items() if k in model_rest}
     model_sd = storage.merge_tree(tensors["model"], mine)
-    set_model_state_dict(state.model, model_sd)
     if not with_optim:
+        set_model_state_dict(state.model, model_sd)
         return
     saved_opt = saved_rest.get("optimizer", {})
+    optims = {}
     for name, opt in optimizers_of(state).items():
         # An optimizer without tensor state (sign-SGD without momentum) has no tensors.
         loaded, saved = tensors.get("optimizer", {}).get(name, {}), saved_opt.get(name)
         if not isinstance(saved, dict) or "param_groups" not in saved:
             raise CheckpointError(f"{folder}: no state for optimizer {name!r}")
-        current_groups = get_optimizer_state_dict(state.model, opt)["param_groups"]
+        current_groups = current["optimizer"][name]["param_groups"]
         every = distributed.all_gather_object(current_groups)  # all pipeline stages
         merged = every[0]
         for groups in every[1:]:
@@ -69,4 +75,11 @@ def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path
         sd = storage.merge_tree(loaded, {"state": rank_json.own_state(
             saved.get("state", {}), names)})
         sd["param_groups"] = current_groups
+        optims[name] = (opt, sd)
+    if len(optims) == 1:  # one call, as torch's recipe does: one parameter-name mapping
+        (opt, sd), = optims.values()
+        set_state_dict(state.model, opt, model_state_dict=model_sd, optim_state_dict=sd)
+        return
+    set_model_state_dict(state.model, model_sd)
+    for opt, sd in optims.values():
         set_optimizer_state_dict(state.model, opt, sd)

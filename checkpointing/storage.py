@@ -195,6 +195,19 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+class _ReadOnce(SafeReader):
+    """Reads and checks the index once: ``load_tensors`` reads it first (a bad index fails
+    with kiln's message, outside DCP's wrapping) and ``dcp.load`` asks for it again."""
+
+    _metadata = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        self._metadata.storage_meta.load_id = self.load_id  # dcp.load resets the reader
+        return self._metadata
+
+
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
     """kiln writes tensors only; a byte item would be unpickled, so it is refused."""
 
@@ -225,13 +238,14 @@ def load_tensors(tensors: dict, folder: Path, *, no_dist: bool, hint: str = "") 
     DCP wraps errors in ``CheckpointException`` (a BaseException) per rank; kiln's own errors
     are unwrapped so their message reaches the user, anything else gets ``hint`` appended.
     """
+    reader = _ReadOnce(str(folder))
     try:  # a bad index fails here, with kiln's message
-        SafeReader(str(folder)).read_metadata()
+        reader.read_metadata()
     except OSError as exc:
         raise CheckpointError(f"{folder}: no readable DCP index ({exc})") from exc
     try:
         quiet_dcp()
-        dcp.load(tensors, storage_reader=SafeReader(str(folder)),
+        dcp.load(tensors, storage_reader=reader,
                  planner=TensorOnlyLoadPlanner(), no_dist=no_dist)
     except CheckpointException as exc:
         failures = [e for e, _ in exc.failures.values()]

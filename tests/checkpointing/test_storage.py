@@ -48,6 +48,17 @@ def test_safe_reader_loads_what_dcp_wrote(tmp_path):
     assert torch.equal(sd["a"], torch.arange(6.0).view(2, 3)) and sd["b"].sum() == 2
 
 
+def test_the_index_is_read_and_unpickled_once(tmp_path, monkeypatch):
+    _save(tmp_path, {"a": torch.arange(4.0)})
+    reads = []
+    real = storage._MetadataUnpickler.load
+    monkeypatch.setattr(storage._MetadataUnpickler, "load",
+                        lambda self: reads.append(1) or real(self))
+    sd = {"a": torch.zeros(4)}
+    _load(tmp_path, sd)
+    assert len(reads) == 1 and torch.equal(sd["a"], torch.arange(4.0))
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("pwned",))
