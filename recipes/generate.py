@@ -95,7 +95,7 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens)
     with kv_cache.attach(model, len(prompts), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
-            session.begin(valid if not new else torch.ones_like(new[-1], dtype=torch.bool))
+            session.begin(None if new else valid)  # None: one valid token per row
             logits = model(ids if not new else new[-1], **kwargs)[:, -1, :vocab_size]  # (B, V)
             session.end()
             return logits

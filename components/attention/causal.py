@@ -21,9 +21,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from kiln.components import distributed
 from kiln.components.attention.context import AttentionContext, sdpa
 from kiln.components.attention.kv_cache import KVCache, cached_sdpa
 from kiln.components.base import ComponentConfig, Sub, component
@@ -151,10 +153,11 @@ class CausalAttention(nn.Module):
         """``context``: document mask / context parallel of a training forward
         (``attention/context.py``); None = causal over ``x``'s tokens."""
         b, t, _ = x.shape
-        q, k, v = self.project_qkv(x)  # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
+        cache = self.kv_cache
+        # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
+        q, k, v = self.project_qkv(x) if cache is None else self._decode_qkv(x, cache)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cache = self.kv_cache
         if cache is None:
             if context is None:
                 q, k = self.position(q, k)
@@ -188,6 +191,47 @@ class CausalAttention(nn.Module):
         # view, not unflatten: Tensor.unflatten is a Python wrapper, 3 calls per layer per token
         # while decoding (the same op)
         return tuple(lin(x).view(*x.shape[:-1], -1, hd) for lin in (self.wq, self.wk, self.wv))
+
+
+    def _decode_qkv(self, x: torch.Tensor, cache: KVCache):
+        """``project_qkv`` while decoding: one matmul against wq, wk and wv stacked. A decode step
+        multiplies one row per sequence, so at small widths each projection costs its dispatch
+        more than its arithmetic (dim 256, batch 1: three calls 5% slower per token than one).
+        The stacked copy lives in the cache for one generation; it is made only for small
+        matrices (at most ``_STACK_BYTES``; larger ones are bound by reading the weights, and
+        the copy would cost memory) of a single process (FSDP / TP hold shards)."""
+        stacked = cache.derived.get("qkv")
+        if stacked is None:
+            stacked = cache.derived["qkv"] = self._stacked_qkv()
+        if stacked is False:
+            return self.project_qkv(x)
+        weight, bias = stacked
+        out = F.linear(x, weight, bias).view(*x.shape[:-1], -1, self.head_dim)
+        return out.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
+
+    def _stacked_qkv(self):
+        """(weight, bias) of wq, wk, wv stacked by rows, or False where not worth it."""
+        if hasattr(self, "wqkv"):
+            group = self.n_heads // self.n_kv_heads
+            parts = [split_fused_rows(self.wqkv.weight, group, self.head_dim)]
+            if self.wqkv.bias is not None:
+                parts.append(split_fused_rows(self.wqkv.bias, group, self.head_dim))
+        else:
+            lins = (self.wq, self.wk, self.wv)
+            parts = [[lin.weight for lin in lins]]
+            if self.wq.bias is not None:
+                parts.append([lin.bias for lin in lins])
+        weights = parts[0]
+        size = sum(w.numel() * w.element_size() for w in weights)
+        if distributed.is_initialized() or size > _STACK_BYTES or any(
+                distributed.is_dtensor(w) for w in weights):
+            return False
+        stacked = [torch.cat([p.detach() for p in ps]) for ps in parts]
+        return stacked[0], stacked[1] if len(stacked) > 1 else None
+
+
+# Decode-time stacking of q/k/v projections up to this size (all three matrices together).
+_STACK_BYTES = 4 << 20
 
 
 def split_fused_qkv(

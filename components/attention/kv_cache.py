@@ -6,7 +6,8 @@ An attention module that supports caching has a ``kv_cache`` attribute (None whi
 new tokens' positions and the attention mask, identical for every layer:
 
 - ``session.begin(valid)`` before a forward of T new tokens per row (``valid`` (B, T) bool:
-  False marks left padding of shorter prompts); ``session.end()`` after it.
+  False marks left padding of shorter prompts; None: T = ``tokens`` valid tokens, a decode
+  step); ``session.end()`` after it.
 - A module calls ``cache.update(k, v)`` with the new keys/values in SDPA's layout
   (B, H, T, D), after the position rotation, and attends with ``cached_sdpa`` over everything
   cached so far.
@@ -50,19 +51,27 @@ class CacheSession:
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) bool, or None: plain causal
         self.caches: list[KVCache] = []
 
-    def begin(self, valid: torch.Tensor) -> None:
-        """Before a forward of ``valid.shape[1]`` new tokens per row (valid: (B, T) bool)."""
-        t = valid.shape[1]
+    def begin(self, valid: torch.Tensor | None, tokens: int = 1) -> None:
+        """Before a forward of ``valid.shape[1]`` new tokens per row (valid: (B, T) bool), or of
+        ``tokens`` new tokens per row that are all valid (``valid`` None: a decode step, without
+        building, scanning and reading back a mask of ones)."""
+        t = tokens if valid is None else valid.shape[1]
         if self.start + t > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens; {self.start + t} needed")
         self.stop = self.start + t
-        self.valid[:, self.start:self.stop] = valid
-        # A token's position = the valid tokens before it; counted from the running total, so a
-        # decode step costs the same at every length (no cumsum over the whole cache).
-        ran = valid.long().cumsum(1)  # (B, T)
-        self.positions = (self.count + ran - 1).clamp(min=0)  # (B, T)
-        self.count = self.count + ran[:, -1:]
-        self.padded = self.padded or not bool(valid.all())
+        if valid is None:
+            self.valid[:, self.start:self.stop] = True
+            ran = torch.arange(1, t + 1, device=self.count.device) if t > 1 else 1
+            self.positions = self.count + ran - 1  # (B, T)
+            self.count = self.count + t
+        else:
+            self.valid[:, self.start:self.stop] = valid
+            # A token's position = the valid tokens before it; counted from the running total,
+            # so a decode step costs the same at every length (no cumsum over the whole cache).
+            ran = valid.long().cumsum(1)  # (B, T)
+            self.positions = (self.count + ran - 1).clamp(min=0)  # (B, T)
+            self.count = self.count + ran[:, -1:]
+            self.padded = self.padded or not bool(valid.all())
         if not self.padded:
             # No padding: plain causal attention (one query: it sees every key anyway).
             self.mask = None
@@ -105,6 +114,9 @@ class KVCache:
         self.session = session
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.calls = 0
+        # What the module derives once per generation and drops with the cache (causal
+        # attention: its q/k/v projections stacked into one matrix).
+        self.derived: dict[str, object] = {}
         session.caches.append(self)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

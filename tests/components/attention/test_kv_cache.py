@@ -22,6 +22,9 @@ MODELS = {
                                  "--model.attention.position.scaling=yarn",
                                  "--model.attention.position.factor=2.0",
                                  "--model.attention.position.original_max_seq_len=8"],
+    "causal_bias_fused": [*TINY, "--model.attention.bias=true",
+                          "--model.attention.fused_qkv=true"],
+    "causal_qkv_bias": [*TINY, "--model.attention.qkv_bias=true"],
     "differential": [*TINY, "--model.attention.type=differential"],
     "looped": LOOPED,
 }
@@ -34,12 +37,13 @@ def build(overrides, seed=0):
 
 
 def decode(model, ids, chunks, **kw):
-    """Logits of ids (B, T) fed in pieces of the given sizes through a cache."""
+    """Logits of ids (B, T) fed in pieces of the given sizes through a cache (the first piece
+    with a mask of ones, the others as all-valid steps: ``begin(None, n)``)."""
     out = []
     with kv_cache.attach(model, ids.shape[0], ids.shape[1], "cpu") as session:
         start = 0
         for n in chunks:
-            session.begin(torch.ones(ids.shape[0], n, dtype=torch.bool))
+            session.begin(None if start else torch.ones(ids.shape[0], n, dtype=torch.bool), n)
             out.append(model(ids[:, start:start + n], **kw))
             session.end()
             start += n
@@ -59,6 +63,28 @@ def test_cached_decoding_equals_the_full_forward(name):
     assert all(getattr(m, "kv_cache", None) is None for m in model.modules())  # detached
 
 
+def test_decoding_projects_q_k_v_with_one_stacked_matrix_when_small(monkeypatch):
+    from kiln.components.attention import causal
+
+    model = build(MODELS["causal"])
+    attn = model.blocks()[0].attention
+    ids = torch.randint(0, 258, (1, 6), generator=torch.Generator().manual_seed(2))
+    seen = []
+    real = causal.CausalAttention._stacked_qkv
+    monkeypatch.setattr(causal.CausalAttention, "_stacked_qkv",
+                        lambda self: seen.append(real(self)) or seen[-1])
+    with torch.no_grad():
+        full = model(ids)
+        stacked = decode(model, ids, [3, 1, 1, 1])
+        assert len(seen) == 2 and seen[0][0].shape == (  # once per layer and generation
+            attn.wq.out_features + 2 * attn.wk.out_features, attn.wq.in_features)
+        monkeypatch.setattr(causal, "_STACK_BYTES", 0)  # too large: three projections
+        separate = decode(model, ids, [3, 1, 1, 1])
+        assert seen[2:] == [False, False]
+    torch.testing.assert_close(stacked, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(separate, full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["causal", "differential", "looped"])
 def test_left_padded_rows_equal_their_unpadded_run(name):
     model = build(MODELS[name])
@@ -74,7 +100,7 @@ def test_left_padded_rows_equal_their_unpadded_run(name):
         session.begin(valid)
         prefill = model(ids)
         session.end()
-        session.begin(torch.ones(3, 1, dtype=torch.bool))
+        session.begin(None)  # one valid token per row after padded prompts
         step = model(nxt)
         session.end()
     with torch.no_grad():
