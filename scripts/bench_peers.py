@@ -245,7 +245,15 @@ def summarise(chosen: list[Group], results: dict, args) -> dict:
             rows.append(line)
     return {"date": datetime.date.today().isoformat(), "cpu": cpu_model(),
             "cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
-            "rounds": args.rounds, "command": args.command, "rows": rows}
+            "rounds": args.rounds, "command": args.command, "rows": rows,
+            "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}}
+
+
+# Settings that change every row's speed on both sides: OMP_WAIT_POLICY=PASSIVE (idle OpenMP
+# threads sleep) made each parallel matmul wake a sleeping thread, 5x the time of a batch-1
+# decode projection on this 2-core VM (docs/benchmarks.md), so a table says which were set.
+THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "KMP_BLOCKTIME", "OMP_PROC_BIND")
 
 
 def _notes(g: Group, res: dict) -> str:
@@ -272,7 +280,9 @@ def render(s: dict) -> str:
     lines = [
         f"Measured {s['date']} on `{s['cpu']}` ({s['cores']} cores), {s['threads']} threads per "
         f"side, torch {s['torch']}; {s['rounds']} alternating rounds, medians; kiln speed-up = "
-        "median of the per-round ratios (> 1: kiln faster).",
+        "median of the per-round ratios (> 1: kiln faster). Threading environment: "
+        + (", ".join(f"{k}={v}" for k, v in s["thread_env"].items())
+           or f"library defaults (none of {', '.join(THREAD_ENV)} set)") + ".",
         "",
         f"Command: `{s['command']}`",
         "",

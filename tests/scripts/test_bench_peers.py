@@ -69,9 +69,12 @@ def test_the_table_is_markdown_with_date_cpu_command_and_every_row():
                     "peer": "torchtitan, torchtitan 0.2.2", "kiln": 3101.0, "peer_value": 3000.0,
                     "speedup": 1.0333, "notes": ""},
                    {"label": "downstream multiple choice", "unit": "examples/s", "goal": "",
-                    "peer": "lm-eval hf", "problem": "not in this checkout yet"}]}
+                    "peer": "lm-eval hf", "problem": "not in this checkout yet"}],
+               "thread_env": {"OMP_WAIT_POLICY": "PASSIVE"}}
     text = bp.render(summary)
     assert "2026-12-02" in text and "`Some CPU` (2 cores)" in text
+    assert "Threading environment: OMP_WAIT_POLICY=PASSIVE." in text
+    assert "library defaults (none of OMP_WAIT_POLICY" in bp.render({**summary, "thread_env": {}})
     assert "Command: `python scripts/bench_peers.py`" in text
     assert "| dense training step, fp32 eager | 3,101 tok/s | torchtitan, torchtitan 0.2.2 | " \
            "3,000 tok/s | 1.03x | >= 1.3x |" in text
