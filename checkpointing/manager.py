@@ -17,10 +17,12 @@ batch row.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,22 @@ class Loaded:
     mapping: list[str] = field(default_factory=list)  # how a changed layout was mapped
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's automatic garbage collection off for the block. Reading DCP's index and the
+    JSON state makes many small objects, and when that tips a full collection, the collector
+    walks every object of a training process (about 300k on a small CPU run): 170-200 ms
+    pauses inside a 100 ms load of the 74 MB benchmark state (docs/benchmarks.md). The objects
+    are collected at the next automatic collection after the block."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class CheckpointManager:
     def __init__(self, root: Path, world, *, keep_last: int = 3, async_save: bool = False,
                  on_publish: Callable[[Path], None] | None = None, log=print,
@@ -88,6 +106,7 @@ class CheckpointManager:
         self._pg = dist.new_group(backend="gloo") if async_save and world.distributed else None
 
     # ------------------------------------------------------------------------------- saving
+    @_gc_paused()
     def save(self, state, *, extra: dict[str, Any] | None = None,
              final: bool = False) -> Path | None:
         """Save the state at its current step; returns the folder it will be published as.
@@ -277,6 +296,7 @@ class CheckpointManager:
         distributed.barrier()
 
     # ------------------------------------------------------------------------------ loading
+    @_gc_paused()
     def load(self, state, folder: Path, *, weights_only: bool = False,
              from_ema: bool = False, verified: bool = False) -> Loaded:
         """Restore ``state`` from a checkpoint folder; validates before changing anything.

@@ -1,9 +1,10 @@
 """Checkpoint save and load throughput (MB/s of tensor state): kiln's ``CheckpointManager``
 (DCP tensors + rank file with RNG and runtime payload + manifest with a checksum of each file,
 written to a temporary folder and renamed into place, ``latest``/index updated, old ones rotated
-out; loading verifies every checksum first) against a bare ``dcp.save`` / ``dcp.load`` of the same
-state (``get_state_dict`` / ``set_state_dict``, torch's documented recipe). Both write with
-``sync_files`` (fsync), into fresh folders on the same disk.
+out, their deletion in the background and untimed; loading verifies every checksum first)
+against a bare ``dcp.save`` / ``dcp.load`` of the same state (``get_state_dict`` /
+``set_state_dict``, torch's documented recipe). Both write with ``sync_files`` (fsync), into
+fresh folders on the same disk.
 
 The state: ``train_configs/llama_debug.toml``'s model (6.16M parameters, fp32) and its AdamW
 after one step (moments filled): 74 MB. Both sides build it with kiln (the peer needs only torch;
@@ -40,12 +41,17 @@ def _state():
     return recipe, model, opt, size
 
 
-def _timed(save, load, repeats: int, size: int) -> dict:
+def _timed(save, load, repeats: int, size: int, settle=None) -> dict:
+    """``settle()``, untimed, between a save and the load: kiln's rotation deletes the snapshot
+    a save rotated out in a background thread (off a training step's path), which would
+    otherwise run during the timed load; bare DCP deletes nothing."""
     saves, loads = [], []
     for _ in range(repeats + 1):  # the first of each is a warm-up
         start = time.perf_counter()
         folder = save()
         saves.append(time.perf_counter() - start)
+        if settle is not None:
+            settle()
         start = time.perf_counter()
         load(folder)
         loads.append(time.perf_counter() - start)
@@ -79,7 +85,8 @@ def kiln(p: dict) -> dict:
             state.progress.step += 1
             return manager.save(state)
 
-        return _timed(save, lambda folder: manager.load(state, folder), p["repeats"], size)
+        return _timed(save, lambda folder: manager.load(state, folder), p["repeats"], size,
+                      settle=manager.wait)
 
 
 def peer(p: dict) -> dict:

@@ -331,3 +331,27 @@ def test_continue_on_a_failed_save_and_the_cause_without_an_errno(tmp_path, monk
     s.train_step()
     assert m.save(s) == tmp_path / "step_0000002" and layout.is_complete(m.save(s))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_saves_and_loads_run_with_automatic_gc_paused():
+    import gc
+
+    from kiln.checkpointing import manager as manager_module
+
+    seen = []
+
+    @manager_module._gc_paused()
+    def body():
+        seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    body()
+    assert seen == [False] and gc.isenabled()  # restored
+    gc.disable()
+    try:
+        body()
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()
+    for method in (CheckpointManager.save, CheckpointManager.load):
+        assert hasattr(method, "__wrapped__"), method  # both wear the decorator
