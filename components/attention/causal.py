@@ -192,7 +192,6 @@ class CausalAttention(nn.Module):
         # while decoding (the same op)
         return tuple(lin(x).view(*x.shape[:-1], -1, hd) for lin in (self.wq, self.wk, self.wv))
 
-
     def _decode_qkv(self, x: torch.Tensor, cache: KVCache):
         """``project_qkv`` while decoding: one matmul against wq, wk and wv stacked. A decode step
         multiplies one row per sequence, so at small widths each projection costs its dispatch
