@@ -45,12 +45,11 @@ def collect(state, *, with_optim: bool) -> dict[str, Any]:
 
 
 def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path,
-          current: dict) -> None:
+          current: dict, model_rest: dict) -> None:
     """Set ``state`` from the loaded ``tensors`` and the saved JSON parts. ``current`` is what
-    ``collect`` returned before the load: its JSON parts (this rank's model entries, the
-    optimizers' param_groups) are reused, so nothing is collected twice."""
+    ``collect`` returned before the load (its optimizers' param_groups are reused, so nothing
+    is collected twice), ``model_rest`` the JSON part of its model entries (this rank's)."""
     # The saved JSON parts hold every rank's entries (rank_json): keep this rank's.
-    _, model_rest = storage.split_tree(current["model"])
     mine = {k: v for k, v in saved_rest.get("model", {}).items() if k in model_rest}
     model_sd = storage.merge_tree(tensors["model"], mine)
     if not with_optim:

@@ -316,12 +316,13 @@ class CheckpointManager:
 
         with_optim = not weights_only or from_ema
         current = app_state.collect(state, with_optim=with_optim)
-        tensors, _ = storage.split_tree(current)
+        tensors, current_rest = storage.split_tree(current)
         storage.load_tensors(
             tensors, folder, no_dist=not self.world.distributed,
             hint=" -- the saved tensors do not fit this model/optimizer; did the model or "
             "optimizer change? `kiln diff` the checkpoint against the recipe")
-        app_state.apply(state, tensors, meta["json_state"], with_optim, folder, current)
+        app_state.apply(state, tensors, meta["json_state"], with_optim, folder, current,
+                        current_rest.get("model", {}))
 
         if weights_only:
             optimizers = app_state.optimizers_of(state)

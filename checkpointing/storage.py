@@ -172,10 +172,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """A FileSystemReader whose ``.metadata`` is read with the allow-list unpickler."""
+    """A FileSystemReader whose ``.metadata`` is read with the allow-list unpickler, once:
+    ``load_tensors`` reads it first (a bad index fails with kiln's message, outside DCP's
+    wrapping) and ``dcp.load`` asks for it again."""
+
+    _metadata = None
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if self._metadata is None:
+            self._metadata = self._read_metadata(kwargs.get("rank"))
+        self._metadata.storage_meta.load_id = self.load_id  # dcp.load resets the reader
+        return self._metadata
+
+    def _read_metadata(self, rank: int | None):
+        path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
         try:
@@ -191,21 +201,7 @@ class SafeReader(FileSystemReader):
             raise CheckpointError(f"{path}: not a DCP index")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-class _ReadOnce(SafeReader):
-    """Reads and checks the index once: ``load_tensors`` reads it first (a bad index fails
-    with kiln's message, outside DCP's wrapping) and ``dcp.load`` asks for it again."""
-
-    _metadata = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        self._metadata.storage_meta.load_id = self.load_id  # dcp.load resets the reader
-        return self._metadata
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
@@ -238,7 +234,7 @@ def load_tensors(tensors: dict, folder: Path, *, no_dist: bool, hint: str = "") 
     DCP wraps errors in ``CheckpointException`` (a BaseException) per rank; kiln's own errors
     are unwrapped so their message reaches the user, anything else gets ``hint`` appended.
     """
-    reader = _ReadOnce(str(folder))
+    reader = SafeReader(str(folder))
     try:  # a bad index fails here, with kiln's message
         reader.read_metadata()
     except OSError as exc:

@@ -222,8 +222,7 @@ class CausalAttention(nn.Module):
                 parts.append([lin.bias for lin in lins])
         weights = parts[0]
         size = sum(w.numel() * w.element_size() for w in weights)
-        if distributed.is_initialized() or size > _STACK_BYTES or any(
-                distributed.is_dtensor(w) for w in weights):
+        if distributed.is_initialized() or size > _STACK_BYTES:  # (DTensors need a process group)
             return False
         stacked = [torch.cat([p.detach() for p in ps]) for ps in parts]
         return stacked[0], stacked[1] if len(stacked) > 1 else None
