@@ -29,7 +29,7 @@ else
           --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-kiln}")
 fi
 # torchrun with kiln's error reporting (one message and kiln's exit status whichever rank
-# failed); the workers die with it, even on kill -9 (kiln.recipes.launch)
-exec python -m kiln.recipes.launch "${RDZV[@]}" --nproc-per-node="$NGPU" \
+# failed); the workers die with it, even on kill -9 (kiln.recipes.runs.launch)
+exec python -m kiln.recipes.runs.launch "${RDZV[@]}" --nproc-per-node="$NGPU" \
     --local-ranks-filter="${LOG_RANK:-0}" \
     -m kiln.recipes.cli train "$@"

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpointing import layout, resume
-from kiln.checkpointing.clock import WallClock, agree, estimate_save_s
 from kiln.checkpointing.manager import CheckpointManager
-from kiln.checkpointing.preemption import Preemption
+from kiln.checkpointing.unattended.clock import WallClock, agree, estimate_save_s
+from kiln.checkpointing.unattended.preemption import Preemption
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError
 
@@ -55,7 +55,7 @@ class CheckpointHook:
         self.root = checkpoint_root(trainer.recipe)
         self.hub = None
         if cfg.hub_repo and trainer.world.is_main:
-            from kiln.checkpointing.hub import HubSync
+            from kiln.checkpointing.huggingface.hub import HubSync
 
             self.hub = HubSync(cfg.hub_repo, keep=cfg.hub_keep, private=cfg.hub_private,
                                api=hub_api, token_env=cfg.hub_token_env, log=trainer.print)
@@ -206,7 +206,7 @@ class CheckpointHook:
     def _resolve(self, trainer) -> resume.Source | None:
         download = None
         if self.cfg.resume.startswith("hf://"):
-            from kiln.checkpointing import hub
+            from kiln.checkpointing.huggingface import hub
 
             def download(spec: str) -> Path:
                 # Rank 0 fetches first; the others then find the files in the shared cache.

@@ -39,7 +39,6 @@ from kiln.checkpointing import (
     rank_json,
     remap,
     rng,
-    save_failure,
     storage,
 )
 from kiln.checkpointing.load_checks import (
@@ -51,7 +50,8 @@ from kiln.checkpointing.load_checks import (
     rank_file,
     read_state,
 )
-from kiln.checkpointing.save_failure import SAVE_ERRORS, SaveFailed
+from kiln.checkpointing.unattended import save_failure
+from kiln.checkpointing.unattended.save_failure import SAVE_ERRORS, SaveFailed
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError, DataError
 

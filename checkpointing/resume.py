@@ -168,7 +168,8 @@ class Compatibility:
 
 def check_recipe(d, *, weights_only: bool) -> Compatibility:
     """Classify the differences between the checkpoint's recipe and the current one. ``d`` is
-    their diff (``kiln.recipes.diff.RecipeDiff``: ``keys()``, ``changed``, ``only_a`` for keys
+    their diff (``kiln.recipes.config.diff.RecipeDiff``: ``keys()``, ``changed``, ``only_a``
+    for keys
     only the checkpoint has, ``only_b`` for keys only the current recipe has)."""
     refused, allowed = [], []
     for key in d.keys():  # noqa: SIM118 (RecipeDiff.keys(), not a dict)

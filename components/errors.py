@@ -39,7 +39,7 @@ class TrainingAborted(KilnError):
 
 
 class RunFolderInUse(KilnError):
-    """Another live run holds the run folder (``recipes/run_lock.py``)."""
+    """Another live run holds the run folder (``recipes/runs/lock.py``)."""
 
     exit_code = 2
 

@@ -10,7 +10,8 @@ tokens of the same rows, as torchtitan's ``dp_shard_cp``); ``dp_replicate`` such
 replicas (HSDP: gradients all-reduced across them). The product must be the world size. Tensor
 parallel is innermost so that its ranks are neighbours (one node: its collectives run every
 layer), context parallel next (a K/V all-gather per layer). ``pp`` such slices each hold one
-part of the layers (pipeline parallel, ``kiln.parallelisms.pipeline``); activations pass between
+part of the layers (pipeline parallel, ``kiln.parallelisms.pipeline.stages``); activations pass
+between
 them point to point, the least traffic of all, so it is outermost (it may cross slow links). The
 process group itself (gloo on CPU, nccl on CUDA, or ``parallelism.backend``) is created by
 ``kiln.components.distributed.init`` before this.

@@ -138,7 +138,8 @@ def materialize(
 ) -> str:
     """Allocate a meta-built (and possibly sharded) model on ``device`` and initialise it from
     ``seed``; return a short description of the method for the start-up log. ``pipeline``
-    (``kiln.parallelisms.pipeline.Pipeline``): ``model`` is this rank's stages of a model whose
+    (``kiln.parallelisms.pipeline.stages.Pipeline``): ``model`` is this rank's stages of a model
+    whose
     whole meta copy the pipeline keeps (``skeleton``, dropped here)."""
     device = torch.device(device)
     model.to_empty(device=device)

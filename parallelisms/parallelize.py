@@ -1,7 +1,7 @@
 """``parallelize``: the one entry point, applying each step in a fixed, documented order.
 
 0. pipeline split (``parallelism.pp``) — prunes the model to this rank's stages, so every later
-   step works on the part this rank holds (``kiln.parallelisms.pipeline``);
+   step works on the part this rank holds (``kiln.parallelisms.pipeline.stages``);
 1. float8 conversion (torchao) — swaps Linear modules, so it comes before anything that holds
    on to them (tensor-parallel hooks are registered on the module objects);
 2. expert parallel (``parallelism.ep``) — MoE expert stacks become ``Shard(0)`` DTensors over
@@ -41,7 +41,7 @@ from kiln.parallelisms.compile import apply_compile
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.float8 import apply_float8, float8_post_optimizer_step
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
-from kiln.parallelisms.layout_check import model_problems, raise_problems
+from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.mesh import layout
 
 if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: single-process
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: s
 
     from kiln.parallelisms.context_parallel import ContextParallel
     from kiln.parallelisms.expert_parallel import ExpertParallel
-    from kiln.parallelisms.pipeline import Pipeline
+    from kiln.parallelisms.pipeline.stages import Pipeline
     from kiln.parallelisms.tensor_parallel import TensorParallel
 
 
@@ -192,7 +192,7 @@ def parallelize(
     shape = layout(cfg, world.world_size)
     problems = model_problems(model, shape.tp, shape.ep, shape.cp)
     if cfg.pp > 1:
-        from kiln.parallelisms.pipeline_checks import pipeline_problems
+        from kiln.parallelisms.pipeline.checks import pipeline_problems
 
         problems += pipeline_problems(cfg, training, model, grad_accum, checkpoint, attention)
     raise_problems(problems, shape.describe())
@@ -213,7 +213,7 @@ def parallelize(
         plan.cp = context_parallel(plan.mesh)
         plan.parts.append(plan.cp.describe())
     if shape.pp > 1:
-        from kiln.parallelisms.pipeline import split_model
+        from kiln.parallelisms.pipeline.stages import split_model
 
         plan.pipeline = split_model(
             model, cfg, plan.mesh, rank=getattr(world, "rank", dist.get_rank()),

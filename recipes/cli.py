@@ -14,8 +14,8 @@ import traceback
 
 from kiln.components.errors import KilnError
 from kiln.components.registry import RegistryError
-from kiln.recipes import launch
-from kiln.recipes.loader import parse_override
+from kiln.recipes.config.loader import parse_override
+from kiln.recipes.runs import launch
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -82,7 +82,7 @@ def _split_overrides(parser: argparse.ArgumentParser,
 
 
 def main(argv: list[str] | None = None) -> int:
-    launch.bind_to_launcher()  # a torchrun worker of kiln.recipes.launch dies with it
+    launch.bind_to_launcher()  # a torchrun worker of kiln.recipes.runs.launch dies with it
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _under_torchrun():
             raise
         # A bug, or a consequence of another rank's error (a peer left a collective): the
-        # launcher decides which to show (kiln.recipes.launch).
+        # launcher decides which to show (kiln.recipes.runs.launch).
         if not launch.write_report({"kind": "exception", "traceback": traceback.format_exc()}):
             raise
         _exit_now(1)
@@ -136,7 +136,7 @@ def _under_torchrun() -> bool:
 
 
 def _fail(name: str, status: int, message: str) -> int:
-    """Print kiln's one-message error (or hand it to ``kiln.recipes.launch``); exit status."""
+    """Print kiln's one-message error (or hand it to ``kiln.recipes.runs.launch``); exit status."""
     report = {"kind": "kiln", "prefix": f"kiln {name}", "exit_code": status, "message": message}
     if not (_under_torchrun() and launch.write_report(report)):
         print(f"kiln {name}: error: {message}", file=sys.stderr)

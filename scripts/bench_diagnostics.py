@@ -72,7 +72,7 @@ class StepClock:
 
 
 def instrument(watch: Stopwatch) -> None:
-    from kiln.recipes import diagnostics as d
+    from kiln.recipes.hooks import diagnostics as d
 
     for name in ("attention_logit_stats", "router_entropy", "_moments"):
         setattr(d, name, watch.wrap(getattr(d, name)))
@@ -94,8 +94,8 @@ def main() -> int:
     parser.add_argument("recipe", nargs="?", default=str(REPO / "train_configs" / "debug.toml"))
     parser.add_argument("--steps", type=int, default=13)
     args, overrides = parser.parse_known_args()
-    from kiln.recipes.recipe import load_recipe
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.training.trainer import Trainer
 
     watch = Stopwatch()
     instrument(watch)

@@ -42,7 +42,7 @@ def save_model(folder: Path, *, hidden: int = 64, layers: int = 2, vocab: int = 
     import torch
     import transformers
 
-    from kiln.components.data.bpe_train import BOS, EOS, build_bpe, save_bpe
+    from kiln.components.tokenizers.bpe_train import BOS, EOS, build_bpe, save_bpe
 
     r = random.Random(seed)
     tok = build_bpe([sentence(r, 20, 60) for _ in range(400)], vocab)
@@ -115,9 +115,9 @@ def kiln_task(kind: str, path: Path, **values):
 
 def kiln_scorer(folder: Path):
     """kiln's in-loop scorer on the Hugging Face folder's weights (imported); its tokenizer."""
-    from kiln.components.evals.scorer import Scorer
-    from kiln.recipes.downstream import greedy_generate, model_context
-    from kiln.recipes.saved_model import open_model
+    from kiln.components.tasks.scorer import Scorer
+    from kiln.recipes.hooks.downstream import greedy_generate, model_context
+    from kiln.recipes.inference.saved_model import open_model
 
     recipe, tokenizer, model, _ = open_model(folder)
     model.eval()
@@ -137,7 +137,7 @@ def bench(args) -> dict:
 
     import torch
 
-    from kiln.components.evals import runner
+    from kiln.components.tasks import runner
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-eval-"))

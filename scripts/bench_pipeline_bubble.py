@@ -47,9 +47,9 @@ def _worker(rank: int, port: int, recipe: str, steps: int, out: str) -> None:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from kiln.components import distributed
-    from kiln.parallelisms.pipeline import Pipeline
-    from kiln.recipes.recipe import load_recipe
-    from kiln.recipes.trainer import Trainer
+    from kiln.parallelisms.pipeline.stages import Pipeline
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.training.trainer import Trainer
 
     box = {"busy": 0.0, "total": 0.0, "step": 0, "rows": []}
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -88,7 +88,7 @@ def _worker(rank: int, port: int, recipe: str, steps: int, out: str) -> None:
 
 def main() -> None:
     from kiln.parallelisms.config import ParallelismConfig
-    from kiln.parallelisms.pipeline_schedule import bubble_fraction
+    from kiln.parallelisms.pipeline.schedule import bubble_fraction
     from tests.parallelisms.tiny import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-H200_BF16_DENSE = 989e12  # datasheet, dense (kiln.recipes.flops.GPU_PEAKS)
+H200_BF16_DENSE = 989e12  # datasheet, dense (kiln.recipes.probes.flops.GPU_PEAKS)
 
 
 @dataclass
@@ -80,7 +80,7 @@ def kiln_command(row: Row, args, extra: list[str]) -> list[str]:
 
 def peer_command(row: Row, args, extra: list[str]) -> list[str]:
     """reference_train.py with the model shape that kiln resolves from the recipe."""
-    from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.config.files import load_recipe
 
     recipe = load_recipe(REPO / row.recipe, extra)
     m, tr = recipe.model, recipe.training
@@ -121,7 +121,7 @@ def matmul_probe(device: str) -> float:
     import torch
 
     if device != "cuda":
-        from kiln.recipes.flops import matmul_probe as cpu_probe
+        from kiln.recipes.probes.flops import matmul_probe as cpu_probe
 
         return cpu_probe("bf16")
     n = 8192

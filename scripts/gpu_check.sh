@@ -74,7 +74,7 @@ if any(b.startswith("torch ") for b in bad):  # the others: warn, and let the im
     sys.exit("gpu_check: outside kiln's declared ranges: " + "; ".join(bad))
 if bad:
     print("gpu_check: WARNING, outside kiln's declared ranges: " + "; ".join(bad))
-for name in ("kiln.recipes.trainer", "kiln.parallelisms", "torchao.float8", "torchdata",
+for name in ("kiln.recipes.training.trainer", "kiln.parallelisms", "torchao.float8", "torchdata",
              "pydantic", "tomli_w", "numpy", "safetensors", "huggingface_hub", "tqdm", "xxhash"):
     importlib.import_module(name)
 if mode == "gpu":

@@ -44,8 +44,8 @@ def main() -> int:
     import transformers
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.generate import Sampling, generate
-    from kiln.recipes.saved_model import load_model
+    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.recipes.inference.saved_model import load_model
 
     _, tokenizer, model = load_model(find_checkpoint(work / "run"))
     model.eval()

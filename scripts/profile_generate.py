@@ -30,8 +30,8 @@ def main() -> None:
     prompts = torch.randint(3, 258, (args.batch, 32), generator=torch.Generator().manual_seed(0))
     if args.side == "kiln":
         from kiln.checkpointing.resume import find_checkpoint
-        from kiln.recipes.generate import Sampling, generate
-        from kiln.recipes.saved_model import load_model
+        from kiln.recipes.inference.generate import Sampling, generate
+        from kiln.recipes.inference.saved_model import load_model
 
         _, _, model = load_model(find_checkpoint(args.work / "run"),
                                  min_seq_len=32 + args.new_tokens)

@@ -57,7 +57,7 @@ def main() -> None:
 def save_tokenizer(out_dir: Path, vocab_size: int = 512) -> dict[str, int]:
     """Train a small BPE on 30 stdlib modules (deterministic) and save it into the new folder
     ``out_dir``; returns the config.json ids of its BOS and EOS."""
-    from kiln.components.data.bpe_train import BOS, EOS, build_bpe, save_bpe
+    from kiln.components.tokenizers.bpe_train import BOS, EOS, build_bpe, save_bpe
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]

@@ -9,7 +9,7 @@ import typing
 from pydantic import BaseModel
 
 from kiln.components import registry
-from kiln.recipes import schema
+from kiln.recipes.config import schema
 from tests.conftest import REPO
 from tests.readme_blocks import doc_pages
 
@@ -42,7 +42,7 @@ def _fields() -> dict[str, set[str] | None]:
             seen.setdefault(name, []).append(set(typing.get_args(ann)) if literal else None)
     fields = {name: None if None in kinds else set().union(*kinds)
               for name, kinds in seen.items()}
-    # The recipe loader's own top-level keys (recipes/loader.py), not fields of any table.
+    # The recipe loader's own top-level keys (recipes/config/loader.py), not fields of any table.
     return fields | {"extends": None, "remove": None}
 
 

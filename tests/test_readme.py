@@ -188,7 +188,7 @@ def _walk(classes: set[type], parts: list[str]) -> bool:
 
 
 def _walk_field(info, rest: list[str]) -> bool:
-    from kiln.recipes.resolve import _kind_of, _nested_config, _nested_list
+    from kiln.recipes.config.resolve import _kind_of, _nested_config, _nested_list
 
     kind, container = _kind_of(info.annotation, info.metadata)
     if kind and container:  # a table of named components: [optimizers.NAME]
@@ -222,7 +222,7 @@ def name_problems(span: str) -> list[str]:
     import re
 
     from kiln.components import registry
-    from kiln.recipes.schema import Recipe
+    from kiln.recipes.config.schema import Recipe
 
     problems = []
     tables = set(Recipe.model_fields)
@@ -252,7 +252,7 @@ def name_problems(span: str) -> list[str]:
 
 
 def _exists(path: str) -> bool:
-    """A repository path, or an attribute of a module in it (`components/evals/runner.run`)."""
+    """A repository path, or an attribute of a module in it (`components/tasks/runner.run`)."""
     while True:
         if (REPO / path).exists() or (REPO / f"{path}.py").exists():
             return True
@@ -352,7 +352,7 @@ def test_the_link_check_catches_a_moved_section():
     ("kiln fly", True), ("train_configs/nope.toml", True), ("model.safetensors", False),
     ("checkpoint.async", False), ("--SECTION.KEY=VALUE", False), ("norm.weight", False),
     ("[trainig]", True), ("[invalid]", False), ("kiln train: error: ", False),
-    ("components/evals/runner.run(task)", False), ("components/evals/nope.run", True),
+    ("components/tasks/runner.run(task)", False), ("components/tasks/nope.run", True),
     ("kiln harness --model kiln --tasks x", False),
 ])
 def test_the_name_checks_catch_mistakes(span, bad):

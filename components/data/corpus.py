@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.components.data.text_sources import (
+from kiln.components.data.sources.text_sources import (
     KINDS,
     SourceFile,
     expand_inputs,

@@ -20,14 +20,14 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.corpus import open_corpus
-from kiln.components.data.packed_layout import (
+from kiln.components.data.packed_loader import Loader
+from kiln.components.data.prepare.packed_layout import (
     PackedLayout,
     Tokenizer,
     file_lock,
     open_layout,
     write_layout,
 )
-from kiln.components.data.packed_loader import Loader
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 

@@ -27,7 +27,7 @@ from kiln.components import devices
 from kiln.components.data import documents
 from kiln.components.data.cursor import StepCursor, check_cursor
 from kiln.components.data.layout_fit import too_small
-from kiln.components.data.packed_layout import (
+from kiln.components.data.prepare.packed_layout import (
     DAMAGED,
     TOKENS,
     PackedLayout,

@@ -11,16 +11,16 @@ from typing import Any
 
 import torch
 
-from kiln.checkpointing.clock import process_age_s
+from kiln.checkpointing.unattended.clock import process_age_s
 from kiln.components import devices
 from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.steps.bptt_memory import loop_memory
-from kiln.recipes.flops import mfu
-from kiln.recipes.hooks import Hook
-from kiln.recipes.process_stats import peak_memory_bytes
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.probes.flops import mfu
+from kiln.recipes.probes.process_stats import peak_memory_bytes
 
 _BENCH_OVERRIDES = [
     "--run.tensorboard=false", "--run.progress_bar=false", "--eval.interval=0",
@@ -57,7 +57,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
     start = time.perf_counter()
     age = _age_at(start)  # read once: /proc/uptime has 10 ms ticks, two reads may disagree
     startup = {"interpreter, imports": age}
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         total = warmup + steps

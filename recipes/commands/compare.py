@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.diff import differing, short_names
-from kiln.recipes.runs import Run, open_runs, summary
+from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.runs.read import Run, open_runs, summary
 
 # Result columns in table order: summary key -> header. Downstream scores follow eval_bpb.
 RESULTS = {

@@ -4,7 +4,7 @@
     kiln data prepare [RECIPE] [--source stdlib|folder] [--out DIR] ...
     kiln data info DIR
 
-With ``--input`` the real-corpus builder runs (``components/data/prepare.py``: parallel,
+With ``--input`` the real-corpus builder runs (``components/data/prepare/prepare.py``: parallel,
 resumable, a manifest; packed layout or ``--domain`` shards). Without it the recipe's
 ``packed_documents`` source is built; without ``--out`` it goes to the cache entry a training
 run with the same settings would use, so preparing ahead makes the first step start at once.
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _recipe(args: argparse.Namespace) -> Any:
     if args.recipe:
-        from kiln.recipes.recipe import load_recipe
+        from kiln.recipes.config.files import load_recipe
 
         return load_recipe(args.recipe, args.overrides)
     if args.overrides:
@@ -90,10 +90,13 @@ def _tokenizer(args: argparse.Namespace, recipe: Any) -> tuple[Any, list[str]]:
     if args.tokenizer is None and recipe is not None:
         return recipe.tokenizer.build(), []
     if args.tokenizer in (None, "byte"):
-        from kiln.components.data.byte_tokenizer import ByteTokenizer
+        from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 
         return ByteTokenizer(), ["--tokenizer.type=byte"]
-    from kiln.components.data.hf_tokenizer import HuggingFaceTokenizer, HuggingFaceTokenizerConfig
+    from kiln.components.tokenizers.hf_tokenizer import (
+        HuggingFaceTokenizer,
+        HuggingFaceTokenizerConfig,
+    )
 
     path = args.tokenizer if args.tokenizer.startswith("hf://") else \
         str(Path(args.tokenizer).expanduser().resolve())
@@ -121,7 +124,7 @@ def _hint(args: argparse.Namespace, overrides: list[str]) -> str:
 
 
 def _prepare_inputs(args: argparse.Namespace) -> int:
-    from kiln.components.data.prepare import PrepareOptions, prepare
+    from kiln.components.data.prepare.prepare import PrepareOptions, prepare
 
     if not args.out:
         raise RecipeError("--input needs --out: the folder to write the dataset into")
@@ -224,7 +227,7 @@ def _summary(folder: Any, meta: dict[str, Any], seq_len: int) -> str:
 
 def _info(folder: str) -> int:
     path = Path(folder)
-    from kiln.components.data.packed_layout import DAMAGED, check_ids, open_layout
+    from kiln.components.data.prepare.packed_layout import DAMAGED, check_ids, open_layout
     from kiln.components.data.shard_source import read_shards_json
 
     if (path / "shards.json").is_file():
@@ -257,7 +260,7 @@ def _check_shard_ids(domain: Path, vocab: int) -> int:
     that shards.json records is a DataError naming the shard)."""
     import numpy as np
 
-    from kiln.components.data.packed_layout import scan_ids
+    from kiln.components.data.prepare.packed_layout import scan_ids
     from kiln.components.errors import DataError
 
     largest = -1

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kiln.recipes.diff import diff
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.diff import diff
+from kiln.recipes.config.files import load_recipe
 
 
 def add_arguments(parser) -> None:

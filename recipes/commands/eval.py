@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from kiln.components.devices import DEVICES
 from kiln.components.errors import RecipeError
-from kiln.recipes.hooks import bits_per_byte
-from kiln.recipes.model_inputs import ModelInputs
+from kiln.recipes.hooks.core import bits_per_byte
+from kiln.recipes.training.model_inputs import ModelInputs
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
 
@@ -102,8 +102,8 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
 
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.components.devices import pick_device
-    from kiln.recipes.recipe import load_recipe
-    from kiln.recipes.saved_model import load_model
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.inference.saved_model import load_model
 
     ckpt = find_checkpoint(Path(run))
     recipe, tokenizer, model = load_model(ckpt)
@@ -173,7 +173,7 @@ def _why(rows: list[dict], yes: bool, gain: float) -> str:
 def run_tasks(args) -> int:
     """--tasks / --list-tasks / --pending / --harness."""
     from kiln.components.devices import pick_device
-    from kiln.recipes import task_eval
+    from kiln.recipes.inference import task_eval
 
     if args.harness:
         from kiln.recipes.commands.harness import run_harness
@@ -190,7 +190,7 @@ def run_tasks(args) -> int:
         print(json.dumps(done) if args.json else
               "\n".join(task_eval.render(d["label"], d["tasks"]) for d in done))
         return 0
-    from kiln.recipes.saved_model import open_model
+    from kiln.recipes.inference.saved_model import open_model
 
     task_overrides = [o for o in args.overrides if o.lstrip("-").startswith("evals.")]
     model_overrides = [o for o in args.overrides if o not in task_overrides or not args.task_file]

@@ -4,7 +4,7 @@
 For the dense transformer with standard attention the weights and config.json follow Hugging
 Face's Llama layout, or Qwen2's / Qwen3's for q/k/v-only biases / QK-norm (``transformers``'
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``); other models keep kiln's parameter names.
-See ``checkpointing/hf_layout.py`` for the mapping."""
+See ``checkpointing/huggingface/layout.py`` for the mapping."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.saved_model import export_checkpoint
+    from kiln.recipes.inference.saved_model import export_checkpoint
 
     folder = find_checkpoint(Path(args.checkpoint))
     summary = export_checkpoint(folder, Path(args.out_dir), args.format, force=args.force,

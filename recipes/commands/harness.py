@@ -24,7 +24,7 @@ def run_harness(argv: list[str]) -> int:
                           "(or pip install 'lm-eval>=0.4.13,<0.5')")
     from lm_eval.__main__ import cli_evaluate
 
-    import kiln.recipes.harness_model  # noqa: F401  (registers --model kiln)
+    import kiln.recipes.inference.harness_model  # noqa: F401  (registers --model kiln)
 
     saved = sys.argv
     sys.argv = ["kiln harness", *argv]

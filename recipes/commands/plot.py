@@ -5,8 +5,8 @@ an expert-load heatmap. Needs matplotlib (the `plot` extra)."""
 from __future__ import annotations
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.plots import DEFAULT_METRICS, X_LABELS, draw
-from kiln.recipes.runs import open_runs
+from kiln.recipes.runs.plots import DEFAULT_METRICS, X_LABELS, draw
+from kiln.recipes.runs.read import open_runs
 
 
 def add_arguments(parser) -> None:

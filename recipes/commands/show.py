@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.recipes.recipe import load_recipe, to_toml
+from kiln.recipes.config.files import load_recipe, to_toml
 
 
 def add_arguments(parser) -> None:

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.sweep import expand, mark_done, parse_grid, slurm_script
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.runs.sweep import expand, mark_done, parse_grid, slurm_script
 
 
 def add_arguments(parser) -> None:

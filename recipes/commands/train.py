@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
 
 
 def add_arguments(parser) -> None:
@@ -12,8 +12,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from kiln.components import distributed
-    from kiln.recipes.run_lock import hold_run_folder
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.runs.lock import hold_run_folder
+    from kiln.recipes.training.trainer import Trainer
 
     ok = False
     try:

@@ -12,14 +12,14 @@ import torch
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.models.block import padded_vocab
-from kiln.parallelisms.layout_check import model_problems, raise_problems, training_problems
+from kiln.parallelisms.layout.check import model_problems, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
-from kiln.parallelisms.pipeline_checks import pipeline_problems
-from kiln.recipes import batch_plan
-from kiln.recipes.layout_report import layout_report
-from kiln.recipes.model_inputs import ModelInputs
-from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.recipe import load_recipe
+from kiln.parallelisms.pipeline.checks import pipeline_problems
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training import batch_plan
+from kiln.recipes.training.layout_report import layout_report
+from kiln.recipes.training.model_inputs import ModelInputs
+from kiln.recipes.training.optimizer_set import OptimizerSet
 
 
 def add_arguments(parser) -> None:

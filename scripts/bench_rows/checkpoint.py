@@ -27,7 +27,7 @@ def _state():
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.config.files import load_recipe
 
     recipe = load_recipe(LLAMA_DEBUG, [])
     torch.manual_seed(0)
@@ -65,8 +65,8 @@ def kiln(p: dict) -> dict:
 
     from kiln.checkpointing.manager import CheckpointManager
     from kiln.components.distributed import World
-    from kiln.recipes.recipe import render_recipe
-    from kiln.recipes.trainer import Progress
+    from kiln.recipes.config.files import render_recipe
+    from kiln.recipes.training.trainer import Progress
 
     set_threads(p["threads"])
     recipe, model, opt, size = _state()

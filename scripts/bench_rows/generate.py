@@ -49,8 +49,8 @@ def kiln(p: dict) -> dict:
     import torch
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.generate import Sampling, generate
-    from kiln.recipes.saved_model import load_model
+    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.recipes.inference.saved_model import load_model
 
     set_threads(p["threads"])
     work = Path(p["work"])

@@ -35,7 +35,7 @@ def peer(p: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kiln.recipes.recipe import load_recipe
+    from kiln.recipes.config.files import load_recipe
 
     set_threads(p["threads"])
     recipe = load_recipe(LLAMA_DEBUG, TINY)

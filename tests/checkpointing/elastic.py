@@ -7,9 +7,9 @@ import io
 import json
 from pathlib import Path
 
-from kiln.recipes.hooks import Hook
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS
 
 N, K = 6, 3  # steps in all; the cut runs save at K and stop

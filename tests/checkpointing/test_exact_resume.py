@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.recipes.hooks import Hook
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 
 TINY = [
@@ -94,7 +94,7 @@ def _workers(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_two_processes_resume_exactly_after_one_rank_is_signalled(tmp_path):
-    from tests.recipes.test_trainer import _free_port
+    from tests.recipes.training.test_trainer import _free_port
 
     steps = 40
     full = _torchrun(tmp_path / "full", steps, _free_port())

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from kiln.checkpointing import hub
+from kiln.checkpointing.huggingface import hub
 from kiln.components.errors import CheckpointError
 from kiln.recipes.cli import main
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.trainer import Trainer
+from tests.checkpointing.huggingface.test_hub import FolderApi
 from tests.checkpointing.test_exact_resume import TINY
-from tests.checkpointing.test_hub import FolderApi
 from tests.conftest import CONFIGS
 
 
@@ -68,7 +68,7 @@ def test_hub_upload_of_checkpoints_and_export(tmp_path, monkeypatch):
 
 
 def test_kiln_diff_between_two_checkpoints(tmp_path, capsys):
-    from tests.checkpointing.test_export import checkpoint
+    from tests.checkpointing.huggingface.test_export import checkpoint
 
     a, _ = checkpoint(tmp_path / "x")
     b, _ = checkpoint(tmp_path / "y", "--optimizer.lr=1e-3")

@@ -8,8 +8,8 @@ import pytest
 
 from kiln.checkpointing import layout, resume
 from kiln.components.errors import CheckpointError
-from kiln.recipes.diff import diff
-from kiln.recipes.recipe import load_recipe, write_recipe
+from kiln.recipes.config.diff import diff
+from kiln.recipes.config.files import load_recipe, write_recipe
 from tests.checkpointing.test_layout import make
 from tests.conftest import CONFIGS
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kiln.components.distributed import World
-from kiln.recipes.trainer import Progress  # the real one: checkpoints store its state
+from kiln.recipes.training.trainer import Progress  # the real one: checkpoints store its state
 
 
 class ToyModel(nn.Module):

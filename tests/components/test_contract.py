@@ -100,7 +100,7 @@ def test_component_contract(entry, tmp_path):
     elif kind == "tokenizer":
         values = {}
         if "path" in entry.config.model_fields:  # reads a tokenizer file: give it a small one
-            from tests.components.data import tokenizer_files as files
+            from tests.components.tokenizers import tokenizer_files as files
 
             make = {"sentencepiece": files.sentencepiece_model,
                     "tiktoken": files.tiktoken_ranks}.get(entry.name, files.trained_tokenizer)
@@ -121,8 +121,8 @@ def test_component_contract(entry, tmp_path):
     elif kind == "dataset":
         assert _default(entry) is not None  # built with data in their own tests
     elif kind == "task":  # one file with every kind's default fields, a tiny model
-        from kiln.components.evals import runner
-        from tests.components.evals import samples
+        from kiln.components.tasks import runner
+        from tests.components.tasks import samples
 
         path = samples.write_jsonl(tmp_path / "t.jsonl", samples.rows(4))
         task = _default(entry, path=str(path)).build(name="t")

@@ -119,7 +119,7 @@ def test_pinned_memory_only_where_the_accelerator_copies_from_it(monkeypatch):
 
 
 def test_peak_memory_per_device_type(monkeypatch):
-    from kiln.recipes.process_stats import peak_memory_bytes, peak_rss_bytes
+    from kiln.recipes.probes.process_stats import peak_memory_bytes, peak_rss_bytes
 
     asked = []
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated",
@@ -131,7 +131,7 @@ def test_peak_memory_per_device_type(monkeypatch):
 def test_the_commands_offer_the_same_devices_as_the_recipe():
     from kiln.recipes.commands import eval as eval_cmd
     from kiln.recipes.commands import generate
-    from kiln.recipes.schema import TrainingConfig
+    from kiln.recipes.config.schema import TrainingConfig
 
     field = TrainingConfig.model_fields["device"].annotation
     assert generate.DEVICES == eval_cmd.DEVICES == devices.DEVICES == field.__args__

@@ -116,7 +116,7 @@ def test_entry_point_plugin_is_listed_and_usable_in_a_recipe(tmp_path, write):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             main(["list", "schedule", "--brief"])
-            from kiln.recipes.recipe import load_recipe
+            from kiln.recipes.config.files import load_recipe
             r = load_recipe({str(recipe)!r})
             print("LEVEL", r.optimizer.schedule.build(total_steps=10)(3))
         print("WARN", [str(w.message) for w in caught])

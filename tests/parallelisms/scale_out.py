@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kiln.components import distributed, registry
 from kiln.components.base import default_config
 from kiln.parallelisms import ParallelismConfig, materialize, parallelize
-from kiln.parallelisms.layout_plan import dry_parallelize, fake_world, local_bytes
+from kiln.parallelisms.layout.plan import dry_parallelize, fake_world, local_bytes
 from kiln.parallelisms.mesh import layout
 from tests.parallelisms.tiny import SEQ, VOCAB, batches, init_gloo, tiny_model
 
@@ -68,7 +68,7 @@ OPTIMIZERS = {
 
 def train(model, plan, optimizer: str, rank: int, dp_rank: int, dp: int,
           accum: int) -> dict[str, list[float]]:
-    from kiln.recipes.optimizer_set import OptimizerSet
+    from kiln.recipes.training.optimizer_set import OptimizerSet
 
     opts = OptimizerSet(model, OPTIMIZERS[optimizer], STEPS)
     losses, norms = [], []
@@ -155,7 +155,7 @@ def muon_step_difference(case: dict, rank: int, world_size: int) -> float:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from kiln.parallelisms.blocks import clean_name
-    from kiln.recipes.optimizer_set import OptimizerSet
+    from kiln.recipes.training.optimizer_set import OptimizerSet
 
     cfg = ParallelismConfig(**case.get("parallelism", {}))
     world = SimpleNamespace(world_size=world_size, device=torch.device("cpu"), rank=rank)

@@ -17,8 +17,8 @@ import torch
 
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.context_parallel import ContextParallel, chunk_positions
-from kiln.recipes.model_inputs import ModelInputs
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.model_inputs import ModelInputs
 from tests.checkpointing.elastic import StopAfter
 from tests.components.data.conftest import write_corpus
 from tests.conftest import CONFIGS
@@ -67,7 +67,7 @@ def _recipe(folder, *extra):
 
 def test_bad_degrees_and_lengths_are_recipe_errors_naming_keys_and_values(tmp_path):
     from kiln.recipes.commands.validate import describe
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.training.trainer import Trainer
 
     with pytest.raises(RecipeError, match=r"parallelism.cp = 2 does not divide the world size "
                                           r"1; valid values: \[1\]"):
@@ -97,7 +97,7 @@ def test_validate_shows_cp_in_the_mesh_and_activation_memory(tmp_path):
 
 # ------------------------------------------------------------------ gloo processes vs one
 def _record(recipe, stop_after=None) -> tuple[list[float], str]:
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.training.trainer import Trainer
     from tests.recipes.test_combinations import Record
 
     record, out = Record(), io.StringIO()

@@ -46,7 +46,7 @@ def test_expert_parallel_borrows_data_parallel_ranks():
 
 
 def test_context_parallel_sits_between_data_and_tensor_parallel():
-    from kiln.parallelisms.layout_plan import fake_world
+    from kiln.parallelisms.layout.plan import fake_world
     from kiln.parallelisms.mesh import build_mesh, dp_mesh, fsdp_mesh, layout
 
     shape = layout(ParallelismConfig(cp=2, tp=2), 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.recipes.recipe import load_recipe, write_recipe
+from kiln.recipes.config.files import load_recipe, write_recipe
 from tests.conftest import CONFIGS
 
 

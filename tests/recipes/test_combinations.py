@@ -29,7 +29,7 @@ import torch
 
 from kiln.components import registry
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port, rank_env
 
@@ -124,8 +124,8 @@ class Record:
 
 
 def train(recipe, *, eval_first: bool = False, out=None) -> tuple[list[float], object]:
-    from kiln.recipes.hooks import evaluate
-    from kiln.recipes.trainer import Trainer
+    from kiln.recipes.hooks.core import evaluate
+    from kiln.recipes.training.trainer import Trainer
 
     record = Record()
     with open(os.devnull, "w") as sink:
@@ -251,7 +251,7 @@ def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
     every attention has a cache (or falls back to recomputing), looped cores get one slot per
     loop, MoE routes one new token as it routes it inside the whole sequence."""
     from kiln.components.attention import kv_cache
-    from kiln.recipes.generate import Sampling, generate
+    from kiln.recipes.inference.generate import Sampling, generate
 
     model = _family_model(family)
     assert kv_cache.supports_cache(model), f"{family}: no KV cache, generation recomputes"
@@ -267,8 +267,9 @@ def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
 def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
     """export -> import (``checkpoint.init_from``'s loader) gives the same tensors, bit for bit,
     for every family that has a Hugging Face layout; the others say why they have none."""
-    from kiln.checkpointing import export, hf_import
-    from kiln.checkpointing.hf_layout import hf_incompatibility
+    from kiln.checkpointing.huggingface import export
+    from kiln.checkpointing.huggingface import importer as hf_import
+    from kiln.checkpointing.huggingface.layout import hf_incompatibility
 
     model = _family_model(family)
     if hf_incompatibility(model):
@@ -295,7 +296,7 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
 @pytest.mark.parametrize("family", list(discovered()))
 def test_downstream_tasks_leave_training_unchanged_in_every_family(family, tmp_path):
     """[evals.NAME] every step (multiple choice, exact match, bits per byte): the same losses."""
-    from tests.recipes.test_downstream import task_flags
+    from tests.recipes.hooks.test_downstream import task_flags
 
     plain, _ = train(recipe_for(family, tmp_path / "plain"))
     scored, _ = train(recipe_for(family, tmp_path / "evals", *task_flags(tmp_path, interval=1)))
@@ -337,7 +338,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
             results[f"{name}_resumed"], _ = train(recipe_for(
                 family, f"{folder}/{name}", *args, f"--training.steps={STEPS + 1}"))
         # Downstream tasks under FSDP2: batches split over the ranks, scores reduced
-        from tests.recipes.test_downstream import task_flags
+        from tests.recipes.hooks.test_downstream import task_flags
 
         results["evals"], _ = train(recipe_for("dense", f"{folder}/evals", *task_flags(
             None, path=f"{folder}/tasks.jsonl")))
@@ -360,8 +361,8 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tmp_path):
-    from tests.components.evals import samples
-    from tests.recipes.test_downstream import metrics_of, task_flags
+    from tests.components.tasks import samples
+    from tests.recipes.hooks.test_downstream import metrics_of, task_flags
 
     families = list(discovered())
     samples.write_jsonl(tmp_path / "tasks.jsonl", samples.rows(6))
@@ -422,7 +423,7 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
 # ---------------------------------------------- every tokenizer x every way of feeding data
 def _tokenizer_overrides(name: str, folder) -> tuple[str, ...]:
     """A small instance of each registered tokenizer (files made in the test, offline)."""
-    from tests.components.data import tokenizer_files as files
+    from tests.components.tokenizers import tokenizer_files as files
 
     if name == "byte":
         return ("--tokenizer.type=byte",)
@@ -439,9 +440,9 @@ def _tokenizer_overrides(name: str, folder) -> tuple[str, ...]:
 
 
 def _data_overrides(kind: str, tokenizer, folder) -> tuple[str, ...]:
-    from kiln.components.data.prepare import PrepareOptions, prepare
+    from kiln.components.data.prepare.prepare import PrepareOptions, prepare
     from tests.components.data.corpora import write_jsonl
-    from tests.components.data.tokenizer_files import stdlib_texts
+    from tests.components.tokenizers.tokenizer_files import stdlib_texts
 
     corpus = write_jsonl(folder / "corpus.jsonl", list(stdlib_texts()[:12]))
     if kind == "streaming_text":

@@ -6,7 +6,7 @@ import pytest
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.cli import main
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
 
 
 def _error(path, overrides=()) -> str:
@@ -61,8 +61,8 @@ def test_missing_required_key():
     from pydantic import Field
 
     from kiln.components.base import Config
-    from kiln.recipes.loader import Layered
-    from kiln.recipes.resolve import build_config
+    from kiln.recipes.config.loader import Layered
+    from kiln.recipes.config.resolve import build_config
 
     class Needs(Config):
         path: str = Field(description="where the data is")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kiln.recipes.cli import main
-from kiln.recipes.hooks import Hook
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS
 
 TINY = [

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kiln.recipes.commands.validate import build_meta_model
-from kiln.recipes.hooks import Hook
-from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.training.optimizer_set import OptimizerSet
+from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS
 
 
@@ -34,7 +34,7 @@ def test_10b_recipe_is_the_reference_configuration():
     for o in opts.values():
         assert (o.schedule.type, o.schedule.warmup_steps) == ("warmup_cosine", 4000)
     # Issue 10 item 10: the reference trains max(130k, ceil(200e9 / tokens_per_step)) steps.
-    from kiln.recipes import batch_plan
+    from kiln.recipes.training import batch_plan
 
     bp = batch_plan.plan(r.training, world_size=8)
     assert bp.tokens_per_step == 6 * 8 * 8 * 2048

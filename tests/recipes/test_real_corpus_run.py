@@ -11,12 +11,12 @@ import pytest
 
 from kiln.components.errors import DataError
 from kiln.recipes.cli import main
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.trainer import Trainer
 from tests.components.data.corpora import write_parquet
-from tests.components.data.tokenizer_files import stdlib_texts, trained_tokenizer
+from tests.components.tokenizers.tokenizer_files import stdlib_texts, trained_tokenizer
 from tests.conftest import CONFIGS
-from tests.recipes.test_trainer import TINY
+from tests.recipes.training.test_trainer import TINY
 
 
 @pytest.fixture(scope="module")

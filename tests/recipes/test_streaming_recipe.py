@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.recipes.recipe import load_recipe
-from kiln.recipes.trainer import Trainer
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.trainer import Trainer
 from tests.checkpointing.test_exact_resume import TINY, Record, _workers, losses
 from tests.components.data.corpora import write_jsonl, write_parquet
-from tests.components.data.tokenizer_files import stdlib_texts
+from tests.components.tokenizers.tokenizer_files import stdlib_texts
 from tests.conftest import CONFIGS
 
 
@@ -68,7 +68,7 @@ def test_two_process_streaming_run_resumes_exactly(tmp_path):
     import signal
     import time
 
-    from tests.recipes.test_trainer import _free_port
+    from tests.recipes.training.test_trainer import _free_port
 
     corpus = _corpus(tmp_path / "corpus")
     steps = 30

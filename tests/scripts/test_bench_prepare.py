@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.components.data.tokenizer_files import trained_tokenizer
+from tests.components.tokenizers.tokenizer_files import trained_tokenizer
 from tests.conftest import REPO
 
 

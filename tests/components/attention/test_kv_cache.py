@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.components.attention import kv_cache
-from kiln.recipes.recipe import load_recipe
+from kiln.recipes.config.files import load_recipe
 from tests.conftest import CONFIGS
 
 TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",

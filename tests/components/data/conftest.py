@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.components.data.byte_tokenizer import ByteTokenizer
 from kiln.components.data.packed_documents import PackedDocuments, PackedDocumentsConfig
-from tests.checkpointing.test_hub import offline_cache  # noqa: F401 - the Hub cache fixture
+from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
+from tests.checkpointing.huggingface.test_hub import offline_cache  # noqa: F401 - the Hub cache fixture
 
 
 def write_corpus(folder: Path, num_docs: int = 40, seed: int = 0) -> Path:

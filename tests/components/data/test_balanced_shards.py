@@ -265,7 +265,7 @@ def test_prefetch_reads_in_the_background_and_raises_its_errors_in_the_trainer(r
 def test_ids_beyond_the_tokenizers_vocabulary_are_a_data_error(root):
     """With a tokenizer (as the trainer builds it), every row read is checked against its
     vocabulary: the shards above hold ids up to 20,000+, beyond the byte tokenizer's 258."""
-    from kiln.components.data.byte_tokenizer import ByteTokenizer
+    from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 
     cfg = default_config("dataset", "balanced_shards", path=str(root), domains=DOMAINS,
                          eval_rows=4)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.components.data.byte_tokenizer import ByteTokenizer
 from kiln.components.data.packed_documents import PackedDocumentsConfig
 from kiln.components.errors import DataError, RecipeError
+from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 
 from .conftest import epoch_stream
 

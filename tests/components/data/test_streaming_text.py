@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kiln.components.base import default_config
-from kiln.components.data.byte_tokenizer import ByteTokenizer
 from kiln.components.errors import DataError, RecipeError
+from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 from tests.components.data.corpora import DOCS, write_jsonl, write_parquet
 
 GB, MB, L = 8, 2, 16

@@ -72,7 +72,7 @@ def test_dcp_round_trip(tmp_path, name, values):
 
 def _looped_with_lambda(init: float):
     from kiln.components.optimizers.common import ParamRule
-    from kiln.recipes.optimizer_set import OptimizerSet
+    from kiln.recipes.training.optimizer_set import OptimizerSet
 
     c = default_config("model", "looped", dim=16, loops=2, loop_scale="learned",
                        loop_scale_init=init, loop_scale_max=1.0,

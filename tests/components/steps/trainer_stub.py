@@ -12,9 +12,9 @@ import torch
 from kiln.components.base import default_config
 from kiln.components.distributed import World
 from kiln.parallelisms import ParallelPlan
-from kiln.recipes.model_inputs import ModelInputs
-from kiln.recipes.optimizer_set import OptimizerSet
-from kiln.recipes.trainer import Progress, Trainer
+from kiln.recipes.training.model_inputs import ModelInputs
+from kiln.recipes.training.optimizer_set import OptimizerSet
+from kiln.recipes.training.trainer import Progress, Trainer
 
 
 class StubTrainer(Trainer):

@@ -1,0 +1,1 @@
+"""Hugging Face files: config mapping, safetensors layout, import, export, Hub sync."""

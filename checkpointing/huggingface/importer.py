@@ -1,0 +1,114 @@
+"""Hugging Face checkpoints as the initial weights of a kiln model (``checkpoint.init_from``).
+
+``source_folder(spec)`` turns a folder or ``hf://OWNER/NAME[@REVISION]`` into a local folder
+(config.json + one or many safetensors, an index when many). ``load_weights(model, folder)``
+copies the tensors into a built model, converting the layout (``hf_layout``). A sharded model
+(FSDP2 DTensor parameters, e.g. after meta-device init) receives only its own slices: each rank
+reads the rows (and columns) it owns from the files, so the model never exists whole on a rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from kiln.checkpointing.huggingface import layout as hf_layout
+from kiln.checkpointing.huggingface.files import SafetensorsFolder
+from kiln.components import distributed
+from kiln.components.errors import CheckpointError
+
+# Stored by some older checkpoints, derived from the config (kiln recomputes its RoPE tables).
+DERIVED = ("rotary_emb.inv_freq",)
+
+
+def source_folder(spec: str, *, is_main: bool = True, api=None,
+                  token_env: str = "HF_TOKEN") -> Path:
+    """A local folder for ``spec`` (a folder, or hf://... fetched by the main rank first; the
+    others then find it in the shared cache)."""
+    if not spec.startswith("hf://"):
+        folder = Path(spec).expanduser()
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"{spec!r}: no config.json there; give a Hugging Face model "
+                                  "folder or hf://OWNER/NAME[@REVISION]")
+        return folder
+    from kiln.checkpointing.huggingface import hub
+
+    folder = hub.download_model(spec, api=api, token_env=token_env) if is_main else None
+    distributed.barrier()
+    return folder or hub.download_model(spec, api=api, token_env=token_env)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; a Hugging Face model folder has a config.json"
+                              ) from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return config
+
+
+def _region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor to fill, its global offset, its shape) of a parameter or DTensor shard."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                              t.placements)
+        return t.to_local(), tuple(offset), tuple(shape)
+    return t, (0,) * t.dim(), tuple(t.shape)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") -> int:
+    """Copy a Hugging Face checkpoint into ``model`` (built and allocated, possibly sharded);
+    returns the number of tensors read. Every kiln tensor must come from the checkpoint and
+    every checkpoint tensor must be used; shapes must agree."""
+    label = label or str(folder)
+    reason = hf_layout.hf_incompatibility(model)
+    if reason:
+        raise CheckpointError(f"{label}: the recipe's model has no Hugging Face layout "
+                              f"({reason}); write the recipe with `kiln import`")
+    layout = hf_layout.parts(model)
+    targets = hf_layout.tensors(model)
+    unmapped = sorted(set(targets) - set(layout))
+    if unmapped:
+        raise CheckpointError(f"{label}: kiln tensors with no Hugging Face counterpart: "
+                              f"{', '.join(unmapped)}")
+    files = SafetensorsFolder(folder)
+    needed = {p.hf_name for name in targets for p in layout[name]}
+    have = files.keys()
+    absent = sorted(needed - have)
+    if absent:
+        raise CheckpointError(f"{label}: the checkpoint lacks {', '.join(absent[:5])}"
+                              f"{' ...' if len(absent) > 5 else ''} ({len(absent)} tensors); "
+                              "does the recipe's model match its config.json?")
+    extra = sorted(n for n in have - needed if not n.endswith(DERIVED))
+    if getattr(model, "tied", False) and extra == ["lm_head.weight"] and config.get(
+            "tie_word_embeddings"):
+        extra = []  # a tied checkpoint that stores the shared matrix twice
+    if extra:
+        raise CheckpointError(f"{label}: the recipe's model has no place for "
+                              f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} "
+                              f"({len(extra)} tensors); check model.tie_embeddings and the "
+                              "attention biases against config.json")
+    for name, t in targets.items():
+        parts = layout[name]
+        for hf_name, rows in hf_layout.hf_rows(parts).items():
+            want = (rows, *t.shape[1:])
+            if tuple(files.shape(hf_name)) != want:
+                raise CheckpointError(f"{label}: {hf_name} has shape "
+                                      f"{list(files.shape(hf_name))}, the recipe's model "
+                                      f"needs {list(want)} (for {name})")
+        local, offset, shape = _region(t)
+        if local.numel():
+            local.copy_(files.read_rows(parts, offset, shape).to(local.dtype))
+    return len(needed)

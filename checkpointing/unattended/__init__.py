@@ -1,0 +1,1 @@
+"""Saves without a person watching: timed saves, preemption signals, failed saves."""

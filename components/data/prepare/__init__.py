@@ -1,0 +1,1 @@
+"""`kiln data prepare`: tokenizing corpora in parallel into the packed-document layout."""

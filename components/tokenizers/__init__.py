@@ -1,0 +1,1 @@
+"""Tokenizers: bytes, Hugging Face tokenizer.json, byte-level BPE, SentencePiece, tiktoken."""

@@ -1,0 +1,1 @@
+"""The start-up health check: every rank and link answers before training."""

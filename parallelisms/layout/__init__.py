@@ -1,0 +1,1 @@
+"""Layout checks and planning: what a [parallelism] layout allows and costs."""

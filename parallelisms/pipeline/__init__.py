@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage split, schedules, checks, the stage runner."""

@@ -1,0 +1,2 @@
+"""The recipe language: the schema, reading TOML with `extends` and overrides, validation, files
+and diffs."""

@@ -1,0 +1,197 @@
+"""Downstream tasks in the training loop (``[evals.NAME]`` tables): each task every ``interval``
+steps and after the last one, its batches split over the data-parallel ranks, the metrics logged
+as ``eval/<task>/<metric>`` (console, metrics.jsonl, TensorBoard, W&B).
+
+Evaluation leaves training as it was: the model goes to eval mode and back, the RNG states are
+saved and restored, no data loader is touched, and everything runs under ``no_grad``; tasks are
+read and planned before the first step, so bad task data stops a run before it trains.
+
+``mode = "pause"`` (the looped MoE reference's hand-off): save a snapshot, write
+``pending_downstream_eval.json`` (step, checkpoint, tasks) in the run folder and stop (exit 0);
+a scheduler runs ``kiln eval RUN --pending`` elsewhere, and the same training command resumes.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.checkpointing import layout
+from kiln.components import devices
+from kiln.components.errors import RecipeError
+from kiln.components.tasks import runner
+from kiln.components.tasks.scorer import Scorer
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.inference.generate import Sampling, generate
+
+PENDING = "pending_downstream_eval.json"
+
+
+def greedy_generate():
+    """The greedy decoder a ``Scorer`` calls (``recipes/inference/generate.py``)."""
+    return functools.partial(generate, sampling=Sampling(temperature=0))
+
+
+def model_context(model, fallback: int) -> int:
+    """Tokens the model can attend over (its RoPE table), else ``fallback``."""
+    return int(getattr(model, "max_seq_len", 0) or fallback)
+
+
+def plan_tasks(tasks: dict, tokenizer, max_len: int, log) -> dict:
+    """Each task's plan (read, encoded, batched); a truncation warning per task that cut."""
+    plans = {}
+    for name, task in tasks.items():
+        plans[name] = plan = task.plan(tokenizer, max_len)
+        if plan.truncated:
+            log(f"kiln: WARNING: task {name!r}: {plan.truncated} of {plan.examples} examples cut "
+                f"from the left to fit the model's context ({max_len} tokens)")
+    return plans
+
+
+def format_metrics(name: str, metrics: dict[str, float], examples: int, seconds: float) -> str:
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    return f"{name}: {shown}  ({examples} examples, {seconds:.1f} s)"
+
+
+class RngState:
+    """Every generator training could read: torch (CPU and the accelerator's), Python's and
+    NumPy's."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.kind = devices.rng_device_type()  # the accelerator in use, if any
+        self.device = devices.rng_states(self.kind) if self.kind is not None else None
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.device is not None:
+            devices.set_rng_states(self.kind, self.device)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
+class DownstreamEvalHook(Hook):
+    def __init__(self) -> None:
+        self.tasks: dict = {}
+        self.plans: dict = {}
+
+    def on_train_start(self, trainer) -> None:
+        cfgs = trainer.recipe.evals
+        if not cfgs:
+            return
+        if trainer.mesh_layout.tp > 1:
+            raise RecipeError("[evals.*] tasks do not run under tensor parallelism yet "
+                              f"(parallelism.tp = {trainer.mesh_layout.tp}): evaluate the "
+                              "checkpoints with `kiln eval RUN --tasks` instead")
+        if trainer.mesh_layout.pp > 1:  # each rank holds only its pipeline stages
+            raise RecipeError("[evals.*] tasks do not run under pipeline parallelism yet "
+                              f"(parallelism.pp = {trainer.mesh_layout.pp}): evaluate the "
+                              "checkpoints with `kiln eval RUN --tasks` instead")
+        paused = [n for n, c in cfgs.items() if c.mode == "pause"]
+        if paused and not trainer.recipe.checkpoint.enable:
+            raise RecipeError(f"evals.{paused[0]}.mode = \"pause\" saves a snapshot: set "
+                              "checkpoint.enable = true (or mode = \"inline\")")
+        self.tasks = {n: c.build(name=n) for n, c in cfgs.items() if c.mode == "inline"}
+        self.max_len = model_context(trainer.model, trainer.recipe.training.seq_len)
+        self.plans = plan_tasks(self.tasks, trainer.tokenizer, self.max_len, trainer.print)
+        self.scorer = Scorer(trainer.model, max_len=self.max_len,
+                             vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
+                             generate=greedy_generate(), lockstep=trainer.world.distributed)
+        generating = [n for n, t in self.tasks.items() if hasattr(t, "generations")]
+        if generating and trainer.world.distributed and not self.scorer.use_cache:
+            raise RecipeError(f"task {generating[0]!r} generates text on several processes, "
+                              "which needs a model whose attention has a KV cache (prompts of "
+                              "several lengths decode in step); this model has none: run it "
+                              "offline with `kiln eval RUN --tasks`")
+
+    def _due(self, trainer, step: int, *, end: bool) -> list[str]:
+        last = step == trainer.total_steps
+        return [n for n, c in trainer.recipe.evals.items()
+                if (c.at_end if end else
+                    c.interval and step % c.interval == 0 and not (c.at_end and last))]
+
+    def on_step_end(self, trainer, result) -> None:
+        self._run(trainer, self._due(trainer, trainer.progress.step, end=False), result.loss)
+
+    def on_train_end(self, trainer) -> None:
+        if not trainer.stop_requested and trainer.progress.step >= trainer.total_steps:
+            self._run(trainer, self._due(trainer, trainer.progress.step, end=True), None)
+
+    def _run(self, trainer, names: list[str], loss: float | None) -> None:
+        inline = [n for n in names if n in self.tasks]
+        if inline:
+            self.evaluate(trainer, inline)
+        paused = [n for n in names if n not in self.tasks]
+        if paused:
+            self.pause(trainer, paused, loss)
+
+    def evaluate(self, trainer, names: list[str]) -> dict[str, dict[str, float]]:
+        model, step = trainer.model, trainer.progress.step
+        was_training = model.training
+        rng = RngState()
+        model.eval()
+        out: dict[str, dict[str, float]] = {}
+        try:
+            with torch.no_grad():
+                for name in names:
+                    started = time.perf_counter()
+                    out[name] = metrics = runner.run(
+                        self.tasks[name], self.plans[name], self.scorer, rank=trainer.data_rank,
+                        world_size=trainer.data_ranks)
+                    trainer.metrics.log(step, {f"eval/{name}/{k}": v for k, v in metrics.items()})
+                    trainer.print(f"eval  step {step}  " + format_metrics(
+                        name, metrics, self.plans[name].examples, time.perf_counter() - started))
+        finally:
+            rng.restore()
+            model.train(was_training)
+        return out
+
+    def pause(self, trainer, names: list[str], loss: float | None) -> None:
+        """Save a snapshot (unless this step has one), write the pending file and stop."""
+        hook = next((h for h in trainer.hooks if hasattr(h, "manager")), None)
+        if hook is None:
+            raise RecipeError("mode = \"pause\" needs the checkpoint hook (checkpoint.enable)")
+        step = trainer.progress.step
+        if hook.manager.last_saved_step != step:  # a failed save stops the run (final)
+            hook.manager.save(trainer, extra={"loss": loss}, final=True)
+        hook.manager.wait(final=True)
+        folder = (hook.root / layout.step_name(step)).resolve()
+        run_dir = Path(trainer.run_dir).resolve()
+        if folder.is_relative_to(run_dir):  # the request moves with the run folder
+            folder = folder.relative_to(run_dir)
+        if trainer.world.is_main:
+            write_pending(Path(trainer.run_dir), step, folder, {
+                n: trainer.recipe.evals[n].model_dump(mode="json") for n in names}, trainer.print)
+        final = step >= trainer.total_steps
+        if not final:
+            trainer.stop_requested = True
+        trainer.print(f"kiln: downstream evaluation of step {step} ({', '.join(names)}) is "
+                      f"pending: {Path(trainer.run_dir) / PENDING}. Run `kiln eval "
+                      f"{trainer.run_dir} --pending` (any machine)"
+                      + ("" if final else ", then rerun this command to continue training."))
+
+
+def write_pending(run_dir: Path, step: int, checkpoint: Path, tasks: dict, log) -> Path:
+    """``pending_downstream_eval.json``; an earlier request not yet evaluated is kept beside it
+    as ``pending_downstream_eval.step_XXXXXXX.json``."""
+    path = run_dir / PENDING
+    if path.is_file():
+        import json
+
+        try:
+            old_step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
+        except (ValueError, KeyError, TypeError):
+            old_step = -1
+        kept = run_dir / f"pending_downstream_eval.{layout.step_name(max(old_step, 0))}.json"
+        path.replace(kept)
+        log(f"kiln: WARNING: the downstream evaluation of step {old_step} was not run yet; "
+            f"kept as {kept}")
+    layout.write_json(path, {"step": step, "checkpoint": str(checkpoint), "tasks": tasks})
+    return path

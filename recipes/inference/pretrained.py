@@ -1,0 +1,142 @@
+"""Starting from a pretrained Hugging Face model: ``kiln import`` writes the recipe matching a
+model's config.json, and ``checkpoint.init_from`` loads its weights into a fresh run (format
+conversion lives in ``checkpointing.hf_*``; this module wires it into recipes and the trainer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from kiln.checkpointing.huggingface import config as hf_config
+from kiln.checkpointing.huggingface import importer as hf_import
+from kiln.components.errors import CheckpointError, RecipeError
+from kiln.components.tokenizers.hf_tokenizer import (
+    TOKENIZER_FILE,
+    HuggingFaceTokenizer,
+    HuggingFaceTokenizerConfig,
+)
+from kiln.recipes.config.files import load_recipe, to_dict, write_text_atomic
+from kiln.recipes.config.loader import Layered
+from kiln.recipes.config.resolve import build_config
+from kiln.recipes.config.schema import Recipe
+
+DEFAULT_SEQ_LEN = 2048
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resolved_model_table(table: dict[str, Any]) -> dict[str, Any]:
+    """A ``[model]`` table with every default filled in, as a recipe would resolve it."""
+    return to_dict(build_config(Recipe, {"model": table}, "", Layered()))["model"]
+
+
+def differences(config_table: dict[str, Any], recipe_table: dict[str, Any]) -> list[str]:
+    """``model.KEY: config value, recipe value`` for every key where the recipe's model is not
+    the one config.json describes (both resolved with defaults)."""
+    want, have = _flat(resolved_model_table(config_table)), _flat(recipe_table)
+    return [f"model.{k}: {want.get(k)!r} for config.json, {have.get(k)!r} in the recipe"
+            for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+
+
+def load_pretrained(trainer) -> None:
+    """Load ``checkpoint.init_from`` into the trainer's (built, parallelized) model."""
+    cfg, world = trainer.recipe.checkpoint, trainer.world
+    spec = cfg.init_from
+    folder = hf_import.source_folder(spec, is_main=world.is_main, token_env=cfg.hub_token_env)
+    config = hf_import.read_config(folder)
+    table = hf_config.model_table(config, spec, tuple(cfg.init_from_ignore))
+    hf_config.check_context(config, spec, trainer.recipe.training.seq_len)
+    recipe_table = to_dict(trainer.recipe)["model"]
+    if not recipe_table.get("vocab_size"):  # 0: the tokenizer's size, as built
+        recipe_table["vocab_size"] = getattr(trainer.model, "vocab_size", 0)
+    for line in differences(table, recipe_table):
+        trainer.print(f"kiln: note: init_from differs: {line}")
+    n = hf_import.load_weights(trainer.model, folder, config, label=spec)
+    trainer.print(f"kiln: initial weights from {spec} ({n} tensors)")
+
+
+def _config_ids(config: dict[str, Any], key: str) -> list[int]:
+    """config.json's ``bos_token_id`` / ``eos_token_id``: one id, a list (Llama 3.1) or none."""
+    value = config.get(f"{key}_token_id")
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def tokenizer_table(source: str, folder: Path, config: dict[str, Any],
+                    model_vocab: int) -> tuple[dict[str, Any], str]:
+    """The ``[tokenizer]`` table for a model from ``source`` (read from its local ``folder``)
+    and a note for the user ("" if none). With a tokenizer.json there: the ``huggingface``
+    tokenizer on the same source, its BOS / EOS pinned to config.json's ids where the
+    tokenizer's own config picks other tokens; else the byte tokenizer."""
+    if not (folder / TOKENIZER_FILE).is_file():
+        return {"type": "byte"}, (
+            f"{source} has no {TOKENIZER_FILE}; the recipe uses the byte tokenizer (ids 0-257 "
+            "of the model's vocabulary): set [tokenizer] for real text")
+    table: dict[str, Any] = {"type": "huggingface", "path": source}
+    try:
+        own = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(path=str(folder)))
+    except RecipeError:  # e.g. no BOS/EOS it can name: config.json's ids name them below
+        own = None
+    for key in ("bos", "eos"):
+        want = _config_ids(config, key)
+        if want and (own is None or getattr(own, f"{key}_id") not in want):
+            if own is None:
+                from tokenizers import Tokenizer
+
+                text = Tokenizer.from_file(str(folder / TOKENIZER_FILE)).id_to_token(want[0])
+            else:
+                text = own.id_to_token(want[0])
+            if text is None:
+                raise CheckpointError(f"{source}: config.json {key}_token_id = {want[0]} is not "
+                                      f"an id of its {TOKENIZER_FILE}")
+            table[f"{key}_token"] = text
+    local = HuggingFaceTokenizer(HuggingFaceTokenizerConfig(
+        path=str(folder), **{k: v for k, v in table.items() if k.endswith("_token")}))
+    if local.vocab_size > model_vocab:
+        raise CheckpointError(
+            f"{source}: its {TOKENIZER_FILE} has {local.vocab_size} ids, more than the model's "
+            f"vocab_size ({model_vocab}); the checkpoint and its tokenizer do not belong together")
+    return table, ""
+
+
+def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str, ...] = (),
+                  api=None) -> dict[str, Any]:
+    """Write the recipe that trains on from ``source`` to ``out``; returns a summary."""
+    folder = hf_import.source_folder(source, api=api)
+    config = hf_import.read_config(folder)
+    model = hf_config.model_table(config, source, ignore)
+    window = hf_config.sliding_window(config, source)
+    limits = [config.get("max_position_embeddings") or DEFAULT_SEQ_LEN, window or DEFAULT_SEQ_LEN]
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, *limits)
+    hf_config.check_context(config, source, seq_len)
+    tokenizer, tokenizer_note = tokenizer_table(source, folder, config, model["vocab_size"])
+    checkpoint: dict[str, Any] = {"init_from": source}
+    if ignore:
+        checkpoint["init_from_ignore"] = list(ignore)
+    recipe = {
+        "description": f"continued pretraining from {source} ({config['model_type']})",
+        "training": {"seq_len": seq_len, "steps": 100, "global_batch": 8, "micro_batch": 1},
+        "model": model,
+        "tokenizer": tokenizer,
+        "optimizer": {"type": "adamw", "lr": 3e-5, "weight_decay": 0.1,
+                      "schedule": {"type": "warmup_cosine", "warmup_steps": 10,
+                                   "min_lr_ratio": 0.1}},
+        "checkpoint": checkpoint,
+    }
+    header = (f"# Written by `kiln import {source}`: the architecture of its config.json. Its "
+              "weights load when\n# training starts (checkpoint.init_from). Train with "
+              f"./run_train.sh {out}\n")
+    write_text_atomic(Path(out), header + tomli_w.dumps(recipe))
+    load_recipe(out)  # the written recipe must load; an error here is a bug in this function
+    return {"family": config["model_type"], "params": _flat(model), "seq_len": seq_len,
+            "tokenizer": tokenizer["type"], "note": tokenizer_note}

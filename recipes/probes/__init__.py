@@ -1,0 +1,1 @@
+"""Measurements: FLOPs and peak FLOP/s, process memory and start-up phases."""

@@ -1,0 +1,240 @@
+"""Drawing runs with matplotlib: metric curves of several runs overlaid (legend: what differs
+between their recipes) and, for MoE runs, an expert-load heatmap (layer x expert over steps).
+
+matplotlib is the optional ``plot`` extra (``pip install 'kiln[plot]'``): training and the
+other commands never import it; ``kiln plot`` and ``run.plot_interval`` need it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from kiln.components.errors import KilnError, RecipeError
+from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.hooks.core import Hook
+from kiln.recipes.runs.read import EXPERTS_FILE, Run, open_run, pick, read_jsonl, series
+
+DEFAULT_METRICS = ("loss", "eval/loss", "lr", "grad_norm")
+# Diagnostics panels (RUN/plots/diagnostics.png): title -> (key prefix, key suffix); a line per
+# matching key (layer, loop).
+DIAGNOSTICS_PANELS = {
+    "residual stream RMS per block": ("diag/act/", "/rms"),
+    "attention logit max": ("diag/attn/", "/logit_max"),
+    "attention entropy (nats)": ("diag/attn/", "/entropy"),
+    "gradient norm per layer": ("diag/grad/layer/", "/norm"),
+    "update / weight per layer": ("diag/update/layer/", "/ratio"),
+    "loop state RMS": ("diag/state/", "/rms"),
+    "gradient into loop state": ("diag/state_grad/", "/norm"),
+    "router entropy (normalised)": ("diag/router/", "/entropy"),
+}
+
+
+def require_matplotlib(what: str = "kiln plot"):
+    """pyplot with the file-only Agg backend; a KilnError naming the extra when missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise KilnError(f"{what} needs matplotlib, which is not installed: "
+                        "pip install 'kiln[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg", force=True)  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def legend_labels(runs: list[Run]) -> list[str]:
+    """Per run, the recipe values that tell it apart (``lr=0.001, steps=60``); its name when
+    nothing differs or when two runs would read the same."""
+    diffs = differing([r.recipe for r in runs]) if len(runs) > 1 else {}
+    short = short_names(list(diffs))
+    labels = [", ".join(f"{short[k]}={_value(v[i])}" for k, v in diffs.items()) or r.label
+              for i, r in enumerate(runs)]
+    return [f"{r.label}: {lab}" if labels.count(lab) > 1 and lab != r.label else lab
+            for r, lab in zip(runs, labels, strict=True)]
+
+
+def _value(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
+    """The metric keys to draw. Names the user gave must each match a key some run logged;
+    the default names are drawn where present."""
+    wanted = list(names) if names else list(DEFAULT_METRICS)
+    keys: list[str] = []
+    for name in wanted:
+        found = sorted({k for run in runs for k in pick(run, [name])})
+        if not found and names:
+            logged = sorted({k for run in runs for k in run.metric_keys()})
+            raise RecipeError(
+                f"--metrics: no run logged {name!r}; the runs logged: {', '.join(logged)}")
+        keys += [k for k in found if k not in keys]
+    if not keys:
+        logged = sorted({k for run in runs for k in run.metric_keys()})
+        raise RecipeError(f"none of {', '.join(wanted)} was logged; the runs logged: "
+                          f"{', '.join(logged)}")
+    return keys
+
+
+def smooth(ys: list[float], n: int) -> list[float]:
+    """Trailing moving average over ``n`` points (``n`` <= 1: unchanged)."""
+    if n <= 1:
+        return ys
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= n:
+            total -= ys[i - n]
+        out.append(total / min(i + 1, n))
+    return out
+
+
+def expert_loads(run: Run) -> tuple[list[int], dict[str, list[list[float]]]]:
+    """(steps, {layer: [per-step loads as multiples of the mean]}) from ``experts.jsonl``;
+    empty for a run without MoE layers."""
+    path = run.folder / EXPERTS_FILE
+    if not path.is_file():
+        return [], {}
+    steps, layers = [], {}
+    for rec in read_jsonl(path):
+        loads = rec.get("load")
+        if not isinstance(loads, dict):
+            continue
+        steps.append(rec["step"])
+        for layer, values in loads.items():
+            layers.setdefault(layer, []).append([float(v) * len(values) for v in values])
+    return steps, layers
+
+
+X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "training time (s)"}
+
+
+def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
+         x: str = "step", smooth_n: int = 1, experts: bool = True, title: str = "") -> Path:
+    """Write one PNG: a panel per metric (every run a line), then an expert-load heatmap per
+    MoE run. Atomic: the file is whole or absent."""
+    plt = require_matplotlib()
+    keys = resolve_metrics(runs, metrics)
+    labels = legend_labels(runs)
+    heat = [(run, *expert_loads(run)) for run in runs] if experts else []
+    heat = [h for h in heat if h[1]]
+    cols = 1 if len(keys) == 1 else 2
+    rows = math.ceil(len(keys) / cols)
+    fig = plt.figure(figsize=(6 * cols, 3.2 * rows + 3.4 * len(heat)), layout="constrained")
+    grid = fig.add_gridspec(rows + len(heat), cols)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(grid[i // cols, i % cols])
+        for run, lab in zip(runs, labels, strict=True):
+            xs, ys = series(run, key, x)
+            if xs:
+                ax.plot(xs, smooth(ys, smooth_n), label=lab, marker="." if len(xs) < 30 else None)
+        ax.set_title(key + (f" (smoothed over {smooth_n})" if smooth_n > 1 else ""))
+        ax.set_xlabel(X_LABELS[x])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for j, (run, steps, layers) in enumerate(heat):
+        _heatmap(fig, fig.add_subplot(grid[rows + j, :]), run, steps, layers)
+    if title:
+        fig.suptitle(title)
+    path = save(fig, out)
+    plt.close(fig)
+    return path
+
+
+def _heatmap(fig, ax, run: Run, steps: list[int], layers: dict[str, list[list[float]]]) -> None:
+    """Rows: every expert of every MoE layer; columns: logged steps; colour: load as a multiple
+    of the mean (1 = balanced, 0 = dead)."""
+    import numpy as np
+
+    names = sorted(layers, key=int)
+    blocks = [np.asarray(layers[n]).T for n in names]  # each (E, steps)
+    grid = np.concatenate(blocks, axis=0)
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma",
+                      vmin=0.0, vmax=max(2.0, float(grid.max())), origin="upper",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, grid.shape[0], 0))
+    edges = np.cumsum([b.shape[0] for b in blocks])
+    for edge in edges[:-1]:
+        ax.axhline(edge, color="white", linewidth=1)
+    ax.set_yticks([e - b.shape[0] / 2 for e, b in zip(edges, blocks, strict=True)],
+                  [f"layer {n}" for n in names])
+    ax.set_xlabel("step")
+    ax.set_title(f"{run.label}: expert load per layer (x mean load; rows: experts)")
+    fig.colorbar(image, ax=ax, label="load / mean load")
+
+
+def save(fig, out: str | Path) -> Path:
+    """Save through a temporary file and a rename: a reader never sees half a PNG."""
+    path = Path(out)
+    if path.suffix.lower() != ".png":
+        raise RecipeError(f"--out {out}: write a .png file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+def draw_panels(run: Run, out: str | Path, panels: dict[str, tuple[str, str]]) -> Path | None:
+    """One panel per (title: key prefix, suffix), a line per matching key of one run; None
+    when the run logged none of them."""
+    keys = run.metric_keys()
+    found = {title: [k for k in keys if k.startswith(pre) and k.endswith(suf)]
+             for title, (pre, suf) in panels.items()}
+    found = {t: ks for t, ks in found.items() if ks}
+    if not found:
+        return None
+    plt = require_matplotlib()
+    cols = 2 if len(found) > 1 else 1
+    rows = math.ceil(len(found) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False,
+                             layout="constrained")
+    for ax, (title, ks) in zip(axes.flat, found.items(), strict=False):
+        pre, suf = panels[title]
+        for key in ks:
+            xs, ys = series(run, key)
+            ax.plot(xs, ys, label=key[len(pre):len(key) - len(suf)] or key,
+                    marker="." if len(xs) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(ks) <= 12:
+            ax.legend(fontsize="x-small", ncols=2)
+    for ax in list(axes.flat)[len(found):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{run.label}: diagnostics")
+    path = save(fig, out)
+    plt.close(fig)
+    return path
+
+
+class PlotHook(Hook):
+    """``run.plot_interval``: redraw RUN/plots/curves.png (with the expert-load heatmap of an
+    MoE run) and RUN/plots/diagnostics.png (when diagnostics ran) every N steps and at the end,
+    from the run's own metrics files; main rank only."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.world.is_main:
+            require_matplotlib("run.plot_interval")  # fail before the first step, not after
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.progress.step % self.interval == 0:
+            self.draw(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.progress.step % self.interval:
+            self.draw(trainer)
+
+    def draw(self, trainer) -> None:
+        if not trainer.world.is_main:
+            return
+        run = open_run(trainer.run_dir, need_metrics=False)
+        if not any("loss" in r for r in run.records):
+            return  # nothing logged yet
+        folder = trainer.run_dir / "plots"
+        draw([run], folder / "curves.png", title=run.label)
+        draw_panels(run, folder / "diagnostics.png", DIAGNOSTICS_PANELS)

@@ -1,0 +1,226 @@
+"""Reading finished or running runs back: a run folder's recipe and its logged metrics.
+
+Used by ``kiln compare``, ``kiln plot``, ``kiln sweep`` and the trainer's plot refresh. A run
+folder holds ``recipe.toml`` (written after the first step) and ``metrics.jsonl`` (one JSON
+object per logged step: training lines, evaluation lines); an MoE run also ``experts.jsonl``
+(per-expert loads, written by the routing-health hook).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.components.errors import RecipeError
+
+# What a run folder looks like, for the messages that reject one.
+EXPERTS_FILE = "experts.jsonl"  # per-expert loads of MoE runs (recipes/hooks/routing.py)
+RUN_FOLDER = "a run folder holds recipe.toml and metrics.jsonl (runs/<name>/ after `kiln train`)"
+
+
+@dataclass
+class Run:
+    folder: Path
+    recipe: Any  # kiln.recipes.config.schema.Recipe
+    records: list[dict[str, Any]] = field(default_factory=list)
+    label: str = ""  # how tables and legends name it: the folder name, or its path
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.folder.name
+
+    def metric_keys(self) -> list[str]:
+        """Every numeric metric the run logged, sorted."""
+        return sorted({k for r in self.records for k, v in r.items()
+                       if k not in ("step", "time") and _number(v) is not None})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSONL file. A torn last line (a run killed while writing it) is left
+    out; a bad line elsewhere is left out with a warning naming it."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("step"), int):
+            if i != len(lines):
+                print(f"kiln: warning: {path}:{i}: not a metrics line, left out", file=sys.stderr)
+            continue
+        out.append(obj)
+    return _latest_session(out)
+
+
+def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A resumed run logs again the steps after its checkpoint: the later lines win. Lines of
+    one kind (training, evaluation) whose step is not above the previous line's of that kind
+    drop the earlier lines from that step on."""
+    kept: list[dict[str, Any]] = []
+    last: dict[str, int] = {}
+    for rec in records:
+        kind = _kind(rec)
+        if kind in last and rec["step"] <= last[kind]:
+            kept = [r for r in kept if _kind(r) != kind or r["step"] < rec["step"]]
+        kept.append(rec)
+        last[kind] = rec["step"]
+    return kept
+
+
+def _kind(rec: dict[str, Any]) -> str:
+    """Training lines hold the loss; other lines are named by their first key's prefix
+    (``eval/``, ``diag/``, ...)."""
+    if "loss" in rec:
+        return "train"
+    first = next((k for k in rec if k not in ("step", "time")), "")
+    return first.split("/", 1)[0]
+
+
+def open_run(path: str | Path, *, need_metrics: bool = True) -> Run:
+    """The run in ``path``; a clear RecipeError when it is not a run or has no metrics yet."""
+    from kiln.recipes.config.files import load_recipe
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RecipeError(f"{folder}: no such folder; {RUN_FOLDER}")
+    if not (folder / "recipe.toml").is_file():
+        inside = sorted(p.name for p in folder.iterdir())[:8]
+        runs = sorted(p.parent.name for p in folder.glob("*/recipe.toml"))[:8]
+        hint = (f"; runs inside it: {', '.join(runs)}" if runs else
+                f"; it holds: {', '.join(inside) or 'nothing'}")
+        raise RecipeError(f"{folder}: not a run folder (no recipe.toml){hint}; {RUN_FOLDER}")
+    recipe = load_recipe(folder / "recipe.toml")
+    metrics = folder / "metrics.jsonl"
+    records = read_jsonl(metrics) if metrics.is_file() else []
+    if need_metrics and not records:
+        raise RecipeError(
+            f"{folder}: no metrics yet ({'empty ' if metrics.is_file() else 'no '}"
+            f"metrics.jsonl); the trainer writes a line every run.log_interval steps"
+        )
+    return Run(folder, recipe, records)
+
+
+def open_runs(paths: list[str]) -> list[Run]:
+    runs = [open_run(p) for p in paths]
+    names = [r.label for r in runs]
+    if len(set(names)) < len(names):  # same folder names in different places: label by path
+        for run in runs:
+            run.label = str(run.folder)
+    return runs
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def series(run: Run, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(xs, ys) of a metric; x is "step", "tokens" (tokens seen) or "time" (seconds of
+    training: the logging intervals summed, so a pause between a crash and its resume does not
+    count)."""
+    xs, ys = [], []
+    to_x = _x_axis(run, x)
+    for rec in run.records:
+        y = _number(rec.get(key))
+        if y is None or not math.isfinite(y):
+            continue
+        xs.append(to_x(rec["step"]))
+        ys.append(y)
+    return xs, ys
+
+
+def _x_axis(run: Run, x: str):
+    if x == "step":
+        return float
+    train = [r for r in run.records if "loss" in r]
+    if x == "tokens":
+        known = [(r["step"], r["tokens_seen"]) for r in train if "tokens_seen" in r]
+    elif x == "time":
+        known, total = [], 0.0
+        for r in train:
+            total += float(r.get("interval_s", 0.0))
+            known.append((r["step"], total))
+    else:
+        raise ValueError(f"x must be step, tokens or time, got {x!r}")
+    return lambda step: _interpolate(known, step)
+
+
+def _interpolate(known: list[tuple[int, float]], step: int) -> float:
+    """The x value of ``step`` from the training lines around it (evaluation lines fall on
+    logged steps, or between two)."""
+    if not known:
+        return float("nan")
+    before = [(s, v) for s, v in known if s <= step]
+    after = [(s, v) for s, v in known if s >= step]
+    if not before:
+        s, v = after[0]
+        return v * step / s if s else v
+    s0, v0 = before[-1]
+    if s0 == step or not after:
+        return v0
+    s1, v1 = after[0]
+    return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
+
+
+def pick(run: Run, names: list[str]) -> list[str]:
+    """The run's keys a metric name selects: itself, or every ``name/...`` key (``lr`` ->
+    ``lr/main``, ``lr/main/no_decay``)."""
+    keys = run.metric_keys()
+    out = []
+    for name in names:
+        if name in keys:
+            out.append(name)
+        else:
+            out += [k for k in keys if k.startswith(name + "/")]
+    return out
+
+
+def summary(run: Run) -> dict[str, Any]:
+    """Final and best figures of a run (None where it logged nothing of the kind)."""
+    train = [r for r in run.records if _number(r.get("loss")) is not None]
+    losses = [float(r["loss"]) for r in train if math.isfinite(float(r["loss"]))]
+    evals = [r for r in run.records if _number(r.get("eval/loss")) is not None]
+    eval_losses = [float(r["eval/loss"]) for r in evals]
+    out: dict[str, Any] = {
+        "run": run.label,
+        "steps": max((r["step"] for r in run.records), default=0),
+        "final_loss": losses[-1] if losses else None,
+        "best_loss": min(losses) if losses else None,
+        "eval_loss": eval_losses[-1] if eval_losses else None,
+        "best_eval_loss": min(eval_losses) if eval_losses else None,
+        "eval_bpb": _last(run, "eval/bpb"),
+        "tokens_per_second": _median([r.get("tokens_per_second") for r in train[1:] or train]),
+        "mfu": _median([r.get("mfu") for r in train[1:] or train]),
+        "wall_clock_s": sum(float(r.get("interval_s", 0.0)) for r in train) or _span(run),
+    }
+    for key in run.metric_keys():
+        if key.startswith("downstream/"):
+            out[key] = _last(run, key)
+    return out
+
+
+def _last(run: Run, key: str) -> float | None:
+    values = [_number(r[key]) for r in run.records if key in r]
+    values = [v for v in values if v is not None]
+    return values[-1] if values else None
+
+
+def _median(values: list[Any]) -> float | None:
+    nums = sorted(v for v in map(_number, values) if v is not None)
+    if not nums:
+        return None
+    mid = len(nums) // 2
+    return nums[mid] if len(nums) % 2 else (nums[mid - 1] + nums[mid]) / 2
+
+
+def _span(run: Run) -> float | None:
+    """Seconds from the first to the last metrics line (runs logged before interval_s)."""
+    times = [float(r["time"]) for r in run.records if _number(r.get("time")) is not None]
+    return times[-1] - times[0] if len(times) > 1 else None

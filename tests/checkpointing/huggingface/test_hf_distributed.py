@@ -1,0 +1,93 @@
+"""Hugging Face import and export under FSDP2 on 2 gloo processes: with meta-device init each
+rank reads only its own slices and the gathered model equals a 1-process import bit for bit;
+the export is written by both ranks (each its own files) and equals a 1-process export."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.checkpointing.huggingface import files as hf_files
+from kiln.checkpointing.huggingface import importer as hf_import
+from kiln.checkpointing.huggingface.export import export
+from kiln.components import distributed
+from kiln.parallelisms import ParallelismConfig, materialize, parallelize
+from tests.checkpointing.huggingface.hf_tiny import LLAMA3, kiln_from_hf, kiln_model, save_tiny
+from tests.parallelisms.test_distributed import full_params
+from tests.parallelisms.tiny import free_port, init_gloo
+
+SHARD = "20KB"
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    init_gloo(rank, 2, port)
+    world = SimpleNamespace(world_size=2, device=torch.device("cpu"), rank=rank)
+    tmp_path = Path(tmp)
+    results: dict = {}
+    try:
+        with torch.device("meta"):
+            model = kiln_model(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+        parallelize(model, ParallelismConfig(), world)
+        materialize(model, "cpu", 0, mode="sharded")  # never whole on a rank
+        read = []  # elements this rank read from the files
+        original = hf_files.SafetensorsFolder.read
+
+        def counting(self, name, index=()):
+            t = original(self, name, index)
+            read.append(t.numel())
+            return t
+
+        hf_files.SafetensorsFolder.read = counting
+        folder = tmp_path / "hf"
+        hf_import.load_weights(model, folder, hf_import.read_config(folder))
+        hf_files.SafetensorsFolder.read = original
+        results["read"] = sum(read)
+        results["total"] = sum(p.numel() for p in model.parameters())
+        full = full_params(model)
+        if rank == 0:
+            torch.save(full, tmp_path / "full.pt")
+        written = []
+        save = hf_files.save_safetensors
+        hf_files.save_safetensors = lambda tensors, path, metadata: (
+            written.append(Path(path).name), save(tensors, path, metadata))
+        export(model, None, tmp_path / "two", model_table={}, recipe_file=None,
+               max_shard_size=SHARD, rank=rank, world_size=2)
+        hf_files.save_safetensors = save
+        results["written"] = written
+    finally:
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
+        distributed.shutdown(together=sys.exc_info()[0] is None)
+
+
+@pytest.mark.slow
+def test_fsdp2_import_and_export_on_two_processes_equal_one(tmp_path):
+    save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3, vocab_size=301)  # uneven shards
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    one = kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert full.keys() == one.state_dict().keys()
+    for name, t in one.state_dict().items():
+        assert torch.equal(full[name], t), name
+    for r in ranks:  # each rank read about half of the model (whole RoPE heads: a little more)
+        assert r["read"] < 0.6 * r["total"], r
+    assert ranks[0]["written"] and ranks[1]["written"]
+    assert not set(ranks[0]["written"]) & set(ranks[1]["written"])
+    export(one, None, tmp_path / "single", model_table={}, recipe_file=None,
+           max_shard_size=SHARD)
+    files = sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "single").iterdir())
+    assert sorted(ranks[0]["written"] + ranks[1]["written"]) == [
+        f for f in files if f.endswith(".safetensors")]
+    for f in files:
+        if f.endswith(".safetensors"):
+            a, b = load_file(tmp_path / "two" / f), load_file(tmp_path / "single" / f)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+        else:
+            assert (tmp_path / "two" / f).read_text() == (tmp_path / "single" / f).read_text()

@@ -1,0 +1,73 @@
+"""Task files: JSONL, JSON arrays, parquet and Hub-cache files read alike; dotted field paths;
+every bad input names the task, the file and the example."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.components.errors import DataError
+from kiln.components.tasks import task_files
+from tests.checkpointing.huggingface.test_hub import offline_cache  # noqa: F401 - the Hub cache fixture
+from tests.components.tasks import samples
+from tests.components.tokenizers.test_hf_tokenizer import fill_cache
+
+
+def test_jsonl_json_and_parquet_give_the_same_rows(tmp_path):
+    data = samples.rows(5)
+    a, _ = task_files.read_rows(str(samples.write_jsonl(tmp_path / "a.jsonl", data)), "t")
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    b, _ = task_files.read_rows(str(tmp_path / "b.json"), "t")
+    c, _ = task_files.read_rows(str(samples.write_parquet(tmp_path / "c.parquet", data)), "t")
+    assert a == b == c == data
+
+
+def test_dotted_paths_and_list_items():
+    row = {"choices": {"text": ["x", "y"], "label": ["A", "B"]}, "n": 3}
+    assert task_files.value(row, "choices.text", "w") == ["x", "y"]
+    assert task_files.value(row, "choices.label.1", "w") == "B"
+    assert task_files.text(row, "n", "w") == "3"
+    with pytest.raises(DataError, match=r"w: no field 'choices.txt' \(at 'txt'; there: "
+                                        r"\['label', 'text'\]\)"):
+        task_files.value(row, "choices.txt", "w")
+    with pytest.raises(DataError, match="must be text"):
+        task_files.text(row, "choices", "w")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "task 'mc': file .* not found"),
+    ('{"a": 1}\nnot json\n', r"line 2 \(example 1\) is not JSON"),
+    ("", "holds no examples"),
+    ("[1, 2]", "example 0 is not an object"),
+])
+def test_bad_files_name_the_task_file_and_example(tmp_path, content, message):
+    path = tmp_path / "x.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        task_files.read_rows(str(path), "mc")
+
+
+def test_unknown_suffix_and_no_path(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"unknown file type \.csv; give \.jsonl, \.json"):
+        task_files.read_rows(str(tmp_path / "x.csv"), "t")
+    with pytest.raises(DataError, match="task 't': no path"):
+        task_files.read_rows("", "t")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        task_files.read_rows(str(tmp_path / "bad.parquet"), "t")
+
+
+def test_hub_dataset_file_from_the_offline_cache(tmp_path, offline_cache):  # noqa: F811
+    src = tmp_path / "src" / "ARC-Easy"
+    samples.write_parquet(src / "test-00000-of-00001.parquet", samples.rows(3))
+    fill_cache(offline_cache, "allenai/ai2_arc", tmp_path / "src", kind="datasets")
+    rows, label = task_files.read_rows(
+        "hf://datasets/allenai/ai2_arc/ARC-Easy/test-00000-of-00001.parquet", "arc")
+    assert rows == samples.rows(3) and label.startswith("hf://datasets/allenai/ai2_arc/")
+    with pytest.raises(DataError, match="not in the Hugging Face cache"):
+        task_files.read_rows("hf://datasets/allenai/ai2_arc/ARC-Easy/nope.parquet", "arc")
+    with pytest.raises(DataError, match="write hf://datasets/owner/name"):
+        task_files.read_rows("hf://datasets/allenai/ai2_arc", "arc")

@@ -1,0 +1,87 @@
+"""`kiln compare` and the run reader under it: differing recipe keys beside the results, sorting,
+JSON / Markdown, resumed runs' re-logged steps, and the messages for what is not a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.components.errors import RecipeError
+from kiln.recipes.cli import main
+from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.runs.read import open_run, read_jsonl, series, summary
+from tests.recipes.run_folders import make_run
+
+
+def test_differing_keys_and_their_short_names(tmp_path):
+    a = make_run(tmp_path / "a", ("--optimizer.lr=1e-3",))
+    b = make_run(tmp_path / "b", ("--optimizer.lr=3e-3", "--model.ffn.hidden_dim=512"))
+    diffs = differing([open_run(a).recipe, open_run(b).recipe])
+    assert diffs == {"model.ffn.hidden_dim": [768, 512], "optimizer.lr": [1e-3, 3e-3]}
+    assert short_names(["optimizer.lr", "model.dim", "model.ffn.dim"]) == {
+        "optimizer.lr": "lr", "model.dim": "model.dim", "model.ffn.dim": "ffn.dim"}
+
+
+def test_summary_final_best_eval_speed(tmp_path):
+    run = open_run(make_run(tmp_path / "a", losses=(3.0, 1.5, 2.0), evals=(2.6, 2.2),
+                            extra={"downstream/hellaswag": 0.31}))
+    s = summary(run)
+    assert (s["steps"], s["final_loss"], s["best_loss"]) == (30, 2.0, 1.5)
+    assert (s["eval_loss"], s["best_eval_loss"], s["eval_bpb"]) == (2.2, 2.2, 1.1)
+    assert s["tokens_per_second"] == 2500.0  # median without the first (warm-up) line
+    assert s["wall_clock_s"] == 6.0 and s["mfu"] == 0.1
+    assert s["downstream/hellaswag"] == 0.31
+
+
+def test_compare_table_text_markdown_json_and_sort(tmp_path, capsys):
+    a = make_run(tmp_path / "lr1", ("--optimizer.lr=1e-3",), losses=(3.0, 2.0))
+    b = make_run(tmp_path / "lr3", ("--optimizer.lr=3e-3",), losses=(3.0, 1.0))
+    assert main(["compare", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["run", "lr", "steps", "final", "loss"]
+    assert lines[1].split()[:4] == ["lr1", "0.001", "20", "2.0000"]
+    assert main(["compare", str(a), str(b), "--sort=final_loss"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("lr3")
+    assert main(["compare", str(a), str(b), "--sort", "final loss", "--markdown"]) == 0
+    md = capsys.readouterr().out.splitlines()
+    assert md[0].startswith("| run | lr | steps |") and md[2].startswith("| lr3 | 0.003 |")
+    assert main(["compare", str(a), str(b), "--json", "--sort=-lr"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in rows] == ["lr3", "lr1"] and rows[0]["final_loss"] == 1.0
+    assert main(["compare", str(a), "--sort=nope"]) == 2
+    assert "no such column; columns: run, steps" in capsys.readouterr().err
+
+
+def test_not_a_run_no_metrics_and_missing_folder(tmp_path, capsys):
+    (tmp_path / "holder" / "inner").mkdir(parents=True)
+    make_run(tmp_path / "holder" / "inner")
+    assert main(["compare", str(tmp_path / "holder")]) == 2
+    err = capsys.readouterr().err
+    assert "not a run folder (no recipe.toml); runs inside it: inner" in err
+    assert main(["compare", str(tmp_path / "gone")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    empty = make_run(tmp_path / "empty")
+    (empty / "metrics.jsonl").unlink()
+    with pytest.raises(RecipeError, match="no metrics yet \\(no metrics.jsonl\\)"):
+        open_run(empty)
+
+
+def test_resumed_run_relogs_steps_and_torn_last_line(tmp_path, capsys):
+    lines = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5}, {"step": 30, "loss": 2.4},
+             {"step": 20, "loss": 2.6}, {"step": 30, "loss": 2.3}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 40, "lo')
+    kept = read_jsonl(path)
+    assert [(r["step"], r["loss"]) for r in kept] == [(10, 3.0), (20, 2.6), (30, 2.3)]
+    assert capsys.readouterr().err == ""  # a torn last line is expected after a kill
+    path.write_text('garbage\n{"step": 1, "loss": 1.0}\n')
+    assert len(read_jsonl(path)) == 1
+    assert "metrics.jsonl:1: not a metrics line" in capsys.readouterr().err
+
+
+def test_series_x_axes(tmp_path):
+    run = open_run(make_run(tmp_path / "a", losses=(3.0, 2.0, 1.0), evals=(2.0,)))
+    assert series(run, "loss", "tokens") == ([20480.0, 40960.0, 61440.0], [3.0, 2.0, 1.0])
+    assert series(run, "loss", "time")[0] == [2.0, 4.0, 6.0]
+    assert series(run, "eval/loss", "tokens") == ([61440.0], [2.0])  # from the train lines

@@ -1,0 +1,146 @@
+"""`kiln sweep`: grid parsing and folder names, bad keys refused before anything runs, finished
+runs skipped and partial ones continued, the SLURM job-array script (run with stand-in srun /
+scontrol / run_train.sh), and one real sweep of two tiny runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.components.errors import RecipeError
+from kiln.recipes.cli import main
+from kiln.recipes.runs.sweep import expand, parse_grid, split_values
+from tests.conftest import CONFIGS
+
+DEBUG = str(CONFIGS / "debug.toml")
+
+
+def test_grid_values_points_and_folder_names(tmp_path):
+    assert split_values("[0.9, 0.95],[0.9,0.99], \"a,b\"") == [
+        "[0.9, 0.95]", "[0.9,0.99]", "\"a,b\""]
+    grid = parse_grid(["optimizer.lr=1e-3,3e-3", "model.attention.type=causal,differential"],
+                      seeds=2, base_seed=5)
+    assert grid[-1] == ("training.seed", ["5", "6"])
+    points = expand(grid, tmp_path)
+    assert len(points) == 8
+    assert points[0].folder.name == "lr=1e-3,type=causal,seed=5"
+    assert points[0].overrides[:3] == ["--optimizer.lr=1e-3", "--model.attention.type=causal",
+                                       "--training.seed=5"]
+    names = expand(parse_grid(["model.dim=8,16", "model.ffn.dim=1"]), tmp_path)
+    assert names[0].folder.name == "model-dim=8,ffn-dim=1"  # dots: never read as an override
+    betas = expand(parse_grid(["optimizer.betas=[0.9, 0.95]"]), tmp_path)
+    assert betas[0].folder.name == "betas=_0.9__0.95_"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("optimizer.lr", "write KEY=V1,V2"),
+    ("optimizer.lr=1e-3,,2e-3", "an empty value"),
+    ("optimizer.lr=1e-3,1e-3", "listed twice"),
+])
+def test_bad_grids(spec, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_grid([spec])
+    with pytest.raises(RecipeError, match="at least one --grid"):
+        parse_grid([])
+
+
+def test_unknown_key_is_refused_with_did_you_mean_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", DEBUG, "--grid", "optimizer.lrr=1e-3,3e-3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key optimizer.lrr" in err and "did you mean 'lr'" in err
+    assert not out.exists()
+
+
+def _fake_run_train(cwd: Path) -> Path:
+    """A run_train.sh that logs its arguments and writes a run folder (recipe + metrics)."""
+    script = cwd / "run_train.sh"
+    script.write_text(f"""#!/bin/bash
+echo "$@" >> {cwd}/calls.txt
+for a in "$@"; do case "$a" in --run.folder=*) f="${{a#--run.folder=}}";; esac; done
+f="${{f%\\"}}"; f="${{f#\\"}}"
+{sys.executable} -c "
+import sys, pathlib
+from tests.recipes.run_folders import make_run
+make_run(pathlib.Path(sys.argv[1]))" "$f"
+exit ${{FAIL:-0}}
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
+    _fake_run_train(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv("NGPU", "2")  # several processes: through ./run_train.sh
+    args = ["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,3e-3", "--out", "sw",
+            "--training.steps=5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 and "--training.steps=5 --optimizer.lr=1e-3" in calls[0]
+    assert "lr=1e-3,3e-3" not in out and "starts in sw/lr=1e-3" in out
+    assert out.splitlines()[-3].split()[:2] == ["run", "steps"]  # the comparison table
+    done = json.loads((tmp_path / "sw" / "lr=1e-3" / "sweep_done.json").read_text())
+    assert done["overrides"] == ["--optimizer.lr=1e-3"]
+    assert main(args) == 0
+    assert "finished; skipped" in capsys.readouterr().out
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 2  # nothing ran again
+    (tmp_path / "sw" / "lr=3e-3" / "sweep_done.json").unlink()  # as if it had been killed
+    monkeypatch.setenv("FAIL", "3")
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "lr=3e-3 continues in" in captured.out
+    assert "failed runs (rerun the sweep to continue them)" in captured.err
+    assert "exit 3" in captured.err
+
+
+def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node7\necho node8\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+                                  "SLURM_NODEID=0 exec \"$@\"\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    _fake_run_train(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,3e-3", "--out", "sw",
+                 "--emit", "slurm", "--training.steps=5"]) == 0
+    assert "submit: sbatch sw/sweep.sbatch" in capsys.readouterr().out
+    script = tmp_path / "sw" / "sweep.sbatch"
+    text = script.read_text()
+    assert "#SBATCH --array=0-1" in text and not (tmp_path / "calls.txt").exists()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1",
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_JOB_NUM_NODES": "2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run(["bash", str(script)], env=env, check=True, cwd="/")
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and "--optimizer.lr=3e-3" in calls[0]
+    assert (tmp_path / "sw" / "lr=3e-3" / "sweep_done.json").is_file()
+    done = subprocess.run(["bash", str(script)], env=env, check=True, capture_output=True,
+                          text=True)
+    assert "is finished; skipped" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_real_sweep_of_two_tiny_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NGPU", raising=False)  # one process: the trainer in a subprocess
+    tiny = ["--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
+            "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=2",
+            "--training.micro_batch=2", "--run.log_interval=1", "--eval.interval=0",
+            "--eval.tokens=128", "--data.max_bytes=200000", "--checkpoint.enable=false",
+            "--run.progress_bar=false"]
+    assert main(["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,1e-2", "--grid",
+                 "training.steps=2", "--out", "sw", *tiny]) == 0
+    table = capsys.readouterr().out.splitlines()[-3:]
+    assert table[0].split()[:3] == ["run", "lr", "steps"]
+    assert table[1].split()[:3] == ["lr=1e-3,steps=2", "0.001", "2"]

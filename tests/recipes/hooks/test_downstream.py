@@ -1,0 +1,99 @@
+"""[evals.NAME] tasks in the training loop: scores in metrics.jsonl at each interval and at the
+end; training losses bit-identical with and without them; pause mode saves, writes the request,
+exits and resumes exactly; bad task data stops a run before its first step."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from kiln.components.errors import DataError, RecipeError
+from tests.components.tasks import samples
+from tests.recipes.test_combinations import recipe_for, train
+
+STEPS = 4
+
+
+def task_flags(folder, interval: int = 2, mode: str = "inline", path=None) -> list[str]:
+    """A multiple-choice, an exact-match and a bits-per-byte task on small files."""
+    data = samples.rows(6)
+    path = path or samples.write_jsonl(folder / "tasks.jsonl", data)
+    flags = []
+    for name, kind, extra in (
+        ("mc", "multiple_choice", ["--evals.mc.num_fewshot=1"]),
+        ("em", "exact_match", ["--evals.em.max_new_tokens=4", "--evals.em.batch_size=4"]),
+        ("bpb", "bits_per_byte", []),
+    ):
+        flags += [f"--evals.{name}.type={kind}", f"--evals.{name}.path='{path}'",
+                  f"--evals.{name}.interval={interval}", f"--evals.{name}.mode={mode}", *extra]
+    return flags
+
+
+def metrics_of(folder) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def test_scores_at_every_interval_and_training_unchanged(tmp_path):
+    plain, _ = train(recipe_for("dense", tmp_path / "plain", f"--training.steps={STEPS}"))
+    losses, trainer = train(recipe_for("dense", tmp_path / "evals", f"--training.steps={STEPS}",
+                                       *task_flags(tmp_path)))
+    assert losses == plain  # bit-identical
+    seen = metrics_of(tmp_path / "evals")
+    for step in (2, 4):
+        assert {"eval/mc/acc", "eval/mc/acc_norm", "eval/mc/acc_bytes", "eval/em/exact_match",
+                "eval/bpb/bits_per_byte"} <= set(seen[step]), seen[step]
+        assert 0 <= seen[step]["eval/mc/acc"] <= 1 and seen[step]["eval/bpb/bits_per_byte"] > 0
+    assert "eval/mc/acc" not in seen.get(1, {}) and "eval/mc/acc" not in seen.get(3, {})
+    assert trainer.model.training  # handed back in training mode
+
+
+def test_pause_mode_saves_hands_over_and_resumes_exactly(tmp_path, capsys):
+    straight, _ = train(recipe_for("dense", tmp_path / "straight", f"--training.steps={STEPS}",
+                                   "--checkpoint.enable=true", "--checkpoint.interval=0"))
+    args = (f"--training.steps={STEPS}", "--checkpoint.enable=true", "--checkpoint.interval=0",
+            *task_flags(tmp_path, mode="pause"), "--evals.inline.type=multiple_choice",
+            f"--evals.inline.path='{tmp_path / 'tasks.jsonl'}'", "--evals.inline.interval=2")
+    run = tmp_path / "paused"
+    out = io.StringIO()
+    first, _ = train(recipe_for("dense", run, *args), out=out)
+    assert len(first) == 2 and "downstream evaluation of step 2 (mc, em, bpb) is pending" \
+        in out.getvalue()
+    pending = json.loads((run / "pending_downstream_eval.json").read_text())
+    assert pending["step"] == 2 and pending["checkpoint"].endswith("step_0000002")
+    assert set(pending["tasks"]) == {"mc", "em", "bpb"}
+    # a scheduler evaluates the snapshot elsewhere (here: kiln eval --pending)
+    from kiln.recipes.cli import main
+
+    assert main(["eval", str(run), "--pending", "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done[0]["step"] == 2 and set(done[0]["tasks"]) == {"mc", "em", "bpb"}
+    assert not (run / "pending_downstream_eval.json").exists()
+    assert json.loads((run / "downstream_eval.jsonl").read_text())["step"] == 2
+    second, _ = train(recipe_for("dense", run, *args))  # the same command: resumes at step 2
+    assert first + second == straight
+    assert json.loads((run / "pending_downstream_eval.json").read_text())["step"] == STEPS
+    seen = metrics_of(run)
+    assert "eval/inline/acc" in seen[2] and "eval/inline/acc" in seen[4]
+
+
+def test_pause_needs_checkpoints(tmp_path):
+    with pytest.raises(RecipeError, match=r"evals.mc.mode = \"pause\" saves a snapshot"):
+        train(recipe_for("dense", tmp_path / "r", *task_flags(tmp_path, mode="pause")))
+
+
+def test_bad_task_data_stops_the_run_before_its_first_step(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError, match=f"task 'mc': file {missing} not found"):
+        train(recipe_for("dense", tmp_path / "r", *task_flags(tmp_path, path=missing)))
+    assert not (tmp_path / "r").exists()  # nothing trained, nothing written
+    bad = samples.write_jsonl(tmp_path / "bad.jsonl",
+                              [{"context": "a", "choices": ["x", "y"], "answer": 3}])
+    with pytest.raises(DataError, match=r"task 'mc': .*bad.jsonl: example 0: answer 3 is out "
+                                        "of range"):
+        train(recipe_for("dense", tmp_path / "r", *task_flags(tmp_path, path=bad)))

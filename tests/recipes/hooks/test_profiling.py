@@ -1,0 +1,98 @@
+"""[run.profile] (torch.profiler trace, CUDA memory snapshots, CPU peak RSS per phase) and honest
+MFU (the peak of the GEMM dtype from a table by device name, a probe elsewhere, never above
+100%)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from kiln.recipes.probes.flops import Peak, gemm_dtype, mfu, peak_flops, table_peak
+from tests.recipes.test_combinations import recipe_for, train
+
+
+@pytest.mark.parametrize("name, dtype, want", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+    ("NVIDIA H100 PCIe", "bf16", 756e12),
+    ("NVIDIA H200", "fp8", 1979e12),
+    ("NVIDIA L40S", "bf16", 362e12),
+    ("NVIDIA L4", "bf16", 121e12),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+    ("NVIDIA A100-SXM4-80GB", "fp8", None),  # no fp8 tensor cores: the probe decides
+    ("Some Future GPU", "bf16", None),
+])
+def test_the_table_by_device_name_and_dtype(name, dtype, want):
+    assert table_peak(name, dtype) == want
+
+
+def test_gemm_dtype_and_mfu_never_above_one():
+    from kiln.parallelisms.config import ParallelismConfig
+    from kiln.recipes.config.schema import TrainingConfig
+
+    bf16, fp32 = TrainingConfig(mixed_precision="bf16"), TrainingConfig()
+    assert gemm_dtype(bf16, ParallelismConfig(), True, "cuda") == "fp8"
+    assert gemm_dtype(fp32, ParallelismConfig(param_dtype="bfloat16"), False, "cpu") == "bf16"
+    assert gemm_dtype(bf16, ParallelismConfig(), False, "cpu") == "bf16"
+    assert gemm_dtype(fp32, ParallelismConfig(param_dtype="float32"), False, "cpu") == "fp32"
+    assert mfu(50.0, 100.0) == 0.5 and mfu(101.0, 100.0) is None and mfu(1.0, 0.0) is None
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_cpu_peaks_are_measured_in_the_gemm_dtype(dtype):
+    peak = peak_flops("cpu", dtype)
+    assert peak.flops > 1e8 and peak.dtype == dtype
+    assert peak.notice().startswith("mfu: against ") and f"{dtype} matmul probe" in peak.notice()
+
+
+def test_an_mfu_above_100_percent_is_not_logged(tmp_path, monkeypatch):
+    import kiln.recipes.probes.flops as flops
+
+    monkeypatch.setattr(flops, "peak_flops", lambda *a: Peak(1e3, "fp32", "a test"))
+    out = io.StringIO()
+    train(recipe_for("dense", tmp_path / "r", "--training.steps=1"), out=out)
+    assert "mfu: against 1e-09 TFLOP/s per device, fp32 (a test)" in out.getvalue()
+    assert "warning: MFU above 100%" in out.getvalue()
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "mfu" not in line and "tokens_per_second" in line
+
+
+def test_profile_window_trace_and_cpu_memory_record(tmp_path):
+    out = io.StringIO()
+    losses, _ = train(recipe_for("dense", tmp_path / "r", "--training.steps=3",
+                                 "--run.profile.start=2", "--run.profile.stop=3",
+                                 "--run.profile.memory_snapshot_step=2"), out=out)
+    folder = tmp_path / "r" / "profile"
+    traces = list(folder.glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") or "aten::addmm" in e.get("name", "")
+               for e in events)
+    assert "Self CPU" in (folder / "rank0_ops.txt").read_text()
+    text = out.getvalue()
+    assert "profile: steps 2..2 ->" in text and "no CUDA memory snapshot here" in text
+    record = json.loads((folder / "memory_rank0.json").read_text())
+    assert record["device"] == "cpu" and "peak RSS" in record["note"]
+    phases = record["phases"]
+    assert {"start-up: data", "start-up: model build", "first step", "profiled steps 2-2",
+            "step 2", "end"} <= set(phases)
+    assert all(p["peak_rss_bytes"] > 0 for p in phases.values() if isinstance(p, dict))
+    plain, _ = train(recipe_for("dense", tmp_path / "plain", "--training.steps=3"))
+    assert losses == plain  # profiling changes no number
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_snapshot_and_table_peak(tmp_path):
+    out = io.StringIO()
+    train(recipe_for("dense", tmp_path / "r", "--training.steps=2", "--training.device=cuda",
+                     "--run.profile.start=1", "--run.profile.stop=2",
+                     "--run.profile.memory_snapshot_step=1"), out=out)
+    folder = tmp_path / "r" / "profile"
+    assert (folder / "memory_rank0_step1.pickle").stat().st_size > 0
+    assert list(folder.glob("rank0.*.pt.trace.json"))
+    name = torch.cuda.get_device_name()
+    if table_peak(name, "fp32") is not None:
+        assert "datasheet dense peak" in out.getvalue()

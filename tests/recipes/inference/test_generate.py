@@ -1,0 +1,176 @@
+"""Generation: KV cache == no cache == transformers' greedy generate; sampling options; EOS;
+batches of unequal prompts; `kiln generate` on a checkpoint (streamed, batched, looped)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.recipes.cli import main
+from kiln.recipes.inference.generate import Sampling, generate, sample
+from kiln.recipes.inference.saved_model import load_model
+from tests.checkpointing.huggingface.hf_tiny import LLAMA3, kiln_from_hf, save_tiny
+from tests.checkpointing.huggingface.test_export import TINY, checkpoint
+
+GREEDY = Sampling(temperature=0)
+
+
+def test_greedy_equals_transformers_and_the_uncached_path(tmp_path):
+    hf = save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3)
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    prompt = [256, 5, 17, 33, 2, 9]
+    cached = generate(model, [prompt], max_new_tokens=24, sampling=GREEDY)[0]
+    plain = generate(model, [prompt], max_new_tokens=24, sampling=GREEDY, use_cache=False)[0]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert cached == plain == want
+
+
+def test_batch_of_unequal_prompts_equals_each_alone(tmp_path):
+    save_tiny(tmp_path / "hf", "qwen3")
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 4]]
+    for sampling in (GREEDY, Sampling(temperature=1.0, seed=5)):
+        batched = generate(model, prompts, max_new_tokens=10, sampling=sampling)
+        assert len(batched) == 3 and all(len(b) == 10 for b in batched)
+    batched = generate(model, prompts, max_new_tokens=10, sampling=GREEDY)
+    assert batched == [generate(model, [p], max_new_tokens=10, sampling=GREEDY,
+                                use_cache=False)[0] for p in prompts]
+
+
+def test_eos_ends_a_row_and_the_callback_sees_live_rows(tmp_path):
+    save_tiny(tmp_path / "hf", "llama")
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    free = generate(model, [[3, 4], [5, 6, 7]], max_new_tokens=8, sampling=GREEDY)
+    eos = free[0][2]
+    seen = []
+    out = generate(model, [[3, 4], [5, 6, 7]], max_new_tokens=8, sampling=GREEDY, eos_id=eos,
+                   on_tokens=lambda t, live: seen.append((t.tolist(), live.tolist())))
+    assert out[0] == free[0][:free[0].index(eos) + 1]  # stops after EOS, which it keeps
+    stop = free[1].index(eos) + 1 if eos in free[1] else 8
+    assert out[1] == free[1][:stop]
+    assert [live for _, live in seen][len(out[0])] == [False, len(out[1]) > len(out[0])]
+
+
+def test_sampling_options():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(400, 4)
+    g = torch.Generator().manual_seed(0)
+    assert set(sample(logits, Sampling(1.0, top_k=2), g).tolist()) == {0, 1}
+    assert set(sample(logits, Sampling(1.0, top_p=0.7), g).tolist()) == {0, 1}
+    assert set(sample(logits, Sampling(1.0, top_p=0.81), g).tolist()) == {0, 1, 2}
+    assert set(sample(logits, Sampling(1.0, top_k=1), g).tolist()) == {0}
+    assert set(sample(logits, Sampling(1.0), g).tolist()) == {0, 1, 2, 3}
+    cold = sample(logits, Sampling(0.05), g)
+    assert (cold == 0).float().mean() > 0.99
+    a = sample(logits, Sampling(1.0), torch.Generator().manual_seed(3))
+    b = sample(logits, Sampling(1.0), torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        Sampling(top_p=0.0)
+
+
+def test_kiln_generate_streams_one_prompt_and_batches_several(tmp_path, capsys):
+    folder, _ = checkpoint(tmp_path)
+    _, tokenizer, model = load_model(folder, min_seq_len=40)
+    ids = tokenizer.encode("def ", bos=True, eos=False)
+    want = generate(model, [ids], max_new_tokens=6, sampling=Sampling(0.8, seed=1),
+                    eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)[0]
+    assert main(["generate", str(folder.parent), "--prompt", "def ", "--max-new-tokens", "6",
+                 "--seed", "1"]) == 0
+    assert capsys.readouterr().out == "def " + tokenizer.decode(want) + "\n"
+    assert main(["generate", str(folder), "--prompt", "a", "--prompt", "import os",
+                 "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] ---\na" in out and "--- [1] ---\nimport os" in out
+    # past the trained context (16 tokens): a note, and the RoPE table grows to fit
+    assert main(["generate", str(folder), "--prompt", "x", "--max-new-tokens", "30"]) == 0
+    assert "past the trained context" in capsys.readouterr().err
+    assert main(["generate", str(folder), "--prompt", "x", "--loops", "2"]) == 2
+    assert "only looped models take --loops" in capsys.readouterr().err
+
+
+def test_sampling_stays_inside_the_tokenizers_vocabulary(tmp_path):
+    folder, _ = checkpoint(tmp_path)
+    _, tokenizer, model = load_model(folder)
+    assert model.vocab_size == 320 > tokenizer.vocab_size == 258  # padded to vocab_multiple
+    with torch.no_grad():
+        model.output.weight[258:] += 100.0  # the padding rows would win every draw
+    hot = Sampling(temperature=5.0, seed=0)
+    assert max(generate(model, [[256, 1]], max_new_tokens=10, sampling=hot)[0]) >= 258
+    for use_cache in (True, False):
+        out = generate(model, [[256, 1], [3]], max_new_tokens=10, sampling=hot,
+                       vocab_size=tokenizer.vocab_size, use_cache=use_cache)
+        assert max(max(row) for row in out) < 258
+
+
+def test_looped_cache_equals_no_cache_at_each_loop_count(tmp_path):
+    """--loops h: the cached path (one cache slot per loop) gives the uncached tokens for an
+    early exit and the full loop count (every family's default: test_combinations)."""
+    tiny = [a for a in TINY if "n_layers" not in a]
+    folder, _ = checkpoint(tmp_path, "--model.type=looped", "--model.loops=3",
+                           "--model.attention.type=differential", tiny=tiny)
+    _, _, model = load_model(folder, min_seq_len=32)
+    prompts = [[256, 5, 9, 100, 7], [256, 40]]
+    for loops in (1, 3):
+        cached = generate(model, prompts, max_new_tokens=8, sampling=GREEDY, loops=loops)
+        plain = generate(model, prompts, max_new_tokens=8, sampling=GREEDY, loops=loops,
+                         use_cache=False)
+        assert cached == plain, loops
+
+
+def test_kiln_generate_on_a_looped_model(tmp_path, capsys):
+    tiny = [a for a in TINY if "n_layers" not in a]
+    folder, _ = checkpoint(tmp_path, "--model.type=looped", "--model.loops=3",
+                           "--model.attention.type=differential", tiny=tiny)
+    for loops in ("1", "3"):
+        assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "4",
+                     "--loops", loops, "--temperature", "0"]) == 0
+        assert capsys.readouterr().out.startswith("def ")
+    assert main(["generate", str(folder), "--prompt", "x", "--loops", "4"]) == 2
+    assert "use 1..3" in capsys.readouterr().err
+
+
+def metaspace_tokenizer(folder) -> str:
+    """A SentencePiece-style (Metaspace) tokenizer.json of 258 ids, as Llama 2 / Mistral decode:
+    a word's token carries its leading space as '▁', and the decoder drops it on the first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["▁a", "▁1", *(f"▁w{i}" for i in range(253))]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_kiln_generate_keeps_the_space_a_metaspace_decoder_strips(tmp_path, capsys, monkeypatch):
+    """Decoding only the new ids drops the first one's leading space ('a1 1 1'): the text shown
+    is decode(prompt + new) minus decode(prompt), streamed or batched."""
+    import kiln.recipes.inference.generate as gen
+
+    path = metaspace_tokenizer(tmp_path / "tok")
+    folder, _ = checkpoint(tmp_path, "--tokenizer.type=huggingface", f"--tokenizer.path={path}")
+    one = load_model(folder)[1].token_to_id("▁1")
+
+    def three_ones(model, prompts, *, on_tokens=None, **kwargs):
+        for _ in range(3):
+            if on_tokens is not None:
+                on_tokens(torch.full((len(prompts),), one), torch.ones(len(prompts), dtype=bool))
+        return [[one] * 3 for _ in prompts]
+
+    monkeypatch.setattr(gen, "generate", three_ones)
+    assert main(["generate", str(folder), "--prompt", "a"]) == 0
+    assert capsys.readouterr().out == "a 1 1 1\n"
+    assert main(["generate", str(folder), "--prompt", "a", "--prompt", "a a"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] ---\na 1 1 1\n" in out and "--- [1] ---\na a 1 1 1\n" in out
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
+    (tmp_path / "p.txt").write_bytes(b"caf\xe9\n")
+    assert main(["generate", str(tmp_path), "--prompts-file", str(tmp_path / "p.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "p.txt: byte 3 is not UTF-8" in err

@@ -1,0 +1,158 @@
+"""kiln against lm-evaluation-harness on a tiny Llama saved by transformers (made here) and local
+task YAMLs over local JSONL files: kiln's own multiple-choice task gives the harness ``hf``
+model's per-example log-likelihoods (1e-4) and the same acc / acc_norm; kiln's exact-match
+task generates the harness's ``generate_until`` outputs; the ``kiln`` harness model gives the
+same again; ``kiln harness`` prints the harness's table."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kiln.components.tasks import runner
+from tests.conftest import REPO
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the harness's hf model imports it
+
+pytestmark = pytest.mark.slow
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_eval", REPO / "scripts" / "bench_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_task_index():
+    """lm-eval's TaskManager reads all its ~14,700 built-in task YAMLs each time it is made
+    (tens of seconds on a 2-core machine), and every harness run of this module (the helpers'
+    and ``kiln harness``'s own) makes one over its folder and this module's task folder: index
+    each folder once, and merge as the harness does (a later folder's names win). The runs get
+    a dict of their own; no run changes an entry (the task factory deep-copies its config)."""
+    from lm_eval.tasks import _index
+
+    real, built = _index.TaskIndex.build, {}
+
+    def build(paths, **kw):
+        index = {}
+        for root in paths:
+            key = (str(root), tuple(sorted(kw.items())))
+            if key not in built:
+                built[key] = real([root], **kw)
+            index.update(built[key])
+        return index
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_index.TaskIndex, "build", staticmethod(build))
+        yield built
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    b = _bench()
+    tmp = tmp_path_factory.mktemp("harness")
+    folder = b.save_model(tmp / "model")  # 300 ids: the tokenizer's vocabulary fills it
+    # 512 rows, more than the tokenizer learns (370): log-likelihoods count the rows past it, as
+    # the harness does (greedy decoding stays on the tokenizer's ids, so generation is compared
+    # on the full model above)
+    b.save_model(tmp / "model512", vocab=512)
+    b.write_mc(tmp / "tasks", 12, context=(3, 25), ending=(1, 6))
+    b.write_em(tmp / "tasks", 6)
+    return b, folder, tmp / "tasks"
+
+
+def _by_doc(samples: list[dict]) -> dict[int, dict]:
+    return {s["doc_id"]: s for s in samples}
+
+
+def test_multiple_choice_and_generation_equal_the_harness_hf_model(setup):
+    b, folder, tasks = setup
+    padded = folder.parent / "model512"
+    hf = b.harness(b.hf_model(padded, 4), ["kiln_mc"], tasks)
+    scorer, tokenizer = b.kiln_scorer(padded)
+    assert tokenizer.vocab_size < scorer.model.vocab_size == 512
+
+    mc = b.kiln_task("multiple_choice", tasks / "mc.jsonl", batch_size=5)
+    plan = mc.plan(tokenizer, scorer.max_len)
+    mine = {u: lls for batch in plan.batches
+            for u, lls in zip(batch.units, mc.loglikelihoods(scorer, batch), strict=True)}
+    theirs = _by_doc(hf["samples"]["kiln_mc"])
+    assert set(mine) == set(theirs) == set(range(12))
+    for doc, lls in mine.items():
+        assert lls == pytest.approx([r[0] for r in theirs[doc]["filtered_resps"]], abs=1e-4)
+    metrics = runner.run(mc, plan, scorer)
+    assert metrics["acc"] == hf["results"]["kiln_mc"]["acc,none"]
+    assert metrics["acc_norm"] == hf["results"]["kiln_mc"]["acc_norm,none"]
+    assert 0 < metrics["acc"] < 1 or 0 < metrics["acc_norm"] < 1  # not a degenerate case
+
+    hf = b.harness(b.hf_model(folder, 4), ["kiln_em"], tasks)
+    scorer, tokenizer = b.kiln_scorer(folder)
+    em = b.kiln_task("exact_match", tasks / "em.jsonl", batch_size=4, stop=[".", "fire"],
+                     max_new_tokens=12)
+    plan = em.plan(tokenizer, scorer.max_len)
+    texts = {u: t for batch in plan.batches
+             for u, t in zip(batch.units, em.generations(scorer, batch), strict=True)}
+    generated = {d: s["resps"][0][0] for d, s in _by_doc(hf["samples"]["kiln_em"]).items()}
+    assert texts == generated and any(texts.values())
+    assert runner.run(em, plan, scorer)["exact_match"] == \
+        hf["results"]["kiln_em"]["exact_match,none"]
+
+
+def test_the_kiln_harness_model_equals_the_hf_model(setup):
+    from kiln.recipes.inference.harness_model import KilnLM
+
+    b, folder, tasks = setup
+    hf = b.harness(b.hf_model(folder, 4), ["kiln_mc", "kiln_em"], tasks)
+    ours = b.harness(KilnLM(path=str(folder), batch_size=3), ["kiln_mc", "kiln_em"], tasks)
+    for task in ("kiln_mc", "kiln_em"):
+        want, got = _by_doc(hf["samples"][task]), _by_doc(ours["samples"][task])
+        for doc in want:
+            if task == "kiln_mc":
+                assert [r[0] for r in got[doc]["filtered_resps"]] == pytest.approx(
+                    [r[0] for r in want[doc]["filtered_resps"]], abs=1e-4)
+            else:
+                assert got[doc]["resps"] == want[doc]["resps"]
+        for key, value in hf["results"][task].items():
+            if key.endswith(",none") and "stderr" not in key:
+                assert ours["results"][task][key] == value, (task, key)
+
+
+def test_rolling_log_likelihood_equals_the_bits_per_byte_task(setup, tmp_path):
+    import json
+    import math
+
+    from lm_eval.api.instance import Instance
+
+    from kiln.recipes.inference.harness_model import KilnLM
+
+    b, folder, _ = setup
+    text = "the cat sat on the mat with the big red hat " * 40  # longer than one window
+    lm = KilnLM(path=str(folder), max_length=64)
+    (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    task = b.kiln_task("bits_per_byte", tmp_path / "doc.jsonl")
+    bpb = runner.run(task, task.plan(lm.tokenizer_, 64), lm.scorer)["bits_per_byte"]
+    assert -ll == pytest.approx(bpb * math.log(2) * len(text.encode()), rel=1e-6)
+
+
+def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatch):
+    from kiln.recipes.cli import main
+
+    b, folder, tasks = setup
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert main(["harness", "--model", "kiln", "--model_args", f"path={folder}", "--tasks",
+                 str(tasks / "mc.yaml"), "--device", "cpu", "--batch_size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "|kiln_mc|" in out and "acc_norm" in out
+    assert main(["eval", str(folder), "--harness", str(tasks / "mc.yaml")]) == 0
+    assert "|kiln_mc|" in capsys.readouterr().out
+    assert main(["harness", "--model", "kiln", "--tasks", str(tasks / "mc.yaml")]) == 2
+    assert "needs --model_args path=RUN" in capsys.readouterr().err
+    assert main(["harness", "--model", "kiln", "--model_args", f"path={folder},btach_size=2",
+                 "--tasks", str(tasks / "mc.yaml")]) == 2
+    assert "unknown argument(s) btach_size for the kiln model" in capsys.readouterr().err

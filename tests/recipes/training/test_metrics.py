@@ -1,0 +1,53 @@
+"""Metrics sinks: Weights & Biases in offline mode (nothing leaves the machine) receives the
+logged scalars; it is never started unless [run.wandb] is set."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from kiln.components.errors import RecipeError
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.trainer import Trainer
+from tests.checkpointing.test_exact_resume import TINY
+from tests.conftest import CONFIGS
+
+
+def run(folder, *extra):
+    recipe = load_recipe(CONFIGS / "debug.toml", [
+        *TINY, "--training.steps=3", "--eval.interval=0", "--checkpoint.enable=false",
+        f"--run.folder={folder}", *extra])
+    Trainer(recipe, out=io.StringIO()).fit()
+
+
+def test_wandb_offline_receives_the_scalars(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: never online in a test
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "wandb").exists()  # not configured: not started
+    run(tmp_path / "wb", "--run.wandb.project=kiln-test", "--run.wandb.mode=offline",
+        "--run.wandb.tags=['tiny']")
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # W&B's service process writes the run file asynchronously; this waits
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    run_id = (tmp_path / "wb" / "wandb_id.txt").read_text().strip()
+    assert len(runs) == 1 and runs[0].name.endswith(run_id)
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    lines = [json.loads(x) for x in (tmp_path / "wb" / "metrics.jsonl").read_text().splitlines()]
+    last = [x for x in lines if "loss" in x][-1]
+    # W&B stores each history value as JSON text: the last logged loss is in the run file
+    assert b"tokens_per_second" in data and json.dumps(last["loss"]).encode() in data
+    assert b"kiln-test" in data and b"tiny" in data
+
+
+def test_missing_wandb_package_is_a_recipe_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(RecipeError, match="pip install wandb"):
+        run(tmp_path / "x", "--run.wandb.project=p")
