@@ -31,6 +31,7 @@ from kiln.checkpointing.unattended.clock import WallClock, agree, estimate_save_
 from kiln.checkpointing.unattended.preemption import Preemption
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError
+from kiln.components.protocols import Hook
 
 RECOVERED = "RECOVERED.json"  # in the run folder: every unattended recovery, appended
 
@@ -40,12 +41,14 @@ def checkpoint_root(recipe) -> Path:
     return folder if folder.is_absolute() else Path(recipe.run.folder) / folder
 
 
-class CheckpointHook:
+class CheckpointHook(Hook):
     """A trainer hook (``on_train_start``, ``on_step_end``, ``on_train_end``, ``close``).
 
     ``recipe_diff(folder)`` diffs a checkpoint's recipe against the run's (resume check);
     ``export(out_dir)`` writes the trainer's model as an export (called on every rank: each
     writes its share), for ``export_at_end`` and the Hub upload of the final model."""
+
+    priority = 10  # after the hooks that log a step: its metrics are written first
 
     def __init__(self, trainer, *, recipe_diff: Callable[[Path], Any],
                  export: Callable[[Path], Any] | None = None, hub_api=None) -> None:
@@ -67,16 +70,24 @@ class CheckpointHook:
         )
         self.preemption = Preemption(log=trainer.print) if cfg.preemption else None
         self.clock = WallClock(trainer.recipe.training.max_hours, cfg.interval_minutes)
+        self._resumed = False
         self._load_s: float | None = None  # the resume's load: a save's duration until one ran
         self.resumed_from: Path | None = None
         self._hub_api = hub_api
         self._last_loss: float | None = None
 
     # --------------------------------------------------------------------------------- start
+    def resume(self, trainer) -> None:
+        """Continue from the newest usable snapshot; the trainer calls it before any hook
+        starts. Once: ``on_train_start`` resumes a trainer that did not call it."""
+        if not self._resumed:
+            self._resumed = True
+            self._resume(trainer)
+
     def on_train_start(self, trainer) -> None:
         if self.preemption is not None:
             self.preemption.install()
-        self._resume(trainer)
+        self.resume(trainer)
         self.clock.begin()  # steps are timed from here, the resume's load not included
 
     def _resume(self, trainer) -> None:

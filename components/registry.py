@@ -33,7 +33,12 @@ KINDS = (
     "step",
     "logger",
     "task",
+    "hook",
 )
+
+# The packages whose import registers kiln's built-in components, imported by name on first use
+# (as entry points are), so this leaf imports nothing of kiln. Hooks live on the top floor.
+BUILTIN_PACKAGES = ("kiln.components", "kiln.recipes.hooks")
 
 
 class RegistryError(Exception):
@@ -99,8 +104,9 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        # The built-in component modules are listed in the `components` package itself.
-        importlib.import_module("kiln.components").import_builtins()
+        # Each package lists its built-in modules itself (``import_builtins``).
+        for package in BUILTIN_PACKAGES:
+            importlib.import_module(package).import_builtins()
 
 
 def load_plugins(force: bool = False) -> list[str]:

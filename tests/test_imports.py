@@ -94,3 +94,63 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+# The rooms of the top floor, bottom to top: a room imports only rooms below it (cli.py, the
+# entry point, may import any). docs/design.md "Floors" draws the same tree.
+RECIPES_ROOMS = ["probes", "config", "runs", "inference", "hooks", "training", "commands"]
+
+
+def _room(module: str) -> str:
+    """The folder a module lives in: ``kiln.recipes.hooks.log`` -> ``kiln.recipes.hooks``."""
+    return module if module in _packages() else module.rpartition(".")[0]
+
+
+def _packages() -> set[str]:
+    return {_module_name(p.parent / "__init__.py") for top in FLOORS
+            for p in (REPO / top).rglob("__init__.py")}
+
+
+def test_recipes_rooms_import_only_rooms_below():
+    rank = {f"kiln.recipes.{r}": i for i, r in enumerate(RECIPES_ROOMS)}
+    assert set(rank) | {"kiln.recipes"} == {p for p in _packages()
+                                             if p.startswith("kiln.recipes")}, \
+        "a new folder under recipes/ needs its place in RECIPES_ROOMS"
+    bad = []
+    for name, deps in _graph().items():
+        src = rank.get(_room(name))
+        bad += [f"{name} -> {d}" for d in deps
+                if src is not None and rank.get(_room(d), -1) > src]
+    assert not bad, "imports running up between recipes' rooms:\n" + "\n".join(sorted(bad))
+
+
+def test_no_cycle_between_sibling_folders():
+    """Folders that share a parent never import each other both ways (through any chain)."""
+    edges: dict[str, set[str]] = {}
+    for name, deps in _graph().items():
+        src = _room(name)
+        for d in deps:
+            dst = _room(d)
+            related = src == dst or src.startswith(dst + ".") or dst.startswith(src + ".")
+            if not related and src.rpartition(".")[0] == dst.rpartition(".")[0]:
+                edges.setdefault(src, set()).add(dst)
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n}))
+                   for n in edges.get(a, ()))
+
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if reaches(b, a, {b}))
+    assert not cycles, "folders importing each other:\n" + "\n".join(cycles)
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    """Rooms of one job: a folder past ~12 modules wants splitting (the package's __init__ and
+    the thin command modules aside)."""
+    crowded = {}
+    for pkg in (REPO / top for top in FLOORS):
+        for folder in [pkg, *[p.parent for p in pkg.rglob("__init__.py")]]:
+            modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            limit = 16 if folder.name == "commands" else 13
+            if len(modules) > limit:
+                crowded[str(folder.relative_to(REPO))] = len(modules)
+    assert not crowded, crowded

@@ -41,6 +41,7 @@ from kiln.components.models.block import (
 )
 from kiln.components.models.lm_head import HeadFn, logits
 from kiln.components.models.looped_carry import Carry, LoopWindow
+from kiln.components.protocols import ModelContract
 from kiln.components.registry import register
 
 
@@ -112,7 +113,7 @@ class LoopedConfig(ComponentConfig):
 
 
 @register("model", "looped")
-class Looped(MoEModelMixin, RetiedOnEmpty):
+class Looped(MoEModelMixin, ModelContract, RetiedOnEmpty):
     """Recurrent-depth decoder: prelude, a looped block stack with input injection, coda."""
 
     Config = LoopedConfig

@@ -34,6 +34,7 @@ from kiln.components.models.block import (
     resolve_sizes,
 )
 from kiln.components.models.lm_head import HeadFn, logits
+from kiln.components.protocols import ModelContract
 from kiln.components.registry import register
 
 
@@ -64,7 +65,8 @@ class TransformerConfig(ComponentConfig):
 
 
 @register("model", "transformer")
-class Transformer(MoEModelMixin, RetiedOnEmpty):  # MoE ffns: bias balancing, aux loss, metrics
+# MoEModelMixin: with MoE ffns, bias balancing, aux loss and metrics
+class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
     """Dense decoder-only transformer (Llama 3 style: RMSNorm, RoPE, GQA, SwiGLU)."""
 
     Config = TransformerConfig

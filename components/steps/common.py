@@ -1,32 +1,15 @@
-"""What a step returns, and what a guard decides."""
+"""Helpers of the step components. What a step returns and what a guard decides are defined
+with the other contracts in ``components/protocols.py``."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
+from kiln.components.protocols import GuardDecision, StepResult
 
-@dataclass
-class GuardDecision:
-    """A guard's verdict on one (segment of a) step."""
-
-    skip: bool = False
-    abort: bool = False
-    reason: str = ""
-
-
-@dataclass
-class StepResult:
-    """One optimizer step's outcome. ``loss`` is the global mean over the step's tokens."""
-
-    loss: float
-    tokens: int  # tokens processed by all ranks in this step
-    grad_norm: float | None = None
-    skipped: bool = False
-    reason: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
+__all__ = ["GuardDecision", "StepResult", "finite", "unguarded"]
 
 
 def finite(t: torch.Tensor | None) -> bool:

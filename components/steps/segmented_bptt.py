@@ -19,8 +19,8 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
+from kiln.components.protocols import StepContext, StepResult
 from kiln.components.registry import register
-from kiln.components.steps.common import StepResult
 
 
 class SegmentedBPTTConfig(ComponentConfig):
@@ -52,43 +52,42 @@ class SegmentedBPTT:
         k = self.cfg.segment_loops or loops
         return [(s, min(s + k, loops)) for s in range(0, loops, k)]
 
-    def __call__(self, trainer, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        model = _unwrap(trainer.model)
+    def __call__(self, ctx: StepContext,
+                 micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        model = _unwrap(ctx.model)
         if not hasattr(model, "loop_window"):
             raise RecipeError(
                 f"training.step = segmented_bptt needs a looped model (with loop_window); "
                 f"{type(model).__name__} has none: use model.type = \"looped\" or step "
                 "\"standard\""
             )
-        set_progress = getattr(model, "set_progress", None)
-        if set_progress is not None:
-            set_progress(trainer.progress.step, trainer.total_steps)
+        model.set_progress(ctx.step, ctx.total_steps)
         n = len(micro_batches)
         states: list[torch.Tensor | None] = [None] * n
         plan = self.segments(model.loops)
         metrics: dict[str, float] = {}
         for seg, (start, stop) in enumerate(plan):
             last = seg == len(plan) - 1
-            trainer.zero_grad()
-            total = torch.zeros((), device=trainer.device)
+            ctx.zero_grad()
+            total = torch.zeros((), device=ctx.device)
             for i, batch in enumerate(micro_batches):
-                with trainer.grad_sync(i == n - 1):
+                with ctx.grad_sync(i == n - 1):
                     with model.loop_window(start, stop, slot=i, state=states[i]) as window:
-                        loss = trainer.forward_loss(batch) / n
+                        loss = ctx.forward_loss(batch) / n
                     loss.backward()
                 total += loss.detach()
                 states[i] = None if last else window.state_out.detach()
-            trainer.sync_grads()
-            grad_norm = trainer.clip_grads()
-            stats = trainer.global_stats(loss=total, grad_norm=grad_norm)  # one host sync
-            decision = trainer.guard_decision(stats, segment=seg)
-            trainer.optimizer_step(decision, stats, segment=seg, last_segment=last)
+            ctx.sync_grads()
+            grad_norm = ctx.clip_grads()
+            stats = ctx.global_stats(loss=total, grad_norm=grad_norm)  # one host sync
+            decision = ctx.guard_decision(stats, segment=seg)
+            ctx.optimizer_step(decision, stats, segment=seg, last_segment=last)
             metrics[f"loss/segment{seg}"] = stats["loss"]
             if decision.skip:
                 break
         metrics["segments_done"] = float(seg + 1)
         return StepResult(
-            loss=stats["loss"], tokens=trainer.tokens_per_step,
+            loss=stats["loss"], tokens=ctx.tokens_per_step,
             grad_norm=stats.get("grad_norm"), skipped=decision.skip, reason=decision.reason,
             metrics=metrics,
         )

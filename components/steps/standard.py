@@ -1,6 +1,6 @@
 """The standard step: gradient accumulation over micro-batches, clip, guard, optimizer step.
 
-Under pipeline parallelism (``trainer.parallel.pipeline``) the micro-batches' forward and
+Under pipeline parallelism (``ctx.pipeline``) the micro-batches' forward and
 backward run through the pipeline schedule instead of the loop; the loss comes back from the
 last stage, the same on every rank, so what follows (gradient sync, the global clip, the guards'
 one decision, the optimizer step) is unchanged.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from kiln.components.base import ComponentConfig
+from kiln.components.protocols import StepContext, StepResult
 from kiln.components.registry import register
-from kiln.components.steps.common import StepResult
 
 
 class StandardStepConfig(ComponentConfig):
@@ -28,31 +28,33 @@ class StandardStep:
     def __init__(self, cfg: StandardStepConfig):
         self.cfg = cfg
 
-    def __call__(self, trainer, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        trainer.zero_grad()
-        pipeline = getattr(trainer.parallel, "pipeline", None)
+    def __call__(self, ctx: StepContext,
+                 micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        ctx.zero_grad()
+        pipeline = ctx.pipeline
         if pipeline is not None:
-            total = pipeline.train(micro_batches, trainer.stage_loss, trainer.autocast)
+            total = pipeline.train(micro_batches, ctx.stage_loss, ctx.autocast)
         else:
-            total = self.accumulate(trainer, micro_batches)
-        trainer.sync_grads()
-        grad_norm = trainer.clip_grads()
-        stats = trainer.global_stats(loss=total, grad_norm=grad_norm)  # the one host sync
-        decision = trainer.guard_decision(stats, segment=0)
-        trainer.optimizer_step(decision, stats, segment=0, last_segment=True)
+            total = self.accumulate(ctx, micro_batches)
+        ctx.sync_grads()
+        grad_norm = ctx.clip_grads()
+        stats = ctx.global_stats(loss=total, grad_norm=grad_norm)  # the one host sync
+        decision = ctx.guard_decision(stats, segment=0)
+        ctx.optimizer_step(decision, stats, segment=0, last_segment=True)
         return StepResult(
-            loss=stats["loss"], tokens=trainer.tokens_per_step, grad_norm=stats.get("grad_norm"),
+            loss=stats["loss"], tokens=ctx.tokens_per_step, grad_norm=stats.get("grad_norm"),
             skipped=decision.skip, reason=decision.reason,
         )
 
     @staticmethod
-    def accumulate(trainer, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def accumulate(ctx: StepContext,
+                   micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch; this rank's mean loss."""
         n = len(micro_batches)
-        total = torch.zeros((), device=trainer.device)
+        total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(micro_batches):
-            with trainer.grad_sync(i == n - 1):
-                loss = trainer.forward_loss(batch) / n  # mean over the step's tokens
+            with ctx.grad_sync(i == n - 1):
+                loss = ctx.forward_loss(batch) / n  # mean over the step's tokens
                 loss.backward()
             total += loss.detach()
         return total

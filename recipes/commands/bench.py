@@ -16,9 +16,9 @@ from kiln.components import devices
 from kiln.components.devices import pick_device
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
+from kiln.components.protocols import Hook
 from kiln.components.steps.bptt_memory import loop_memory
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.probes.flops import mfu
 from kiln.recipes.probes.process_stats import peak_memory_bytes
 

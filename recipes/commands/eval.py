@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kiln.components.devices import DEVICES
 from kiln.components.errors import RecipeError
-from kiln.recipes.hooks.core import bits_per_byte
+from kiln.recipes.hooks.evaluate import bits_per_byte
 from kiln.recipes.training.model_inputs import ModelInputs
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain

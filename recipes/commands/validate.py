@@ -12,6 +12,7 @@ import torch
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.models.block import padded_vocab
+from kiln.components.protocols import complete_model
 from kiln.parallelisms.layout.check import model_problems, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
 from kiln.parallelisms.pipeline.checks import pipeline_problems
@@ -65,9 +66,7 @@ def describe(recipe, world_size: int = 1) -> str:
     total = model.num_params()
     lines = [batch_plan.describe_budget(recipe.training, bp),
              f"parameters: {total:,} ({human_count(total)})"]
-    summary = getattr(model, "param_summary", None)
-    if summary is not None:
-        lines += [f"  {k}: {v:,}" for k, v in summary().items()]
+    lines += [f"  {k}: {v:,}" for k, v in complete_model(model).param_summary().items()]
     lines.append(f"non-embedding parameters: {model.num_params(exclude_embeddings=True):,}")
     lines.append(f"training FLOPs/token: {model.flops_per_token(recipe.training.seq_len):.4g}")
     steps = recipe.training.steps or 1

@@ -10,9 +10,14 @@ from kiln.checkpointing.config import CheckpointConfig
 from kiln.components.base import Config, OptionalSub, Sub, component, default_config
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.health.check import HealthCheckConfig
-from kiln.recipes.hooks.inspect_config import DiagnosticsConfig, ProfileConfig, RoutingConfig
-from kiln.recipes.hooks.watchdog import WatchdogConfig
-from kiln.recipes.training.context_warmup import ContextWarmupConfig
+
+
+class ContextWarmupConfig(Config):
+    """The ``[training.context_warmup]`` table."""
+
+    steps: int = Field(0, ge=0, description="steps over which the length grows (0 = off)")
+    start: int = Field(256, ge=1, description="sequence length at step 0")
+    multiple: int = Field(64, ge=1, description="round lengths up to a multiple of this")
 
 
 class WandbConfig(Config):
@@ -47,27 +52,36 @@ class RunConfig(Config):
         description="before training: every collective on every process group (results and bus "
         "bandwidth), a matmul on every device, the CUDA peer-to-peer matrix",
     )
-    watchdog: WatchdogConfig = Field(
-        default_factory=WatchdogConfig,
-        description="a step far slower than usual is a hang: every rank dumps its stacks to "
-        "RUN/hang/, the run exits 3 naming the slowest rank",
-    )
-    diagnostics: DiagnosticsConfig | None = Field(
-        None, description="per-module activation, attention, gradient and update figures every "
-        "interval steps (a table turns them on; docs/diagnostics.md)"
-    )
-    routing: RoutingConfig = Field(
-        default_factory=RoutingConfig, description="MoE routing health: expert loads, dead "
-        "experts (models with MoE layers)"
-    )
-    profile: ProfileConfig | None = Field(
-        None, description="torch.profiler over a window of steps, memory snapshots (a table "
-        "turns it on)"
-    )
+    # The built-in hooks' tables. Their configs live with the hooks (recipes/hooks/), found
+    # through the registry by type, so reading a recipe imports no hook.
+    watchdog: Sub("hook") = component(
+        "hook", "watchdog", "a step far slower than usual is a hang: every rank dumps its "
+        "stacks to RUN/hang/, the run exits 3 naming the slowest rank")
+    diagnostics: OptionalSub("hook") = component(
+        "hook", None, "per-module activation, attention, gradient and update figures every "
+        "interval steps (a table turns them on; docs/diagnostics.md)", implied="diagnostics")
+    routing: Sub("hook") = component(
+        "hook", "routing", "MoE routing health: expert loads, dead experts (models with MoE "
+        "layers)")
+    profile: OptionalSub("hook") = component(
+        "hook", None, "torch.profiler over a window of steps, memory snapshots (a table turns "
+        "it on)", implied="profile")
     plot_interval: int = Field(
         0, ge=0, description="redraw RUN/plots/*.png every N steps and at the end (0 = off; "
         "needs matplotlib: the plot extra)"
     )
+
+    SLOTS: ClassVar[tuple[str, ...]] = ("watchdog", "diagnostics", "routing", "profile")
+
+    @model_validator(mode="after")
+    def _slots(self) -> RunConfig:
+        for name in self.SLOTS:
+            cfg = getattr(self, name)
+            if cfg is not None and cfg.type != name:
+                raise ValueError(
+                    f"run.{name}.type = {cfg.type!r}: [run.{name}] configures the built-in "
+                    f"{name} hook; add other hooks as [hooks.NAME] tables")
+        return self
 
 
 class TrainingConfig(Config):
@@ -148,6 +162,10 @@ class Recipe(Config):
         default_factory=dict, description="step guards (e.g. loss-spike skipping), by name"
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    hooks: dict[str, Sub("hook")] = Field(
+        default_factory=dict, description="more hooks around the step, by name: a plugin's "
+        "registered hooks (kiln's own are set in [run]; `kiln list hook`)"
+    )
     evals: dict[str, Sub("task")] = Field(
         default_factory=dict, description="downstream tasks scored during training and by "
         "`kiln eval --tasks`, by name (docs/evaluation.md)"
@@ -171,6 +189,15 @@ class Recipe(Config):
             raise ValueError("both [optimizer] and [optimizers.NAME] tables are set; use one")
         if self.optimizer is None and not self.optimizers:
             self.optimizer = default_config("optimizer", "adamw")
+        return self
+
+    @model_validator(mode="after")
+    def _hooks_not_in_run(self) -> Recipe:
+        for name, cfg in self.hooks.items():
+            if cfg.type in RunConfig.SLOTS or cfg.type == "plot":
+                table = "run.plot_interval" if cfg.type == "plot" else f"[run.{cfg.type}]"
+                raise ValueError(f"hooks.{name}.type = {cfg.type!r}: kiln's {cfg.type} hook is "
+                                 f"set with {table}; [hooks.NAME] adds a plugin's hook")
         return self
 
     def optimizer_tables(self) -> dict[str, Config]:

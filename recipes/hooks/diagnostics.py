@@ -19,16 +19,18 @@ import math
 from collections import defaultdict
 
 import torch
+from pydantic import Field
 
 from kiln.components import distributed
 from kiln.components.attention.logit_stats import attention_logit_stats
+from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import moe_layers
 from kiln.components.ffn.moe_health import router_entropy
+from kiln.components.protocols import Hook
+from kiln.components.registry import register
 from kiln.parallelisms.blocks import clean_name
 from kiln.parallelisms.grads import full_sum_squares
-from kiln.recipes.hooks.core import Hook
-from kiln.recipes.hooks.inspect_config import DiagnosticsConfig
 
 HISTOGRAM_VALUES = 65536  # sampled values per histogram (of rank 0's first micro-batch)
 
@@ -83,7 +85,28 @@ def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x.abs().amax()
 
 
+class DiagnosticsConfig(ComponentConfig):
+    """Per-module figures every ``interval`` steps (``[run.diagnostics]``: the table turns them
+    on; without it no hook is registered and nothing is computed)."""
+
+    interval: int = Field(100, ge=1, description="collect on every N-th step")
+    attention: bool = Field(
+        True, description="attention logit max and entropy per layer (recomputes q.k of every "
+        "attention layer on a diagnostic step)")
+    attention_rows: int = Field(
+        64, ge=0, description="query positions per sequence the attention figures read (evenly "
+        "spaced, ending at the last; 0 = all T: exact, but the recompute grows with T^2)")
+    histograms: bool = Field(
+        True, description="TensorBoard histograms of each block's output (a sample of rank 0's "
+        "values) beside the scalars")
+
+
+@register("hook", "diagnostics", config=DiagnosticsConfig)
 class DiagnosticsHook(Hook):
+    """Per-module activation, attention, gradient and update figures every interval steps."""
+
+    priority = 40  # arms its module hooks after the evaluations ran
+
     def __init__(self, cfg: DiagnosticsConfig) -> None:
         self.cfg = cfg
         self.handles: list = []
@@ -213,7 +236,7 @@ class DiagnosticsHook(Hook):
         self.maybe_arm(trainer)
 
     def figures(self, trainer, result) -> dict[str, float]:
-        carry = getattr(self.model, "carry_state", lambda: None)()
+        carry = self.model.carry_state()
         for key, t in (carry or {}).items():
             if key.startswith("state."):
                 self.collector.add("carry", _moments(t)[0])

@@ -13,7 +13,6 @@ a scheduler runs ``kiln eval RUN --pending`` elsewhere, and the same training co
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from pathlib import Path
@@ -24,38 +23,16 @@ import torch
 from kiln.checkpointing import layout
 from kiln.components import devices
 from kiln.components.errors import RecipeError
+from kiln.components.protocols import Hook
 from kiln.components.tasks import runner
 from kiln.components.tasks.scorer import Scorer
-from kiln.recipes.hooks.core import Hook
-from kiln.recipes.inference.generate import Sampling, generate
-
-PENDING = "pending_downstream_eval.json"
-
-
-def greedy_generate():
-    """The greedy decoder a ``Scorer`` calls (``recipes/inference/generate.py``)."""
-    return functools.partial(generate, sampling=Sampling(temperature=0))
-
-
-def model_context(model, fallback: int) -> int:
-    """Tokens the model can attend over (its RoPE table), else ``fallback``."""
-    return int(getattr(model, "max_seq_len", 0) or fallback)
-
-
-def plan_tasks(tasks: dict, tokenizer, max_len: int, log) -> dict:
-    """Each task's plan (read, encoded, batched); a truncation warning per task that cut."""
-    plans = {}
-    for name, task in tasks.items():
-        plans[name] = plan = task.plan(tokenizer, max_len)
-        if plan.truncated:
-            log(f"kiln: WARNING: task {name!r}: {plan.truncated} of {plan.examples} examples cut "
-                f"from the left to fit the model's context ({max_len} tokens)")
-    return plans
-
-
-def format_metrics(name: str, metrics: dict[str, float], examples: int, seconds: float) -> str:
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-    return f"{name}: {shown}  ({examples} examples, {seconds:.1f} s)"
+from kiln.recipes.inference.task_plans import (
+    PENDING,
+    format_metrics,
+    greedy_generate,
+    model_context,
+    plan_tasks,
+)
 
 
 class RngState:
@@ -78,6 +55,8 @@ class RngState:
 
 
 class DownstreamEvalHook(Hook):
+    priority = 50
+
     def __init__(self) -> None:
         self.tasks: dict = {}
         self.plans: dict = {}

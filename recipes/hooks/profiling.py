@@ -15,15 +15,46 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from kiln.recipes.hooks.core import Hook
-from kiln.recipes.hooks.inspect_config import ProfileConfig
+from kiln.components.base import ComponentConfig
+from kiln.components.protocols import Hook
+from kiln.components.registry import register
 from kiln.recipes.probes.process_stats import current_rss_bytes, peak_rss_bytes
 
 
+class ProfileConfig(ComponentConfig):
+    """``[run.profile]``: torch.profiler over steps [start, stop) and memory records."""
+
+    start: int = Field(5, ge=1, description="first profiled step (1-based, as logged)")
+    stop: int = Field(8, ge=2, description="profile until this step (exclusive)")
+    ranks: Literal["main", "all"] = Field("main", description="profile rank 0 only, or all")
+    record_shapes: bool = Field(False, description="record operator input shapes")
+    profile_memory: bool = Field(False, description="record tensor allocations in the trace")
+    with_stack: bool = Field(False, description="record Python stacks (large traces)")
+    memory_snapshot_step: int = Field(
+        0, ge=0, description="CUDA: dump a memory snapshot (allocation history) after this step "
+        "(0 = none); on CPU the peak RSS per phase is recorded instead")
+    snapshot_on_oom: bool = Field(
+        True, description="CUDA: dump the memory snapshot when a step runs out of memory")
+    max_entries: int = Field(100000, ge=1, description="CUDA allocation events kept for snapshots")
+
+    @model_validator(mode="after")
+    def _window(self) -> ProfileConfig:
+        if self.stop <= self.start:
+            raise ValueError(f"stop ({self.stop}) must be after start ({self.start})")
+        return self
+
+
+@register("hook", "profile", config=ProfileConfig)
 class ProfileHook(Hook):
+    """torch.profiler over a window of steps, and memory records."""
+
+    priority = 90  # its window brackets the other hooks' work too
+
     def __init__(self, cfg: ProfileConfig) -> None:
         self.cfg = cfg
         self.profiler = None

@@ -9,16 +9,33 @@ from __future__ import annotations
 
 import json
 
+from pydantic import Field
+
+from kiln.components.base import ComponentConfig
 from kiln.components.ffn.moe import moe_layers
 from kiln.components.ffn.moe_health import RoutingHealth, RoutingSnapshot
-from kiln.recipes.hooks.core import Hook
-from kiln.recipes.hooks.inspect_config import RoutingConfig
+from kiln.components.protocols import Hook
+from kiln.components.registry import register
 from kiln.recipes.runs.read import EXPERTS_FILE
 
 
+class RoutingConfig(ComponentConfig):
+    """Routing health of MoE layers (always on for a model with MoE layers; ``[run.routing]``
+    tunes it): expert loads and biases to experts.jsonl every log interval, dead experts."""
+
+    dead_below: float = Field(
+        0.05, ge=0, description="an expert is dead on a step where its load is below this "
+        "multiple of the mean load (1 = balanced)")
+    dead_steps: int = Field(
+        50, ge=1, description="warn when an expert has been dead this many steps in a row")
+
+
+@register("hook", "routing", config=RoutingConfig)
 class RoutingHook(Hook):
-    """Must run before ``LogHook``: it adds its figures to the step's metrics, which LogHook
-    logs."""
+    """MoE routing health: expert loads to experts.jsonl, dead experts warned about. It runs
+    before the log hook, which logs the figures it adds to the step's metrics."""
+
+    priority = 80  # its figures join the log line
 
     def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg

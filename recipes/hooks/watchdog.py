@@ -38,14 +38,15 @@ from pydantic import Field
 
 from kiln.checkpointing.layout import write_atomic
 from kiln.components import distributed
-from kiln.components.base import Config
+from kiln.components.base import ComponentConfig
 from kiln.components.errors import KilnError, TrainingHung
-from kiln.recipes.hooks.core import Hook
+from kiln.components.protocols import Hook
+from kiln.components.registry import register
 
 TRIGGER = "trigger.json"
 
 
-class WatchdogConfig(Config):
+class WatchdogConfig(ComponentConfig):
     """``[run.watchdog]``: when a step counts as hung, and what happens then."""
 
     enable: bool = Field(True, description="watch every step for hangs")
@@ -129,9 +130,12 @@ def main_thread_position() -> tuple[bool, str]:
     return inside, where
 
 
+@register("hook", "watchdog", config=WatchdogConfig)
 class Watchdog(Hook):
-    """The trainer calls ``step_begins`` / ``step_ends`` around each step window; as a hook it
-    starts its thread when training starts and stops it when training ends."""
+    """A step far slower than usual is a hang. The step window opens in ``on_step_start`` and
+    closes in ``on_step_end``; the watching thread runs from ``on_train_start`` to ``close``."""
+
+    priority = 100  # the step window closes before other hooks work
 
     def __init__(self, cfg: WatchdogConfig, *, exit=os._exit) -> None:
         self.cfg = cfg
@@ -145,6 +149,12 @@ class Watchdog(Hook):
         self.fired = False
 
     # ------------------------------------------------------------------ the trainer's calls
+    def on_step_start(self, trainer) -> None:
+        self.step_begins()
+
+    def on_step_end(self, trainer, result) -> None:
+        self.step_ends(trainer.progress.step)
+
     def step_begins(self) -> None:
         self.begun = time.monotonic()
 

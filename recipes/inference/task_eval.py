@@ -20,7 +20,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.tasks import presets, runner
 from kiln.components.tasks.scorer import Scorer
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.hooks.downstream import PENDING, greedy_generate, model_context, plan_tasks
+from kiln.recipes.inference.task_plans import PENDING, greedy_generate, model_context, plan_tasks
 
 RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
 

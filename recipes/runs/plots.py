@@ -13,7 +13,6 @@ from pathlib import Path
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.recipes.config.diff import differing, short_names
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, open_run, pick, read_jsonl, series
 
 DEFAULT_METRICS = ("loss", "eval/loss", "lr", "grad_norm")
@@ -207,34 +206,3 @@ def draw_panels(run: Run, out: str | Path, panels: dict[str, tuple[str, str]]) -
     path = save(fig, out)
     plt.close(fig)
     return path
-
-
-class PlotHook(Hook):
-    """``run.plot_interval``: redraw RUN/plots/curves.png (with the expert-load heatmap of an
-    MoE run) and RUN/plots/diagnostics.png (when diagnostics ran) every N steps and at the end,
-    from the run's own metrics files; main rank only."""
-
-    def __init__(self, interval: int) -> None:
-        self.interval = interval
-
-    def on_train_start(self, trainer) -> None:
-        if trainer.world.is_main:
-            require_matplotlib("run.plot_interval")  # fail before the first step, not after
-
-    def on_step_end(self, trainer, result) -> None:
-        if trainer.progress.step % self.interval == 0:
-            self.draw(trainer)
-
-    def on_train_end(self, trainer) -> None:
-        if trainer.progress.step % self.interval:
-            self.draw(trainer)
-
-    def draw(self, trainer) -> None:
-        if not trainer.world.is_main:
-            return
-        run = open_run(trainer.run_dir, need_metrics=False)
-        if not any("loss" in r for r in run.records):
-            return  # nothing logged yet
-        folder = trainer.run_dir / "plots"
-        draw([run], folder / "curves.png", title=run.label)
-        draw_panels(run, folder / "diagnostics.png", DIAGNOSTICS_PANELS)

@@ -11,17 +11,8 @@ during the warmup; the trainer counts the tokens it actually trained on.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
-from kiln.components.base import Config
-
-
-class ContextWarmupConfig(Config):
-    """The ``[training.context_warmup]`` table."""
-
-    steps: int = Field(0, ge=0, description="steps over which the length grows (0 = off)")
-    start: int = Field(256, ge=1, description="sequence length at step 0")
-    multiple: int = Field(64, ge=1, description="round lengths up to a multiple of this")
+from kiln.recipes.config.schema import ContextWarmupConfig
 
 
 def context_length(step: int, seq_len: int, cfg: ContextWarmupConfig) -> int:

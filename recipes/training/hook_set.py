@@ -1,51 +1,42 @@
-"""The trainer's hooks, in order, from the recipe's ``[run]``.
+"""The trainer's hooks, from the recipe's ``[run]`` and ``[hooks.NAME]`` tables.
 
-Per step the standard hooks run first, then the checkpoint hook, then the caller's hooks: a
-snapshot is published only after its step's metrics (and evaluations) are written, so a crash
-between the two can repeat a line on resume, never lose one. ``on_train_start`` runs the
-checkpoint hook first all the same (``start_order``): it resumes, and the others start from the
-resumed progress.
+The trainer runs them by ``priority``, highest first (``components/protocols.py``). Per step the
+standard hooks run first, then the checkpoint hook, then the plugins' and the caller's hooks
+(priority 0): a snapshot is published only after its step's metrics and evaluations are written,
+so a crash between the two can repeat a line on resume, never lose one.
 """
 
 from __future__ import annotations
 
+from kiln.components.base import default_config
+from kiln.components.protocols import Hook, complete_hook
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.hooks.core import EvalHook, Hook, LogHook, ProgressHook
+from kiln.recipes.hooks.evaluate import EvalHook
+from kiln.recipes.hooks.log import LogHook
+from kiln.recipes.hooks.progress import ProgressHook
 
 
-def standard_hooks(recipe: Recipe, watchdog: Hook) -> list[Hook]:
-    """Profiling first (its window brackets the other hooks' work too), routing health before
-    logging (its figures join the log line), evaluations, module diagnostics (they arm their
-    module hooks for the next step after the evaluations ran), plots (they read what the others
-    wrote), the progress bar, and the hang ``watchdog`` last (the trainer's own instance: the
-    loop marks each step's window on it)."""
+def standard_hooks(recipe: Recipe) -> list[Hook]:
+    """Every hook the recipe turns on, kiln's and the plugins', in no particular order."""
     run = recipe.run
-    hooks: list[Hook] = []
+    hooks: list[Hook] = [run.watchdog.build(), run.routing.build(), LogHook(), EvalHook(),
+                         ProgressHook()]
     if run.profile is not None:
-        from kiln.recipes.hooks.profiling import ProfileHook
-
-        hooks.append(ProfileHook(run.profile))
-    from kiln.recipes.hooks.routing import RoutingHook
-
-    hooks += [RoutingHook(run.routing), LogHook(), EvalHook()]
+        hooks.append(run.profile.build())
     if recipe.evals:  # [evals.NAME] downstream tasks
         from kiln.recipes.hooks.downstream import DownstreamEvalHook
 
         hooks.append(DownstreamEvalHook())
     if run.diagnostics is not None:
-        from kiln.recipes.hooks.diagnostics import DiagnosticsHook
-
-        hooks.append(DiagnosticsHook(run.diagnostics))
+        hooks.append(run.diagnostics.build())
     if run.plot_interval:
-        from kiln.recipes.runs.plots import PlotHook
-
-        hooks.append(PlotHook(run.plot_interval))
-    return [*hooks, ProgressHook(), watchdog]
+        hooks.append(default_config("hook", "plot", interval=run.plot_interval).build())
+    return hooks + [cfg.build() for cfg in recipe.hooks.values()]
 
 
-def start_order(hooks: list[Hook], resumer: Hook | None) -> list[Hook]:
-    """The order of ``on_train_start``: the checkpoint hook (it resumes) first."""
-    return sorted(hooks, key=lambda h: h is not resumer)
+def by_priority(hooks: list[Hook]) -> list[Hook]:
+    """Highest priority first; equal priorities keep their order (``sorted`` is stable)."""
+    return sorted(map(complete_hook, hooks), key=lambda h: -h.priority)
 
 
 def checkpoint_hook(trainer) -> Hook:

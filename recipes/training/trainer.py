@@ -1,7 +1,8 @@
 """The trainer: builds a run from a resolved recipe and loops over steps; hooks do the rest.
 
 The loop (``fit``) is short on purpose: the step component computes one optimizer step, and
-logging, evaluation, checkpointing and profiling hang off hooks (``recipes/hooks/core.py``).
+logging, evaluation, checkpointing and profiling hang off hooks (``recipes/hooks/``). The step
+sees a ``TrainStepContext`` (``step_context.py``), never the trainer.
 """
 
 from __future__ import annotations
@@ -11,53 +12,34 @@ import functools
 import inspect
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
-from kiln.components.errors import RecipeError, TrainingAborted
-from kiln.components.models.lm_head import LossHead, chunk_loss_sum
-from kiln.components.steps.common import GuardDecision, unguarded
+from kiln.components.errors import RecipeError
+from kiln.components.protocols import Hook, complete_model
 from kiln.parallelisms.health.check import run_health_check
 from kiln.parallelisms.layout.check import chunked_loss_note, raise_problems, training_problems
 from kiln.parallelisms.mesh import layout
-from kiln.recipes.config.files import render_recipe, to_dict, write_text_atomic
+from kiln.recipes.config.files import render_recipe, to_dict
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.hooks.core import Hook, eval_loader
-from kiln.recipes.hooks.watchdog import Watchdog
+from kiln.recipes.hooks.evaluate import eval_loader
 from kiln.recipes.probes.flops import trainer_peak
 from kiln.recipes.probes.process_stats import Phases
 from kiln.recipes.training import batch_plan
 from kiln.recipes.training.context_warmup import context_length, truncate
-from kiln.recipes.training.hook_set import checkpoint_hook, standard_hooks, start_order
+from kiln.recipes.training.hook_set import by_priority, checkpoint_hook, standard_hooks
 from kiln.recipes.training.metrics import MetricsWriter
 from kiln.recipes.training.model_inputs import ModelInputs
 from kiln.recipes.training.optimizer_set import OptimizerSet
+from kiln.recipes.training.run_hooks import CloseLoader, WriteRecipe
 from kiln.recipes.training.run_layout import run_layout
-
-
-@dataclass
-class Progress:
-    """How far training got: optimizer steps taken and tokens consumed (all ranks)."""
-
-    step: int = 0
-    tokens: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.step, self.tokens = int(d["step"]), int(d["tokens"])
+from kiln.recipes.training.step_context import Progress, TrainStepContext
 
 
 class Trainer:
-    cross_entropy = staticmethod(F.cross_entropy)  # _parallelize may compile it (compile_loss)
-    chunk_loss = staticmethod(chunk_loss_sum)  # per chunk of training.loss_chunk_tokens; likewise
-
     def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
                  checkpoints: bool = True, out=None):
         self.recipe = recipe
@@ -125,16 +107,23 @@ class Trainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
         )
+        self.step_context = TrainStepContext(
+            model=self.model, world=self.world, parallel=self.parallel,
+            model_inputs=self.model_inputs, optimizers=self.optimizers, guards=self.guards,
+            progress=self.progress, total_steps=self.total_steps,
+            global_batch=self.plan.global_batch, seq_len=self.seq_len, grad_clip=tr.grad_clip,
+            loss_chunk_tokens=tr.loss_chunk_tokens, autocast=self.autocast,
+            **self.compiled_losses)
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))
-        self.watchdog = Watchdog(recipe.run.watchdog)  # the loop marks each step's window
-        self.hooks: list[Hook] = standard_hooks(recipe, self.watchdog)
-        # The checkpoint hook starts first (it resumes) but ends each step after the hooks that
-        # log the step: a snapshot is never published before its step's metrics are written.
+        # The checkpoint hook resumes before any hook starts, and ends each step after the hooks
+        # that log the step: a snapshot is never published before its step's metrics.
         self.resumer = checkpoint_hook(self) if checkpoints and recipe.checkpoint.enable \
             else None
-        self.hooks += [h for h in (self.resumer, *(hooks or [])) if h is not None]
+        extra = [WriteRecipe(), CloseLoader(), *(hooks or [])]
+        self.hooks: list[Hook] = by_priority(
+            [*standard_hooks(recipe), *([self.resumer] if self.resumer else []), *extra])
         phase("optimizers, hooks")
 
     # ----------------------------------------------------------------------------- building
@@ -148,6 +137,7 @@ class Trainer:
                 model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
+        complete_model(model)  # a plugin model gets the optional methods' no-op defaults
         if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
             raise RecipeError(
                 f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
@@ -188,9 +178,14 @@ class Trainer:
             from kiln.recipes.training.init_check import check_identical_init
 
             details.append(check_identical_init(self.model, self.parallel.stage_group))
+        self.compiled_losses = {}
         if pcfg.compile_loss:
-            self.cross_entropy = compile_loss(F.cross_entropy, pcfg, self.device)
-            self.chunk_loss = compile_loss(chunk_loss_sum, pcfg, self.device)
+            from kiln.components.models.lm_head import chunk_loss_sum
+
+            self.compiled_losses = {
+                "cross_entropy": compile_loss(torch.nn.functional.cross_entropy, pcfg,
+                                              self.device),
+                "chunk_loss": compile_loss(chunk_loss_sum, pcfg, self.device)}
         for line in details:
             self.print(f"parallelism: {line}")
         self.model_inputs = ModelInputs(getattr(self.recipe.model, "attention", None),
@@ -198,8 +193,7 @@ class Trainer:
         self.model_inputs.check_model(self.model)
         if line := self.model_inputs.describe():
             self.print(line)
-        kernels = getattr(self.model, "resolve_kernels", None)  # e.g. MoE: decided up front
-        if kernels is not None and (line := kernels(self.device, self.compute_dtype)):
+        if line := self.model.resolve_kernels(self.device, self.compute_dtype):  # e.g. MoE
             self.print(f"model: {line}")
         return self.parallel.summary
 
@@ -234,78 +228,9 @@ class Trainer:
         """Tokens trained on in this step, all ranks (shorter during a context warmup)."""
         return self.plan.global_batch * self.seq_len
 
-    def zero_grad(self) -> None:
-        self.optimizers.zero_grad()
-
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); under
-        pipeline parallelism forward through every stage (evaluation; the same on all ranks)."""
-        if self.parallel.pipeline is not None:
-            return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
-        ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
-        return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels)
-
-    def stage_loss(self, run, labels: torch.Tensor) -> torch.Tensor:
-        """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via
-        its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits)."""
-        chunk = self.recipe.training.loss_chunk_tokens if self.parallel.tp is None else 0
-        if chunk:
-            with self.autocast:
-                loss = run(head=LossHead(labels, chunk, self.chunk_loss))
-        else:
-            with self.autocast:
-                logits = run()  # (B, T, V)
-            # Through the plan: with loss parallel the logits are sharded over the vocabulary.
-            loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
-                                      labels.flatten())
-        pop_aux = getattr(self.model, "pop_aux_loss", None)  # e.g. MoE balance losses
-        aux = pop_aux() if pop_aux is not None else None
-        # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.
-        return loss if aux is None else loss + (aux - aux.detach())
-
-    def grad_sync(self, is_last_microbatch: bool):
-        """Around each micro-batch's backward: FSDP2 reduces gradients on the last one only."""
-        return self.parallel.grad_sync(is_last_microbatch)
-
-    def sync_grads(self) -> None:
-        """After the last backward: all-reduce gradients when replicated without FSDP."""
-        self.parallel.sync_grads()
-
-    def clip_grads(self) -> torch.Tensor:
-        """Clip to the global norm over all shards (grad_clip 0 = measure only)."""
-        return self.parallel.clip_grads(self.recipe.training.grad_clip)
-
-    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
-        """Average the per-rank loss over ranks; one host sync for everything."""
-        keys = [k for k, v in values.items() if v is not None]
-        packed = torch.stack([values[k].detach().float().to(self.device) for k in keys])
-        if self.world.distributed and "loss" in keys:
-            distributed.all_reduce_(packed[keys.index("loss"):keys.index("loss") + 1])
-            packed[keys.index("loss")] /= self.world.world_size
-        return dict(zip(keys, packed.tolist(), strict=True))
-
-    def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
-        if not self.guards:  # non-finite values stop the run (one clear error), never the weights
-            return unguarded(stats)
-        for guard in self.guards.values():
-            decision = guard.decide(stats, self.progress.step, segment)
-            if decision.skip or decision.abort:
-                return decision
-        return GuardDecision()
-
-    def optimizer_step(self, decision: GuardDecision, stats: dict[str, float], *,
-                       segment: int, last_segment: bool) -> None:
-        for guard in self.guards.values():
-            guard.commit(decision, stats, self.progress.step, segment)
-        if decision.abort:
-            raise TrainingAborted(f"step {self.progress.step + 1}: {decision.reason}")
-        if not decision.skip:
-            self.optimizers.set_lr(self.progress.step)
-            self.optimizers.step(last_segment=last_segment)
-            self.parallel.after_optimizer_step()
-        hook = getattr(self.model, "on_optimizer_step", None)
-        if hook is not None:
-            hook(decision.skip)
+        """Mean next-token loss of one micro-batch, as the step computes it (evaluation)."""
+        return self.step_context.forward_loss(batch)
 
     def end_step(self, result) -> None:
         """After the step function: count the step and tell the model the global step is over
@@ -313,10 +238,7 @@ class Trainer:
         bias moves once per global step from the loads of all its segments)."""
         self.progress.step += 1
         self.progress.tokens += result.tokens
-        self.watchdog.step_ends(self.progress.step)
-        hook = getattr(self.model, "on_global_step", None)
-        if hook is not None:
-            hook(result.skipped)
+        self.model.on_global_step(result.skipped)
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
@@ -339,7 +261,9 @@ class Trainer:
                    f"x accum {self.plan.grad_accum} per rank")
         self.print("optimizers:\n" + self.optimizers.table())
         try:
-            for hook in start_order(self.hooks, self.resumer):
+            if self.resumer is not None:
+                self.resumer.resume(self)  # the hooks start from the resumed progress
+            for hook in self.hooks:
                 hook.on_train_start(self)
             if self.progress.step >= self.total_steps:
                 self.print(f"kiln: {self.recipe.run.name} already finished: step "
@@ -350,26 +274,26 @@ class Trainer:
             self._start_from_pretrained()
             batches = iter(self.train_loader)
             self.model.train()
-            set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model
             warmup = self.recipe.training.context_warmup
             started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
-                self.watchdog.step_begins()
+                for hook in self.hooks:
+                    hook.on_step_start(self)
                 waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
                 self.data_wait_s += time.perf_counter() - waited
                 self.seq_len = context_length(self.progress.step, self.plan.seq_len, warmup)
                 if self.seq_len < self.plan.seq_len:
                     micro = [truncate(b, self.seq_len) for b in micro]
-                if set_progress is not None:
-                    set_progress(self.progress.step, self.total_steps)
+                self.model.set_progress(self.progress.step, self.total_steps)
+                self.step_context.seq_len = self.seq_len
                 # Every generator from (seed, step): the same on all ranks and for any layout,
                 # so a resume on other processes needs no RNG mapping.
                 seed_step(self.recipe.training.seed, self.progress.step)
-                result = self.step_fn(self, micro)
-                if self.world.is_main and not started:
-                    self.run_dir.mkdir(parents=True, exist_ok=True)
-                    write_text_atomic(self.run_dir / "recipe.toml", self.recipe_toml)
+                result = self.step_fn(self.step_context, micro)
+                if not started:
+                    for hook in self.hooks:
+                        hook.on_first_step(self)
                 started = True
                 self.end_step(result)
                 for hook in self.hooks:
@@ -378,10 +302,7 @@ class Trainer:
                 hook.on_train_end(self)
             self.print(self.metrics.where())
         finally:
-            for hook in self.hooks:
+            for hook in reversed(self.hooks):  # the first to start is the last to close
                 hook.close(self)
             self.metrics.close()
-            close_loader = getattr(self.train_loader, "close", None)  # e.g. a read-ahead thread
-            if close_loader is not None:
-                close_loader()
         return self.progress

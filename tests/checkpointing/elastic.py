@@ -7,8 +7,8 @@ import io
 import json
 from pathlib import Path
 
+from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 

@@ -124,7 +124,7 @@ class Record:
 
 
 def train(recipe, *, eval_first: bool = False, out=None) -> tuple[list[float], object]:
-    from kiln.recipes.hooks.core import evaluate
+    from kiln.recipes.hooks.evaluate import evaluate
     from kiln.recipes.training.trainer import Trainer
 
     record = Record()

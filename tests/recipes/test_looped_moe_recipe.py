@@ -11,9 +11,9 @@ import signal
 import pytest
 import torch
 
+from kiln.components.protocols import Hook
 from kiln.recipes.cli import main
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS
 

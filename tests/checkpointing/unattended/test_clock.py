@@ -18,8 +18,8 @@ from kiln.checkpointing import hook
 from kiln.checkpointing.unattended import clock
 from kiln.checkpointing.unattended.clock import WallClock
 from kiln.components.errors import RecipeError
+from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.hooks.core import Hook
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 from tests.parallelisms.tiny import free_port, init_gloo

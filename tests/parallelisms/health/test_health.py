@@ -12,8 +12,8 @@ import torch
 
 from kiln.components.errors import HealthCheckFailed
 from kiln.parallelisms.config import ParallelismConfig
+from kiln.parallelisms.health import check as health
 from kiln.parallelisms.health.check import HealthCheckConfig, run_health_check
-from kiln.parallelisms.health.check import check as health
 from tests.parallelisms.tiny import free_port, rank_env
 
 ONE = SimpleNamespace(rank=0, world_size=1, local_rank=0, distributed=False,

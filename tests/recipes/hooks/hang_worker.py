@@ -32,10 +32,10 @@ def main(folder: str, stall_rank: int, stall_step: int, extra: list[str]) -> Non
     trainer = Trainer(recipe)
     real_step = trainer.step_fn
 
-    def step(tr, micro):
-        if tr.world.rank == stall_rank and tr.progress.step + 1 == stall_step:
+    def step(ctx, micro):
+        if ctx.world.rank == stall_rank and ctx.step + 1 == stall_step:
             time.sleep(600)  # a stall inside the step: only the watchdog ends it
-        return real_step(tr, micro)
+        return real_step(ctx, micro)
 
     trainer.step_fn = step
     trainer.fit()

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kiln.recipes.hooks.core import LogHook, ProgressHook
+from kiln.components.protocols import complete_model
+from kiln.recipes.hooks.log import LogHook
+from kiln.recipes.hooks.progress import ProgressHook
 
 
 class _Terminal(io.StringIO):
@@ -56,7 +58,8 @@ def _logging_trainer(out, *, total: int, interval: int) -> SimpleNamespace:
         world=SimpleNamespace(is_main=True, world_size=1), out=out, total_steps=total,
         recipe=SimpleNamespace(run=SimpleNamespace(log_interval=interval)),
         progress=SimpleNamespace(step=0, tokens=0), peak_flops=0, metrics=_Metrics(),
-        optimizers=SimpleNamespace(lrs=dict), model=SimpleNamespace(), guards={},
+        optimizers=SimpleNamespace(lrs=dict), model=complete_model(torch.nn.Linear(1, 1)),
+        guards={},
         device=torch.device("cpu"), print=lambda text: out.write(text + "\n"))
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.step_context import TrainStepContext
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 
@@ -125,13 +126,13 @@ def test_a_run_that_fails_before_step_1_leaves_no_folder_and_keeps_an_earlier_ru
 
 def _nan_loss_at(monkeypatch, step: int) -> None:
     """The loss of global step ``step`` (1-based) becomes NaN."""
-    forward_loss = Trainer.forward_loss
+    forward_loss = TrainStepContext.forward_loss
 
     def poisoned(self, batch):
         loss = forward_loss(self, batch)
-        return loss * float("nan") if self.progress.step == step - 1 else loss
+        return loss * float("nan") if self.step == step - 1 else loss
 
-    monkeypatch.setattr(Trainer, "forward_loss", poisoned)
+    monkeypatch.setattr(TrainStepContext, "forward_loss", poisoned)
 
 
 def test_a_non_finite_step_without_a_guard_stops_before_it_writes_anything(tmp_path,

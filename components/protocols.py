@@ -1,0 +1,175 @@
+"""The contracts between the trainer and what it drives, written as code.
+
+- ``StepContext``: what a step component receives each step. The trainer builds one; a test
+  builds its own. A step never sees the trainer.
+- ``ModelContract``: the optional methods a model may offer, with no-op defaults. kiln's models
+  inherit them; ``complete_model`` gives them to a model that does not, once, so the trainer
+  calls them directly.
+- ``Hook``: the base of every hook, one method per event of ``Trainer.fit``, with a priority.
+- ``GuardDecision`` and ``StepResult``: what a guard decides and what a step returns.
+
+A leaf module: it imports only torch, so any floor may use it.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GuardDecision:
+    """A guard's verdict on one step, or one segment of a step."""
+
+    skip: bool = False
+    abort: bool = False
+    reason: str = ""
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's outcome. ``loss`` is the global mean over the step's tokens."""
+
+    loss: float
+    tokens: int  # tokens processed by all ranks in this step
+    grad_norm: float | None = None
+    skipped: bool = False
+    reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StepContext(Protocol):
+    """What a step component may use. ``recipes/training/step_context.py`` implements it."""
+
+    model: nn.Module
+    device: torch.device
+    autocast: AbstractContextManager
+    pipeline: Any  # under parallelism.pp: runs the micro-batches through the schedule; else None
+    step: int  # optimizer steps taken before this one
+    total_steps: int
+    tokens_per_step: int  # all ranks; shorter during a context warmup
+
+    def zero_grad(self) -> None: ...
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss of one micro-batch."""
+
+    def stage_loss(self, run: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of ``run(**kw)``: the model's forward, or the last pipeline stage's."""
+
+    def grad_sync(self, is_last_microbatch: bool) -> AbstractContextManager:
+        """Around each micro-batch's backward: gradients are reduced on the last one only."""
+
+    def sync_grads(self) -> None: ...
+
+    def clip_grads(self) -> torch.Tensor: ...
+
+    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
+        """The values averaged over ranks, with one host sync."""
+
+    def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision: ...
+
+    def optimizer_step(self, decision: GuardDecision, stats: dict[str, float], *,
+                       segment: int, last_segment: bool) -> None: ...
+
+
+class ModelContract:
+    """The optional part of the model contract (docs/design.md "Model protocol").
+
+    Every method here is a no-op by default. A model overrides what it needs: MoE models their
+    auxiliary loss and bias updates, looped models their carry.
+    """
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Auxiliary losses of the last forward. The trainer adds their gradient, not value."""
+        return None
+
+    def on_optimizer_step(self, skipped: bool) -> None:
+        """After every optimizer step decision; a segmented step makes several per step."""
+
+    def on_global_step(self, skipped: bool) -> None:
+        """Once per global step, after the step returns."""
+
+    def set_progress(self, step: int, total_steps: int) -> None:
+        """Before every step: schedules inside the model."""
+
+    def metrics(self) -> dict[str, float]:
+        """Logged every log interval, e.g. expert loads."""
+        return {}
+
+    def carry_state(self) -> dict[str, torch.Tensor] | None:
+        """Latent state carried across steps, saved in the checkpoint payload."""
+        return None
+
+    def load_carry_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what ``carry_state`` returned."""
+
+    def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Pick kernels once the device and dtype are known; a line for the log, or ""."""
+        return ""
+
+    def param_summary(self) -> dict[str, int]:
+        """Parameter counts by part, printed by ``kiln validate``."""
+        return {}
+
+
+def _complete(obj: Any, base: type) -> Any:
+    """Give ``obj`` the default of every public method of ``base`` it lacks; return it."""
+    for name, default in vars(base).items():
+        if callable(default) and not name.startswith("_") and not hasattr(obj, name):
+            object.__setattr__(obj, name, types.MethodType(default, obj))
+    return obj
+
+
+def complete_model(model: nn.Module) -> nn.Module:
+    """Give ``model`` the no-op default of every optional method it lacks; return it.
+
+    For a plugin model that does not inherit ``ModelContract``. The check runs once, when the
+    model is built, so the trainer and steps call the methods without probing.
+    """
+    return _complete(model, ModelContract)
+
+
+class Hook:
+    """Work around the step. Override the events you need; every default does nothing.
+
+    The trainer runs its hooks in ``priority`` order, highest first, for every event, and keeps
+    the listed order among equal priorities; ``close`` runs in the reverse order. The events
+    below are listed in the order ``fit`` calls them. An object passed as a hook without
+    deriving from ``Hook`` gets the missing events and priority 0 (``complete_hook``).
+    """
+
+    priority: int = 0
+
+    def on_train_start(self, trainer) -> None:
+        """Once, before the first step; the run may have resumed already."""
+
+    def on_step_start(self, trainer) -> None:
+        """Before each step, before its batches are read."""
+
+    def on_first_step(self, trainer) -> None:
+        """Once, after the first step of this process: the run folder exists from here on."""
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        """After each step, with its result."""
+
+    def on_train_end(self, trainer) -> None:
+        """Once, after the last step, unless training raised."""
+
+    def close(self, trainer) -> None:
+        """Always called last, also when training raised: release what the hook holds."""
+
+
+
+def complete_hook(hook: Any) -> Hook:
+    """Give a hook that does not derive from ``Hook`` the events it lacks, and priority 0."""
+    if not isinstance(hook, Hook):
+        _complete(hook, Hook)
+        if not hasattr(hook, "priority"):
+            object.__setattr__(hook, "priority", 0)
+    return hook

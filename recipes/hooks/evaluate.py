@@ -1,0 +1,80 @@
+"""Held-out loss in the loop (``[eval]``), and the evaluation that ``kiln eval`` shares."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.components import distributed as dist_utils
+from kiln.components.protocols import Hook
+
+
+class EvalHook(Hook):
+    """Held-out loss every ``eval.interval`` steps and at the end, within a token budget."""
+
+    priority = 60
+
+    def on_step_end(self, trainer, result) -> None:
+        cfg, step = trainer.recipe.eval, trainer.progress.step
+        at_end = cfg.at_end and step == trainer.total_steps  # done once, by on_train_end
+        if cfg.interval and step % cfg.interval == 0 and not at_end:
+            self.evaluate(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.recipe.eval.at_end and not trainer.stop_requested:
+            self.evaluate(trainer)
+
+    def evaluate(self, trainer) -> float:
+        loss = evaluate(trainer, trainer.recipe.eval.tokens)
+        values = {"eval/loss": loss}
+        bpb = bits_per_byte(loss, trainer.dataset)
+        if bpb is not None:
+            values["eval/bpb"] = bpb
+        trainer.metrics.log(trainer.progress.step, values)
+        trainer.last_eval_loss = loss
+        if trainer.world.is_main:
+            tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
+            trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
+                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}")
+        return loss
+
+
+def bits_per_byte(loss: float, dataset) -> float | None:
+    """Bits per UTF-8 byte of the eval text: comparable across tokenizers, unlike the loss per
+    token. ``loss`` (nats per token) times the eval split's tokens per byte, over ln 2; None
+    when the dataset does not know its byte counts."""
+    ratio = getattr(dataset, "tokens_per_byte", None)
+    ratio = ratio("eval") if ratio is not None else None
+    return loss * ratio / math.log(2) if ratio else None
+
+
+def eval_loader(trainer):
+    """The eval split's loader of this rank: micro_batch rows per data-parallel rank per batch
+    (tensor-parallel peers share batches). The trainer builds one at start-up too, so a split
+    too small for one batch stops the run before step 1, not after the last."""
+    return trainer.dataset.loader(
+        "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
+        * trainer.data_ranks, rank=trainer.data_rank, world_size=trainer.data_ranks,
+    )
+
+
+@torch.no_grad()
+def evaluate(trainer, token_budget: int) -> float:
+    """Mean loss over the eval split's first ``token_budget`` tokens (all ranks together)."""
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    loader = eval_loader(trainer)
+    total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
+    per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.data_ranks
+    for i, batch in enumerate(loader):
+        if i * per_batch >= token_budget:
+            break
+        batch = trainer.to_device(batch)
+        loss = trainer.forward_loss(batch)
+        total[0] += loss.double() * batch["labels"].numel()
+        total[1] += batch["labels"].numel()
+    dist_utils.all_reduce_(total)
+    model.train(was_training)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")

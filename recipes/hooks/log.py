@@ -1,0 +1,69 @@
+"""The log line: console, JSONL and TensorBoard every ``run.log_interval`` steps."""
+
+from __future__ import annotations
+
+import time
+
+from kiln.components.protocols import Hook
+from kiln.recipes.probes.flops import mfu
+from kiln.recipes.probes.process_stats import peak_memory_bytes
+
+
+class LogHook(Hook):
+    """Console line, JSONL and TensorBoard every ``run.log_interval`` steps, and at step 1 (the
+    untrained loss, ln(vocabulary) for a fresh model) and the last step."""
+
+    priority = 70
+
+    def __init__(self):
+        self._t0 = 0.0
+        self._tokens0 = 0
+        self._losses: list[float] = []
+        self._over = False
+
+    def on_train_start(self, trainer) -> None:
+        self._t0 = time.perf_counter()
+        self._tokens0 = trainer.progress.tokens
+
+    def on_step_end(self, trainer, result) -> None:
+        self._losses.append(result.loss)
+        step = trainer.progress.step
+        if step % trainer.recipe.run.log_interval and step not in (1, trainer.total_steps):
+            return
+        now = time.perf_counter()
+        elapsed = max(now - self._t0, 1e-9)
+        tps = (trainer.progress.tokens - self._tokens0) / elapsed
+        values = {
+            "loss": result.loss,
+            "loss_avg": sum(self._losses) / len(self._losses),
+            "tokens_per_second": tps,
+            "tokens_seen": trainer.progress.tokens,
+            "interval_s": elapsed,  # summed by `kiln compare` / `kiln plot --x time`
+        }
+        if result.grad_norm is not None:
+            values["grad_norm"] = result.grad_norm
+        if trainer.peak_flops:
+            per_rank = tps / trainer.world.world_size
+            value = mfu(trainer.flops_per_token * per_rank, trainer.peak_flops)
+            if value is not None:
+                values["mfu"] = value
+            elif not self._over:  # above 100%: the peak cannot be right
+                self._over = True
+                trainer.print(f"warning: MFU above 100% against {trainer.peak_flops / 1e12:.4g} "
+                              "TFLOP/s: that peak is too low for this device; MFU not logged")
+        values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
+        values.update(result.metrics)
+        values.update(trainer.model.metrics())  # e.g. expert loads
+        for guard in trainer.guards.values():  # skip counters, baselines
+            values.update(getattr(guard, "metrics", dict)())
+        values["memory_bytes"] = peak_memory_bytes(trainer.device)
+        trainer.metrics.log(step, values)
+        if trainer.world.is_main:
+            skip = f"  skipped: {result.reason}" if result.skipped else ""
+            mfu_text = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""
+            gn = f"  grad_norm {result.grad_norm:.3f}" if result.grad_norm is not None else ""
+            trainer.print(
+                f"step {step:>6}/{trainer.total_steps}  loss {result.loss:.4f}{gn}  "
+                f"tok/s {tps:,.0f}{mfu_text}{skip}"
+            )
+        self._t0, self._tokens0, self._losses = now, trainer.progress.tokens, []

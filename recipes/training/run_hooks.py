@@ -1,0 +1,29 @@
+"""The trainer's own hooks: the run folder's recipe after the first step, the loader's close."""
+
+from __future__ import annotations
+
+from kiln.components.protocols import Hook
+from kiln.recipes.config.files import write_text_atomic
+
+
+class WriteRecipe(Hook):
+    """``RUN/recipe.toml`` once the first step is done: a run that fails before it leaves no
+    folder behind, nor changes an earlier run's."""
+
+    priority = 1000  # the folder exists before any other first-step work
+
+    def on_first_step(self, trainer) -> None:
+        if trainer.world.is_main:
+            trainer.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(trainer.run_dir / "recipe.toml", trainer.recipe_toml)
+
+
+class CloseLoader(Hook):
+    """Stops the training loader's read-ahead thread, if it has one."""
+
+    priority = -1000
+
+    def close(self, trainer) -> None:
+        close = getattr(trainer.train_loader, "close", None)  # loaders without threads have none
+        if close is not None:
+            close()

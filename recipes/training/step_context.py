@@ -1,0 +1,142 @@
+"""What a step component works with: the trainer's ``StepContext`` (``components/protocols.py``).
+
+The trainer builds one and hands it to the step each step. Its parts are passed in, so a test
+builds one around a bare model without a trainer, data or run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.components import distributed
+from kiln.components.errors import TrainingAborted
+from kiln.components.models.lm_head import LossHead, chunk_loss_sum
+from kiln.components.protocols import GuardDecision
+from kiln.components.steps.common import unguarded
+
+
+@dataclass
+class Progress:
+    """How far training got: optimizer steps taken and tokens consumed (all ranks)."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step, self.tokens = int(d["step"]), int(d["tokens"])
+
+
+@dataclass
+class TrainStepContext:
+    """The model, its parallel plan, inputs, optimizers and guards, as one step sees them."""
+
+    model: torch.nn.Module
+    world: distributed.World
+    parallel: Any  # kiln.parallelisms.ParallelPlan
+    model_inputs: Any  # kiln.recipes.training.model_inputs.ModelInputs
+    optimizers: Any  # kiln.recipes.training.optimizer_set.OptimizerSet
+    guards: dict[str, Any]
+    progress: Progress
+    total_steps: int
+    global_batch: int
+    seq_len: int  # of the current step: shorter during a context warmup
+    grad_clip: float = 1.0
+    loss_chunk_tokens: int = 0
+    autocast: Any = field(default_factory=contextlib.nullcontext)
+    # parallelisms.compile_loss may swap in compiled versions of both.
+    cross_entropy: Any = F.cross_entropy
+    chunk_loss: Any = chunk_loss_sum
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    @property
+    def pipeline(self) -> Any:
+        return self.parallel.pipeline
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def zero_grad(self) -> None:
+        self.optimizers.zero_grad()
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy of one micro-batch (fp32 loss under autocast); under
+        pipeline parallelism forward through every stage (evaluation; the same on all ranks)."""
+        if self.parallel.pipeline is not None:
+            return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
+        ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
+        return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels)
+
+    def stage_loss(self, run, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via
+        its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits)."""
+        chunk = self.loss_chunk_tokens if self.parallel.tp is None else 0
+        if chunk:
+            with self.autocast:
+                loss = run(head=LossHead(labels, chunk, self.chunk_loss))
+        else:
+            with self.autocast:
+                logits = run()  # (B, T, V)
+            # Through the plan: with loss parallel the logits are sharded over the vocabulary.
+            loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
+                                      labels.flatten())
+        aux = self.model.pop_aux_loss()  # e.g. MoE balance losses
+        # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.
+        return loss if aux is None else loss + (aux - aux.detach())
+
+    def grad_sync(self, is_last_microbatch: bool):
+        """Around each micro-batch's backward: FSDP2 reduces gradients on the last one only."""
+        return self.parallel.grad_sync(is_last_microbatch)
+
+    def sync_grads(self) -> None:
+        """After the last backward: all-reduce gradients when replicated without FSDP."""
+        self.parallel.sync_grads()
+
+    def clip_grads(self) -> torch.Tensor:
+        """Clip to the global norm over all shards (grad_clip 0 = measure only)."""
+        return self.parallel.clip_grads(self.grad_clip)
+
+    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
+        """Average the per-rank loss over ranks; one host sync for everything."""
+        keys = [k for k, v in values.items() if v is not None]
+        packed = torch.stack([values[k].detach().float().to(self.device) for k in keys])
+        if self.world.distributed and "loss" in keys:
+            distributed.all_reduce_(packed[keys.index("loss"):keys.index("loss") + 1])
+            packed[keys.index("loss")] /= self.world.world_size
+        return dict(zip(keys, packed.tolist(), strict=True))
+
+    def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
+        if not self.guards:  # non-finite values stop the run (one clear error), never the weights
+            return unguarded(stats)
+        for guard in self.guards.values():
+            decision = guard.decide(stats, self.progress.step, segment)
+            if decision.skip or decision.abort:
+                return decision
+        return GuardDecision()
+
+    def optimizer_step(self, decision: GuardDecision, stats: dict[str, float], *,
+                       segment: int, last_segment: bool) -> None:
+        for guard in self.guards.values():
+            guard.commit(decision, stats, self.progress.step, segment)
+        if decision.abort:
+            raise TrainingAborted(f"step {self.progress.step + 1}: {decision.reason}")
+        if not decision.skip:
+            self.optimizers.set_lr(self.progress.step)
+            self.optimizers.step(last_segment=last_segment)
+            self.parallel.after_optimizer_step()
+        self.model.on_optimizer_step(decision.skip)

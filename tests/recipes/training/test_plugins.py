@@ -1,0 +1,144 @@
+"""A plugin written against the documented API of the release before the move (components.base,
+components.registry, the Hook of kiln.recipes.hooks, a model without ModelContract) still
+registers through its entry point and trains, with its hook turned on by a [hooks.NAME] table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kiln.components.protocols import Hook, ModelContract, complete_model
+from kiln.recipes.config.files import load_recipe
+from tests.components.test_registry import _make_dist
+from tests.conftest import CONFIGS, REPO
+from tests.recipes.training.test_trainer import TINY
+
+PLUGIN = """
+    import json
+    import torch
+    from pydantic import Field
+    from torch import nn
+    from kiln.components.base import ComponentConfig
+    from kiln.components.registry import register
+    from kiln.recipes.hooks import Hook          # the hook base's import path before the move
+
+    class BigramConfig(ComponentConfig):
+        dim: int = Field(16, description="width")
+
+    @register("model", "plugin_bigram")
+    class Bigram(nn.Module):
+        '''A bigram model with none of the optional methods.'''
+        Config = BigramConfig
+        def __init__(self, cfg, *, vocab_size, seq_len):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Embedding(vocab_size, cfg.dim)])
+            self.out = nn.Linear(cfg.dim, vocab_size)
+        def forward(self, ids):
+            return self.out(self.layers[0](ids))
+        def blocks(self):
+            return list(self.layers)
+        def init_weights(self):
+            for p in self.parameters():
+                nn.init.normal_(p, std=0.02)
+        def flops_per_token(self, seq_len):
+            return 6.0 * sum(p.numel() for p in self.parameters())
+        def num_params(self, exclude_embeddings=False):
+            return sum(p.numel() for p in self.parameters())
+
+    class CountConfig(ComponentConfig):
+        out: str = Field(description="where to write the counts")
+
+    @register("hook", "plugin_count")
+    class Count(Hook):
+        '''Counts the steps it saw.'''
+        Config = CountConfig
+        def __init__(self, cfg):
+            self.out, self.steps = cfg.out, []
+        def on_step_end(self, trainer, result):
+            self.steps.append(trainer.progress.step)
+        def on_train_end(self, trainer):
+            open(self.out, "w").write(json.dumps(self.steps))
+"""
+
+
+@pytest.mark.slow
+def test_a_plugin_of_the_old_api_registers_and_trains_with_its_hook(tmp_path):
+    _make_dist(tmp_path, "kiln-old-plugin", "kiln_old_plugin", PLUGIN)
+    counts = tmp_path / "counts.json"
+    tiny = [a for a in TINY if not a.startswith("--model.")]
+    code = textwrap.dedent(f"""
+        import sys, warnings
+        sys.path.insert(0, {str(tmp_path)!r})
+        from kiln.recipes.cli import main
+        sys.exit(main(["train", {str(CONFIGS / "debug.toml")!r}, *{tiny!r},
+                       "--model.type=plugin_bigram", "--model.dim=16",
+                       "--hooks.count.type=plugin_count", "--hooks.count.out={counts}",
+                       "--run.folder={tmp_path / 'run'}"]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads(counts.read_text()) == [1, 2, 3, 4]
+    assert "step      4/4" in out.stdout
+
+
+def test_complete_model_gives_the_missing_optional_methods_their_defaults():
+    import torch
+
+    model = complete_model(torch.nn.Linear(2, 2))
+    assert model.pop_aux_loss() is None and model.metrics() == {}
+    assert model.carry_state() is None and model.resolve_kernels("cpu", torch.float32) == ""
+    model.set_progress(1, 2)
+    model.on_global_step(False)
+    assert "weight" in model.state_dict() and len(model.state_dict()) == 2  # nothing added
+
+
+def test_a_model_keeps_its_own_optional_methods():
+    import torch
+
+    class Mine(ModelContract, torch.nn.Module):
+        def metrics(self):
+            return {"x": 1.0}
+
+    assert complete_model(Mine()).metrics() == {"x": 1.0}
+
+
+def test_hooks_run_by_priority_and_close_in_reverse():
+    from kiln.recipes.training.hook_set import by_priority
+
+    class A(Hook):
+        priority = 5
+
+    class B(Hook):
+        priority = 50
+
+    a, b, c = A(), B(), Hook()
+    assert by_priority([c, a, b]) == [b, a, c]
+
+
+def test_a_hooks_table_may_not_name_a_run_hook(write):
+    recipe = write("r.toml", """
+        extends = "%s"
+        [hooks.w]
+        type = "watchdog"
+    """ % (CONFIGS / "debug.toml"))
+    from kiln.components.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"hooks.w.type = 'watchdog'.*\[run.watchdog\]"):
+        load_recipe(recipe)
+
+
+def test_a_run_hook_table_holds_its_own_type(write):
+    recipe = write("r.toml", """
+        extends = "%s"
+        [run.watchdog]
+        type = "diagnostics"
+    """ % (CONFIGS / "debug.toml"))
+    from kiln.components.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"run.watchdog.type = 'diagnostics'"):
+        load_recipe(recipe)
