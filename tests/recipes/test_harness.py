@@ -140,6 +140,29 @@ def test_rolling_log_likelihood_equals_the_bits_per_byte_task(setup, tmp_path):
     assert -ll == pytest.approx(bpb * math.log(2) * len(text.encode()), rel=1e-6)
 
 
+def test_model_args_win_over_the_harness_batch_size_and_device(setup):
+    from kiln.recipes.harness_model import KilnLM
+
+    _, folder, _ = setup
+    harness_own = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}
+    lm = KilnLM.create_from_arg_string(f"path={folder},batch_size=5,device=cpu", harness_own)
+    assert lm.batch_size == 5
+    lm = KilnLM.create_from_arg_obj({"path": str(folder), "batch_size": 6}, harness_own)
+    assert lm.batch_size == 6
+    assert KilnLM.create_from_arg_string(f"path={folder}", harness_own).batch_size == 1
+
+
+def test_kiln_harness_help_tells_the_kiln_model_and_its_arguments(capsys):
+    from kiln.recipes.cli import main
+    from kiln.recipes.harness_model import MODEL_ARGS
+
+    assert main(["harness", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model kiln --model_args path=RUN" in out
+    assert all(f"  {name}" in out for name in MODEL_ARGS)
+    assert "lm-eval run --model hf" in out  # the harness's own help follows
+
+
 def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatch):
     from kiln.recipes.cli import main
 
@@ -150,6 +173,12 @@ def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "|kiln_mc|" in out and "acc_norm" in out
     assert main(["eval", str(folder), "--harness", str(tasks / "mc.yaml")]) == 0
+    assert "|kiln_mc|" in capsys.readouterr().out
+    # batch_size and device in --model_args too (as docs/evaluation.md shows): they win over
+    # the harness's own --batch_size / --device, which it always passes (batch 1 by default)
+    assert main(["harness", "--model", "kiln", "--model_args",
+                 f"path={folder},batch_size=16,device=cpu", "--tasks", str(tasks / "mc.yaml"),
+                 "--device", "cpu"]) == 0
     assert "|kiln_mc|" in capsys.readouterr().out
     assert main(["harness", "--model", "kiln", "--tasks", str(tasks / "mc.yaml")]) == 2
     assert "needs --model_args path=RUN" in capsys.readouterr().err
