@@ -41,8 +41,8 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
 
 
 def tokenizer_files(tokenizer):
-    """A writer of the tokenizer's own files into an export folder, or None (byte tokenizer:
-    nothing to write)."""
+    """A writer of the tokenizer's own files into an export folder, or None (a tokenizer
+    without ``save_files``: nothing to write)."""
     save = getattr(tokenizer, "save_files", None)
     return save if callable(save) else None
 
