@@ -4,7 +4,9 @@ Each choice is scored as ``log P(choice_prefix + choice | prompt)``; the metrics
 lm-evaluation-harness: ``acc`` (the likeliest choice is the answer), ``acc_norm`` (log-likelihood
 divided by the choice's length in characters) and ``acc_bytes`` (by its length in UTF-8 bytes);
 ties go to the first choice. The choices of an example share its prompt: one forward of the
-prompt with a KV cache, then one of every choice (``Scorer``).
+prompt with a KV cache, then one of every choice (``Scorer``). A prompt too long for the model is
+cut for each choice on its own, as the harness cuts it, so choices share the prompt only where
+their cuts are the same.
 
 JSONL schema: ``{"context": str, "choices": [str, ...], "answer": int}``; ``answer`` may also be
 a label (with ``fields.labels``, e.g. ARC's ``choices.label``), a letter A.., a number as text or
@@ -51,6 +53,7 @@ class Example:
     answer: int
     chars: list[int]
     nbytes: list[int]
+    slots: list[int]  # the choice of each continuation, in the groups' order
 
 
 def wikihow(text: str) -> str:
@@ -142,19 +145,19 @@ class MultipleChoice(common.Task):
             if longest > max_len:
                 raise DataError(f"{where}: a choice is {longest} tokens, longer than the "
                                 f"model's context ({max_len})")
-            groups: list[tuple[list[int], list[list[int]]]] = []
-            cut_any = False
-            for ctx, cont in pairs:
-                ctx, cut = common.left_truncate(ctx, max_len + 1 - longest)
-                cut_any |= cut
-                if groups and groups[-1][0] == ctx:
-                    groups[-1][1].append(cont)
-                else:
-                    groups.append((ctx, [cont]))
+            # the harness's cut, per choice: context + choice keep their last max_len + 1 ids
+            # (the last one is only predicted), so a shorter choice keeps more context; the
+            # choices whose cut context is the same share it (one group)
+            cuts = [common.left_truncate(ctx, max_len + 1 - len(cont)) for ctx, cont in pairs]
+            shared: dict[tuple[int, ...], list[int]] = {}  # cut context -> its choices
+            for choice, (ctx, _) in enumerate(cuts):
+                shared.setdefault(tuple(ctx), []).append(choice)
+            groups = [(list(ctx), [pairs[c][1] for c in owned]) for ctx, owned in shared.items()]
             examples.append(Example(groups, answer, [len(c) for c in choices],
-                                    [len(c.encode("utf-8")) for c in choices]))
+                                    [len(c.encode("utf-8")) for c in choices],
+                                    [c for owned in shared.values() for c in owned]))
             sizes.append(max(len(g[0]) for g in groups) + longest)
-            truncated += cut_any
+            truncated += any(cut for _, cut in cuts)
         return common.Plan(len(examples), list(self.columns), [
             common.Batch(b, [examples[u] for u in b])
             for b in common.batches(list(range(len(examples))), sizes, self.cfg.batch_size)
@@ -166,9 +169,10 @@ class MultipleChoice(common.Task):
         scored = iter(scorer.loglikelihoods(groups))
         out = []
         for ex in batch.payload:
-            lls = []
-            for _ in ex.groups:
-                lls += [ll for ll, _ in next(scored)]
+            flat = [ll for _ in ex.groups for ll, _ in next(scored)]
+            lls = [0.0] * len(flat)
+            for choice, ll in zip(ex.slots, flat, strict=True):
+                lls[choice] = ll
             out.append(lls)
         return out
 

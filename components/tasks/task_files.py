@@ -86,7 +86,13 @@ def _parquet(file: Path, task: str, label: str) -> list[dict[str, Any]]:
 
 
 def _json(file: Path, task: str, label: str) -> list[Any]:
-    text = file.read_text(encoding="utf-8")
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"task {task!r}: {label}: not UTF-8 text: byte 0x{data[exc.start]:02x} "
+                        f"at line {line}; save the file as UTF-8") from None
     stripped = text.lstrip()
     if stripped.startswith("["):  # a JSON array of examples
         try:

@@ -1,10 +1,14 @@
-"""The byte tokenizer: UTF-8 bytes as ids, plus BOS and EOS. No files, no network, no training.
+"""The byte tokenizer: UTF-8 bytes as ids, plus BOS and EOS. No files, no network, no training
+(an export writes a ``tokenizer.json`` with the same ids for ``transformers``: ``save_files``).
 
 It lets every recipe run anywhere (the default data is Python source, which is mostly ASCII),
 and its fingerprint is part of the data cache key so a changed tokenizer never reads stale ids.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 from pydantic import Field
@@ -13,6 +17,7 @@ from kiln.components.base import ComponentConfig
 from kiln.components.registry import register
 
 NUM_BYTES = 256
+SPECIALS = ("<|bos|>", "<|eos|>")  # ids 256, 257 in an export's tokenizer.json
 
 
 class ByteTokenizerConfig(ComponentConfig):
@@ -57,6 +62,31 @@ class ByteTokenizer:
         """Text of ``ids``; specials are dropped and invalid UTF-8 becomes U+FFFD."""
         data = bytes(int(i) for i in ids if 0 <= int(i) < NUM_BYTES)
         return data.decode("utf-8", errors="replace")
+
+    def save_files(self, folder: Path) -> list[str]:
+        """An export's tokenizer, the same ids for ``tokenizers`` and ``transformers``: a BPE of
+        the 256 byte tokens ``<0x00>``..``<0xFF>`` with byte fallback and no merges (every
+        character falls back to its UTF-8 bytes: no ByteLevel remapping), ``<|bos|>`` and
+        ``<|eos|>`` as special tokens 256 and 257 added as the config's add_bos / add_eos say.
+        transformers reads ``split_special_tokens``, so it encodes those two names in a text as
+        bytes, like kiln; the ``tokenizers`` library alone matches them as the special tokens."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+        tok = Tokenizer(models.BPE(vocab={f"<0x{b:02X}>": b for b in range(NUM_BYTES)},
+                                   merges=[], byte_fallback=True))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+        tok.decoder = decoders.ByteFallback()
+        bos, eos = SPECIALS
+        template = [bos] * self.cfg.add_bos + ["$A"] + [eos] * self.cfg.add_eos
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join(template), special_tokens=[(bos, self.bos_id), (eos, self.eos_id)])
+        folder = Path(folder)
+        tok.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                  "eos_token": eos, "split_special_tokens": True}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
+                                                      encoding="utf-8")
+        return ["tokenizer.json", "tokenizer_config.json"]
 
     def fingerprint(self) -> str:
         """Identifies the id mapping (not add_bos/add_eos, which the data builder ignores)."""

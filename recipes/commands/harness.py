@@ -1,6 +1,7 @@
 """`kiln harness ARGS...`: lm-evaluation-harness's own command line with the ``kiln`` model
 registered (the harness 0.4.x discovers no models through entry points), so every harness flag
 works: ``kiln harness --model kiln --model_args path=runs/debug --tasks TASK.yaml --device cpu``.
+``--help`` prints kiln's part (the model and its arguments) before the harness's own help.
 Needs the ``eval`` extra (``pip install 'kiln[eval]'``)."""
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def run_harness(argv: list[str]) -> int:
                           "(or pip install 'lm-eval>=0.4.13,<0.5')")
     from lm_eval.__main__ import cli_evaluate
 
-    import kiln.recipes.inference.harness_model  # noqa: F401  (registers --model kiln)
+    from kiln.recipes.inference.harness_model import MODEL_ARGS  # registers --model kiln
 
+    if not argv or "-h" in argv or "--help" in argv:
+        print(kiln_help(MODEL_ARGS))
     saved = sys.argv
     sys.argv = ["kiln harness", *argv]
     try:
@@ -35,6 +38,22 @@ def run_harness(argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def kiln_help(model_args: dict[str, str]) -> str:
+    width = max(map(len, model_args)) + 2
+    return "\n".join([
+        "kiln harness: lm-evaluation-harness's command line with kiln's model registered:",
+        "  kiln harness --model kiln --model_args path=RUN[,step=N,batch_size=16,...] "
+        "--tasks TASKS --device cpu",
+        "",
+        "kiln model arguments (--model_args KEY=VALUE,...; batch_size and device given here win "
+        "over --batch_size / --device):",
+        *(f"  {name:<{width}}{text}" for name, text in model_args.items()),
+        "",
+        "lm-evaluation-harness's own help:",
+        "",
+    ])
 
 
 def run(args) -> int:

@@ -8,9 +8,9 @@ Batched, one device; the model is a run folder (newest checkpoint or ``step``), 
 a Hugging Face model folder. The harness 0.4.x finds no models through entry points:
 importing this module registers it (``kiln harness`` does).
 
-Model arguments: path (required), step, device, batch_size (requests' contexts per batch),
-dtype (float32 | bfloat16), max_length (default: the model's context), max_gen_toks (256),
-add_bos (true: contexts start with BOS, as the ``hf`` model with add_bos_token=True).
+Model arguments: ``MODEL_ARGS`` (``kiln harness --help`` prints them). The harness always hands
+its own ``--batch_size`` (default 1) and ``--device`` to the model as well: the ones set in
+``--model_args`` win.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from kiln.components.devices import pick_device
@@ -31,6 +32,18 @@ from kiln.recipes.inference.saved_model import open_model
 from kiln.recipes.inference.task_plans import greedy_generate, model_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODEL_ARGS = {  # name -> help (kiln harness --help)
+    "path": "a run folder (its newest checkpoint), a checkpoint or a Hugging Face model folder "
+            "(required)",
+    "step": "the run's checkpoint of this step (default: the newest)",
+    "device": "cpu, cuda, mps, ... (default: the harness's --device, else cpu)",
+    "batch_size": "contexts per batch (default: the harness's --batch_size, 1; auto = 16)",
+    "dtype": "float32 | bfloat16 (default: float32)",
+    "max_length": "tokens of context (default: the model's context)",
+    "max_gen_toks": "new tokens of generate_until when a task sets none (default: 256)",
+    "add_bos": "true: every context starts with BOS, like the hf model with "
+               "add_bos_token=True (default: true)",
+}
 
 
 def _flag(value) -> bool:
@@ -48,8 +61,7 @@ class KilnLM(TemplateLM):
         super().__init__()
         if unknown:
             raise RecipeError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} "
-                              "for the kiln model; valid: path, step, device, batch_size, dtype, "
-                              "max_length, max_gen_toks, add_bos")
+                              f"for the kiln model; valid: {', '.join(MODEL_ARGS)}")
         if not path:
             raise RecipeError("--model kiln needs --model_args path=RUN (a run folder, a "
                               "checkpoint or a Hugging Face model folder)")
@@ -65,6 +77,20 @@ class KilnLM(TemplateLM):
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.scorer = Scorer(model, max_len=self.max_length,
                              vocab_size=self.tokenizer_.vocab_size, generate=greedy_generate())
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None
+                               ) -> KilnLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None
+                            ) -> KilnLM:
+        """The harness passes its own batch_size (always) and device beside ``--model_args``:
+        a name given in both is the model argument's, not a TypeError."""
+        extra = {k: v for k, v in (additional_config or {}).items()
+                 if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     # --------------------------------------------------------------------------- tokenization
     @property

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from kiln.checkpointing import layout, storage
 from kiln.checkpointing.huggingface import export as export_lib
+from kiln.checkpointing.huggingface import files as hf_files
 from kiln.components.models.block import padded_vocab
 from kiln.recipes.config.files import load_recipe, to_dict
 
@@ -41,8 +42,8 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
 
 
 def tokenizer_files(tokenizer):
-    """A writer of the tokenizer's own files into an export folder, or None (byte tokenizer:
-    nothing to write)."""
+    """A writer of the tokenizer's own files into an export folder, or None (a tokenizer
+    without ``save_files``: nothing to write)."""
     save = getattr(tokenizer, "save_files", None)
     return save if callable(save) else None
 
@@ -91,6 +92,15 @@ def load_hf_folder(folder: Path, overrides: list[str] | tuple[str, ...] = ()):
     return recipe, tokenizer, model
 
 
+def is_hf_folder(path: Path) -> bool:
+    """config.json + safetensors weights is a model to evaluate, whatever else the folder holds
+    (kiln's own export carries recipe.toml too); a run or checkpoint folder has no config.json.
+    config.json alone, without a recipe.toml, counts too (the weights' error comes later)."""
+    if not (path / "config.json").is_file():
+        return False
+    return bool(hf_files.weight_files(path)) or not (path / "recipe.toml").is_file()
+
+
 def open_model(path: str | Path, *, step: int = 0, overrides: list[str] | tuple[str, ...] = ()):
     """(recipe, tokenizer, model on the CPU, label) of a run folder (its newest checkpoint, or
     ``step``), a checkpoint folder or a Hugging Face model folder (config.json + safetensors).
@@ -99,7 +109,7 @@ def open_model(path: str | Path, *, step: int = 0, overrides: list[str] | tuple[
     from kiln.components.errors import CheckpointError
 
     path = Path(path).expanduser()
-    if (path / "config.json").is_file() and not (path / "recipe.toml").is_file():
+    if is_hf_folder(path):
         if step:
             raise CheckpointError(f"{path} is a Hugging Face model folder: it has no steps "
                                   "(drop --step)")

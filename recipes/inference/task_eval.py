@@ -49,9 +49,10 @@ def recipe_evals(run: str, step: int, overrides: list[str]) -> tuple[dict, str]:
     from kiln.checkpointing import layout
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.inference.saved_model import is_hf_folder
 
     path = Path(run)
-    if (path / "config.json").is_file() and not (path / "recipe.toml").is_file():
+    if is_hf_folder(path):
         return {}, str(path)
     ckpt = find_checkpoint(path)
     if step:

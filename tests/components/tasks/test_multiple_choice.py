@@ -166,12 +166,44 @@ def test_long_prompts_are_cut_from_the_left_and_counted(tmp_path):
     path = samples.write_jsonl(tmp_path / "t.jsonl", rows)
     plan = samples.task("multiple_choice", path).plan(samples.byte_tokenizer(), 32)
     assert plan.truncated == 1 and plan.examples == 2
-    for batch in plan.batches:
-        for ex in batch.payload:
-            (ctx, conts), = ex.groups
-            assert len(ctx) + max(map(len, conts)) - 1 <= 32
+    cut = {len(ex.groups): ex.groups for batch in plan.batches for ex in batch.payload}
+    # the harness's rule, per choice: context + choice keeps its last 33 tokens (the last one
+    # is only predicted), so the shorter choice keeps one more token of context
+    assert [(len(ctx), [len(c) for c in conts]) for ctx, conts in cut[2]] == [(30, [3]),
+                                                                            (31, [2])]
+    assert cut[1][0][0][0] == 256 and len(cut[1][0][1]) == 2  # not cut: one shared context
     with pytest.raises(DataError, match="example 0: a choice is 4 tokens, longer than the "
                                         r"model's context \(3\)"):
         samples.task("multiple_choice", samples.write_jsonl(tmp_path / "u.jsonl", [
             {"context": "a", "choices": ["abc", "d"], "answer": 0}])).plan(
             samples.byte_tokenizer(), 3)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_prompts_longer_than_the_context_are_cut_per_choice_as_the_harness_does(tmp_path,
+                                                                                use_cache):
+    """lm-evaluation-harness's ``hf`` model scores ``(context + choice)[-(max_len + 1):][:-1]``
+    for each choice on its own: a shorter choice keeps more of the context."""
+    data = samples.rows(9, seed=3)
+    for i, row in enumerate(data):
+        if i % 3:  # two of three prompts longer than the context; choices of unequal length
+            row["context"] = " ".join([row["context"]] * 12)
+        row["choices"] = [c * (1 + j) for j, c in enumerate(row["choices"])]
+    task = samples.task("multiple_choice", samples.write_jsonl(tmp_path / "t.jsonl", data),
+                        batch_size=4)
+    tok, model, max_len = samples.byte_tokenizer(), samples.tiny_model(), 64
+    plan = task.plan(tok, max_len)
+    pairs = [[encode_pair(tok, row["context"], " " + c, bos=True) for c in row["choices"]]
+             for row in data]
+    assert plan.truncated == sum(any(len(a) + len(b) > max_len + 1 for a, b in p)
+                                 for p in pairs) >= 6
+    scorer = samples.scorer(model, max_len=max_len, use_cache=use_cache)
+    for batch in plan.batches:
+        for unit, lls in zip(batch.units, task.loglikelihoods(scorer, batch), strict=True):
+            want = []
+            for ctx, cont in pairs[unit]:
+                ids = torch.tensor([(ctx + cont)[-(max_len + 1):][:-1]])
+                with torch.no_grad():
+                    logp = model(ids).float().log_softmax(-1)[0, -len(cont):]
+                want.append(float(logp.gather(1, torch.tensor(cont)[:, None]).sum()))
+            assert lls == pytest.approx(want, abs=1e-4)

@@ -49,6 +49,15 @@ def test_bad_files_name_the_task_file_and_example(tmp_path, content, message):
         task_files.read_rows(str(path), "mc")
 
 
+@pytest.mark.parametrize("name", ["x.jsonl", "x.json"])
+def test_a_file_not_in_utf8_is_one_error_naming_the_file_and_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes('{"context": "a"}\n{"context": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=rf"task 'mc': .*{name}: not UTF-8 text: byte 0xe9 at "
+                                        r"line 2; save the file as UTF-8"):
+        task_files.read_rows(str(path), "mc")
+
+
 def test_unknown_suffix_and_no_path(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"unknown file type \.csv; give \.jsonl, \.json"):

@@ -7,6 +7,7 @@ same again; ``kiln harness`` prints the harness's table."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -103,6 +104,55 @@ def test_multiple_choice_and_generation_equal_the_harness_hf_model(setup):
         hf["results"]["kiln_em"]["exact_match,none"]
 
 
+@pytest.fixture(scope="module")
+def kiln_export(tmp_path_factory):
+    """A kiln run (byte tokenizer, 128-token context), its ``kiln export``, and a task whose
+    prompts are all longer than the context (~250-400 tokens) with choices of 1-10 words."""
+    from kiln.recipes.cli import main
+    from tests.recipes.test_combinations import recipe_for, train
+
+    folder = tmp_path_factory.mktemp("kiln_export")
+    train(recipe_for("dense", folder / "run", "--training.seq_len=128",
+                     "--checkpoint.enable=true"))
+    assert main(["export", str(folder / "run"), str(folder / "export")]) == 0
+    _bench().write_mc(folder / "tasks", 6, context=(55, 80), ending=(1, 10))
+    return folder
+
+
+def test_prompts_longer_than_the_context_score_as_the_hf_model_on_a_kiln_export(kiln_export,
+                                                                              capsys):
+    """kiln eval --tasks (its scorer on the opened export) and the kiln harness model give the
+    harness hf model's per-choice log-likelihoods, each choice cut on its own."""
+    from kiln.recipes.cli import main
+    from kiln.recipes.inference.harness_model import KilnLM
+
+    b, export, tasks = _bench(), kiln_export / "export", kiln_export / "tasks"
+    hf = b.harness(b.hf_model(export, 4), ["kiln_mc"], tasks)
+    want = {d: [r[0] for r in s["filtered_resps"]] for d, s in _by_doc(
+        hf["samples"]["kiln_mc"]).items()}
+    scorer, tokenizer = b.kiln_scorer(export)
+    assert scorer.max_len == 128
+    mc = b.kiln_task("multiple_choice", tasks / "mc.jsonl", batch_size=4)
+    plan = mc.plan(tokenizer, scorer.max_len)
+    assert plan.truncated == plan.examples == 6
+    mine = {u: lls for batch in plan.batches
+            for u, lls in zip(batch.units, mc.loglikelihoods(scorer, batch), strict=True)}
+    ours = b.harness(KilnLM(path=str(export), batch_size=3), ["kiln_mc"], tasks)
+    harness = {d: [r[0] for r in s["filtered_resps"]] for d, s in _by_doc(
+        ours["samples"]["kiln_mc"]).items()}
+    assert set(mine) == set(harness) == set(want) == set(range(6))
+    for doc, lls in want.items():
+        assert mine[doc] == pytest.approx(lls, abs=1e-4)
+        assert harness[doc] == pytest.approx(lls, abs=1e-4)
+    file = tasks / "mc.toml"
+    file.write_text(f'[evals.mc]\ntype = "multiple_choice"\npath = "{tasks / "mc.jsonl"}"\n')
+    assert main(["eval", str(export), "--tasks", "mc", "--task-file", str(file), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["tasks"]["mc"]
+    assert result["truncated"] == 6
+    assert result["metrics"]["acc"] == hf["results"]["kiln_mc"]["acc,none"]
+    assert result["metrics"]["acc_norm"] == hf["results"]["kiln_mc"]["acc_norm,none"]
+
+
 def test_the_kiln_harness_model_equals_the_hf_model(setup):
     from kiln.recipes.inference.harness_model import KilnLM
 
@@ -123,7 +173,6 @@ def test_the_kiln_harness_model_equals_the_hf_model(setup):
 
 
 def test_rolling_log_likelihood_equals_the_bits_per_byte_task(setup, tmp_path):
-    import json
     import math
 
     from lm_eval.api.instance import Instance
@@ -140,6 +189,29 @@ def test_rolling_log_likelihood_equals_the_bits_per_byte_task(setup, tmp_path):
     assert -ll == pytest.approx(bpb * math.log(2) * len(text.encode()), rel=1e-6)
 
 
+def test_model_args_win_over_the_harness_batch_size_and_device(setup):
+    from kiln.recipes.inference.harness_model import KilnLM
+
+    _, folder, _ = setup
+    harness_own = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}
+    lm = KilnLM.create_from_arg_string(f"path={folder},batch_size=5,device=cpu", harness_own)
+    assert lm.batch_size == 5
+    lm = KilnLM.create_from_arg_obj({"path": str(folder), "batch_size": 6}, harness_own)
+    assert lm.batch_size == 6
+    assert KilnLM.create_from_arg_string(f"path={folder}", harness_own).batch_size == 1
+
+
+def test_kiln_harness_help_tells_the_kiln_model_and_its_arguments(capsys):
+    from kiln.recipes.cli import main
+    from kiln.recipes.inference.harness_model import MODEL_ARGS
+
+    assert main(["harness", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model kiln --model_args path=RUN" in out
+    assert all(f"  {name}" in out for name in MODEL_ARGS)
+    assert "lm-eval run --model hf" in out  # the harness's own help follows
+
+
 def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatch):
     from kiln.recipes.cli import main
 
@@ -150,6 +222,12 @@ def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "|kiln_mc|" in out and "acc_norm" in out
     assert main(["eval", str(folder), "--harness", str(tasks / "mc.yaml")]) == 0
+    assert "|kiln_mc|" in capsys.readouterr().out
+    # batch_size and device in --model_args too (as docs/evaluation.md shows): they win over
+    # the harness's own --batch_size / --device, which it always passes (batch 1 by default)
+    assert main(["harness", "--model", "kiln", "--model_args",
+                 f"path={folder},batch_size=16,device=cpu", "--tasks", str(tasks / "mc.yaml"),
+                 "--device", "cpu"]) == 0
     assert "|kiln_mc|" in capsys.readouterr().out
     assert main(["harness", "--model", "kiln", "--tasks", str(tasks / "mc.yaml")]) == 2
     assert "needs --model_args path=RUN" in capsys.readouterr().err

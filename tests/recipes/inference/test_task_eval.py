@@ -65,3 +65,24 @@ def test_a_hugging_face_folder_with_a_task_file(tmp_path, capsys, write):
     bad = write("bad.toml", '[evals.mc]\ntype = "multiple_choice"\npth = "x"\n')
     assert main(["eval", str(tmp_path / "hf"), "--tasks", "mc", "--task-file", str(bad)]) == 2
     assert "bad.toml: unknown key evals.mc.pth (did you mean 'path'?)" in capsys.readouterr().err
+
+
+def test_kiln_s_own_export_is_a_hugging_face_folder_to_evaluate(run, capsys, write):
+    """The export carries recipe.toml beside config.json + safetensors: still a model folder."""
+    export = run / "export"
+    assert main(["export", str(run / "run" / "checkpoints" / "step_0000004"), str(export)]) == 0
+    capsys.readouterr()
+    assert (export / "recipe.toml").is_file()
+    data = run / "tasks.jsonl"
+    tasks = write("tasks.toml", f'[evals.mc]\ntype = "multiple_choice"\npath = "{data}"\n'
+                  f'num_fewshot = 1\n[evals.bpb]\ntype = "bits_per_byte"\npath = "{data}"\n')
+    assert main(["eval", str(export), "--tasks", "all", "--task-file", str(tasks),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == str(export)
+    logged = metrics_of(run / "run")[4]
+    assert result["tasks"]["mc"]["metrics"]["acc"] == logged["eval/mc/acc"]
+    assert result["tasks"]["bpb"]["metrics"]["bits_per_byte"] == pytest.approx(
+        logged["eval/bpb/bits_per_byte"], rel=1e-6)
+    assert main(["eval", str(export), "--list-tasks"]) == 0
+    assert "multiple_choice" in capsys.readouterr().out
