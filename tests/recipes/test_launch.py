@@ -75,15 +75,20 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
     try:
         proc.send_signal(signal.SIGKILL)  # kill -9 of the launcher alone
         proc.wait()
-        deadline = time.monotonic() + 30
-        while _alive(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker_pid)
+        assert gone_within([worker_pid], 30)
     finally:
         for pid in (worker_pid, child_pid):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.stdout.close()
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    """Whether every process of ``pids`` ends within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
@@ -173,10 +178,7 @@ def test_the_workers_die_with_their_launcher(tmp_path):
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # kill -9 -PGID of `NGPU=2 ./run_train.sh`
         proc.wait()
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in ranks.values())
+        assert gone_within(list(ranks.values()), 30)
     finally:
         for pid in ranks.values():
             if _alive(pid):
