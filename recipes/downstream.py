@@ -14,6 +14,7 @@ a scheduler runs ``kiln eval RUN --pending`` elsewhere, and the same training co
 from __future__ import annotations
 
 import functools
+import json
 import random
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from kiln.checkpointing import layout
-from kiln.components import devices
+from kiln.components import devices, distributed
 from kiln.components.errors import RecipeError
 from kiln.components.evals import runner
 from kiln.components.evals.scorer import Scorer
@@ -30,6 +31,7 @@ from kiln.recipes.generate import Sampling, generate
 from kiln.recipes.hooks import Hook
 
 PENDING = "pending_downstream_eval.json"
+RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
 
 
 def greedy_generate():
@@ -104,12 +106,37 @@ class DownstreamEvalHook(Hook):
         self.scorer = Scorer(trainer.model, max_len=self.max_len,
                              vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
                              generate=greedy_generate(), lockstep=trainer.world.distributed)
+        self._ask_again(trainer)
         generating = [n for n, t in self.tasks.items() if hasattr(t, "generations")]
         if generating and trainer.world.distributed and not self.scorer.use_cache:
             raise RecipeError(f"task {generating[0]!r} generates text on several processes, "
                               "which needs a model whose attention has a KV cache (prompts of "
                               "several lengths decode in step); this model has none: run it "
                               "offline with `kiln eval RUN --tasks`")
+
+    def _ask_again(self, trainer) -> None:
+        """A pause publishes its snapshot before it writes the request, so a run killed in
+        between resumes at that step with nothing asked: ask now for what the step owes (its
+        pause tasks neither pending nor scored) and pause as the killed run would have."""
+        step = trainer.progress.step
+        if step == 0:
+            return
+        due = self._due(trainer, step, end=False)
+        if step >= trainer.total_steps:
+            due += self._due(trainer, step, end=True)
+        paused = [n for n in due if trainer.recipe.evals[n].mode == "pause"]
+        if not paused:
+            return
+        owed = None
+        if trainer.world.is_main:
+            asked = requested(Path(trainer.run_dir), trainer.print)
+            owed = [n for n in paused if (step, n) not in asked]
+        if trainer.world.distributed:
+            owed = distributed.broadcast_object(owed)
+        if owed:
+            trainer.print(f"kiln: step {step} was saved for a downstream evaluation that was "
+                          "never requested (the run stopped in between): requesting it now")
+            self.pause(trainer, owed, None)
 
     def _due(self, trainer, step: int, *, end: bool) -> list[str]:
         last = step == trainer.total_steps
@@ -178,13 +205,42 @@ class DownstreamEvalHook(Hook):
                       + ("" if final else ", then rerun this command to continue training."))
 
 
+def requested(run_dir: Path, log) -> set[tuple[int, str]]:
+    """(step, task) of every request pending in ``run_dir`` and every result scored there."""
+    out = set()
+    for file in run_dir.glob("pending_downstream_eval*.json"):
+        try:
+            request = json.loads(file.read_text(encoding="utf-8"))
+            out |= {(int(request["step"]), name) for name in request["tasks"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log(f"kiln: WARNING: {file}: not a pending-evaluation file ({exc}); ignored")
+    return out | scored(run_dir, log)
+
+
+def scored(run_dir: Path, log) -> set[tuple[int, str]]:
+    """(step, task) of every result in ``run_dir``'s downstream_eval.jsonl; lines that are not
+    a result are skipped and counted in one warning."""
+    path = run_dir / RESULTS
+    if not path.is_file():
+        return set()
+    out, bad = set(), 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                out |= {(int(record["step"]), str(name)) for name in record["tasks"]}
+            except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+                bad += line.strip() != b""
+    if bad:
+        log(f"kiln: WARNING: {path}: skipped {bad} line(s) that are not a result")
+    return out
+
+
 def write_pending(run_dir: Path, step: int, checkpoint: Path, tasks: dict, log) -> Path:
     """``pending_downstream_eval.json``; an earlier request not yet evaluated is kept beside it
     as ``pending_downstream_eval.step_XXXXXXX.json``."""
     path = run_dir / PENDING
     if path.is_file():
-        import json
-
         try:
             old_step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
         except (ValueError, KeyError, TypeError):

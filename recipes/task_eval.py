@@ -19,10 +19,15 @@ from kiln.components import registry
 from kiln.components.errors import RecipeError
 from kiln.components.evals import presets, runner
 from kiln.components.evals.scorer import Scorer
-from kiln.recipes.downstream import PENDING, greedy_generate, model_context, plan_tasks
+from kiln.recipes.downstream import (
+    PENDING,
+    RESULTS,
+    greedy_generate,
+    model_context,
+    plan_tasks,
+    scored,
+)
 from kiln.recipes.schema import Recipe
-
-RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
 
 
 def warn(text: str) -> None:
@@ -146,6 +151,12 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
         except (ValueError, KeyError, TypeError) as exc:
             raise RecipeError(f"{file}: not a pending-evaluation file ({exc}); delete it or "
                               "write step, checkpoint and tasks") from None
+        done_before = scored(run, log)  # a run killed before removing a request it scored
+        tables = {n: t for n, t in tables.items() if (step, n) not in done_before}
+        if not tables:
+            log(f"kiln: {file}: step {step} is scored already ({RESULTS}); request removed")
+            file.unlink()
+            continue
         configs = build_config(Recipe, {"evals": tables}, "", Layered()).evals
         # a path inside the run folder is written relative to it
         recipe, tokenizer, model, label = open_model(run / checkpoint)
