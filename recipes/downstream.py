@@ -217,6 +217,20 @@ def requested(run_dir: Path, log) -> set[tuple[int, str]]:
     return out | scored(run_dir, log)
 
 
+def pending_snapshots(run_dir: Path, root: Path) -> set[str]:
+    """Names of the snapshots in ``root`` that a request pending in ``run_dir`` evaluates
+    (checkpoint rotation spares them)."""
+    out, root = set(), root.resolve()
+    for file in run_dir.glob("pending_downstream_eval*.json"):
+        try:
+            folder = (run_dir / json.loads(file.read_text(encoding="utf-8"))["checkpoint"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged request names no snapshot; `kiln eval --pending` reports it
+        if folder.resolve().parent == root:
+            out.add(folder.name)
+    return out
+
+
 def scored(run_dir: Path, log) -> set[tuple[int, str]]:
     """(step, task) of every result in ``run_dir``'s downstream_eval.jsonl; lines that are not
     a result are skipped and counted in one warning."""
@@ -249,5 +263,19 @@ def write_pending(run_dir: Path, step: int, checkpoint: Path, tasks: dict, log) 
         path.replace(kept)
         log(f"kiln: WARNING: the downstream evaluation of step {old_step} was not run yet; "
             f"kept as {kept}")
-    layout.write_json(path, {"step": step, "checkpoint": str(checkpoint), "tasks": tasks})
+    layout.write_json(path, {"step": step, "checkpoint": str(checkpoint), "tasks": tasks,
+                             "checksums": task_checksums(tasks)})
     return path
+
+
+def task_checksums(tables: dict) -> dict[str, str]:
+    """sha256 of each task's file (a task read from elsewhere, a folder or a hub dataset, has
+    none): ``kiln eval --pending`` warns when a file changed after the pause."""
+    import hashlib
+
+    out = {}
+    for name, table in tables.items():
+        path = Path(str(table.get("path", "")))
+        if table.get("path") and path.is_file():
+            out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
