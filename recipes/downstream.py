@@ -9,6 +9,9 @@ read and planned before the first step, so bad task data stops a run before it t
 ``mode = "pause"`` (the looped MoE reference's hand-off): save a snapshot, write
 ``pending_downstream_eval.json`` (step, checkpoint, tasks) in the run folder and stop (exit 0);
 a scheduler runs ``kiln eval RUN --pending`` elsewhere, and the same training command resumes.
+The snapshot is published before the request is written: a resume at a step whose pause tasks
+are neither pending nor scored (a run killed in between) writes the request and pauses again.
+Rotation spares a snapshot a pending request names (``pending_snapshots``).
 """
 
 from __future__ import annotations
