@@ -46,12 +46,14 @@ class CheckpointHook(Hook):
 
     ``recipe_diff(folder)`` diffs a checkpoint's recipe against the run's (resume check);
     ``export(out_dir)`` writes the trainer's model as an export (called on every rank: each
-    writes its share), for ``export_at_end`` and the Hub upload of the final model."""
+    writes its share), for ``export_at_end`` and the Hub upload of the final model;
+    ``keep(root)`` names the snapshots rotation must spare (a pending evaluation's)."""
 
     priority = 10  # after the hooks that log a step: its metrics are written first
 
     def __init__(self, trainer, *, recipe_diff: Callable[[Path], Any],
-                 export: Callable[[Path], Any] | None = None, hub_api=None) -> None:
+                 export: Callable[[Path], Any] | None = None, hub_api=None,
+                 keep: Callable[[Path], set[str]] | None = None) -> None:
         self.recipe_diff = recipe_diff
         self.export = export
         self.cfg = cfg = trainer.recipe.checkpoint
@@ -66,7 +68,7 @@ class CheckpointHook(Hook):
         self.manager = CheckpointManager(
             self.root, trainer.world, keep_last=cfg.keep_last, async_save=cfg.async_save,
             on_publish=self.hub.upload_checkpoint if upload else None, log=trainer.print,
-            on_error=cfg.on_save_error,
+            on_error=cfg.on_save_error, keep=(lambda: keep(self.root)) if keep else None,
         )
         self.preemption = Preemption(log=trainer.print) if cfg.preemption else None
         self.clock = WallClock(trainer.recipe.training.max_hours, cfg.interval_minutes)

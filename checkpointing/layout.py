@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +262,16 @@ def link_target(root: Path, name: str) -> str | None:
     return os.path.basename(os.readlink(path)) if path.is_symlink() else None
 
 
-def rotate(root: Path, keep_last: int) -> list[str]:
-    """Retire all but the newest ``keep_last`` complete checkpoints; ``final`` and the latest are
-    always kept. A retired folder is renamed to ``.tmp-purge-<name>`` (one atomic rename: it
-    stops counting as a checkpoint at once) and deleted by ``purge``, which the manager runs in
-    the background (unlinking a checkpoint's files is the slow part). Returns the names."""
+def rotate(root: Path, keep_last: int, keep: Iterable[str] = ()) -> list[str]:
+    """Retire all but the newest ``keep_last`` complete checkpoints; ``final``, the latest and
+    the names in ``keep`` (snapshots a pending evaluation needs) are always kept. A retired
+    folder is renamed to ``.tmp-purge-<name>`` (one atomic rename: it stops counting as a
+    checkpoint at once) and deleted by ``purge``, which the manager runs in the background
+    (unlinking a checkpoint's files is the slow part). Returns the names."""
     if keep_last <= 0:
         return []
     complete = [p for _, p in list_checkpoints(root) if is_complete(p)]
-    protected = {p.name for p in complete[-keep_last:]}
+    protected = {p.name for p in complete[-keep_last:]} | set(keep)
     for name in ("final",):
         target = link_target(root, name)
         if target:

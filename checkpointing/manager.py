@@ -22,7 +22,7 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,9 @@ def _gc_paused() -> Iterator[None]:
 class CheckpointManager:
     def __init__(self, root: Path, world, *, keep_last: int = 3, async_save: bool = False,
                  on_publish: Callable[[Path], None] | None = None, log=print,
-                 on_error: str = "stop") -> None:
+                 on_error: str = "stop", keep: Callable[[], Iterable[str]] | None = None) -> None:
         self.root = Path(root)
+        self.keep = keep  # names of snapshots rotation must spare (a pending evaluation's)
         self.world = world
         self.keep_last = keep_last
         self.async_save = async_save
@@ -274,7 +275,8 @@ class CheckpointManager:
         layout.publish(tmp, self.root / name)
         try:
             layout.write_atomic(self.root / "latest", name + "\n", durable=False)
-            removed = layout.rotate(self.root, self.keep_last)
+            removed = layout.rotate(self.root, self.keep_last,
+                                    self.keep() if self.keep is not None else ())
             layout.write_index(self.root)
             if removed:  # deleting their files is slow; the next save (or the end) waits
                 self._purging = threading.Thread(target=layout.purge, args=(self.root,),

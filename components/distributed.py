@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from kiln.components import devices
 
+JOIN_S = 600.0  # the least time ``init`` waits for every rank to join the group
 
 @dataclass(frozen=True)
 class World:
@@ -47,7 +48,8 @@ def init(device_choice: str = "auto", backend: str = "auto", *, timeout_s: float
     ``backend`` "auto" is the device type's library (``devices.BACKENDS``); ``timeout_s`` is how
     long a collective may wait for its peers before it fails; ``flight_recorder`` entries (0 =
     off) keep the last collectives of each group for a hang report (``TORCH_FR_BUFFER_SIZE``,
-    unless the environment sets it)."""
+    unless the environment sets it). Both take effect only in the first call that creates the
+    group: a later call finds it up and changes nothing."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,12 +58,21 @@ def init(device_choice: str = "auto", backend: str = "auto", *, timeout_s: float
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = devices.backend_for(device.type)
-        if flight_recorder:
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(flight_recorder))
+        # read by torch when the group is created (either name); unset, torch keeps 2000
+        if not any(os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
+                                               "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+            os.environ["TORCH_FR_BUFFER_SIZE"] = str(flight_recorder)
+        # The join (every rank's address through the store) waits with the same timeout as
+        # the collectives; ranks reach it seconds apart on a busy machine (imports, a slow
+        # filesystem), so it gets at least JOIN_S, and the group the recipe's timeout after it.
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        join_s = max(timeout_s, JOIN_S) if set_timeout is not None else timeout_s
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend, timeout=datetime.timedelta(seconds=join_s),
             device_id=device if device.type not in ("cpu", "mps") else None,
         )
+        if join_s != timeout_s:
+            set_timeout(datetime.timedelta(seconds=timeout_s))
     return World(rank, world_size, local_rank, device)
 
 

@@ -4,15 +4,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from kiln.components.errors import RecipeError
+from kiln.components.errors import RecipeError, RunFolderInUse
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.runs.launch import die_with_parent
+from kiln.recipes.runs.lock import RunLock, holder_of
 from kiln.recipes.runs.sweep import expand, mark_done, parse_grid, slurm_script
+
+CLAIM = "sweep.lock"  # a point's folder, held by the sweep training it (run_lock.RunLock)
 
 
 def add_arguments(parser) -> None:
@@ -60,20 +65,44 @@ def run(args) -> int:
         print(f"kiln sweep: wrote {path}; submit: sbatch {path}\n"
               f"then: kiln compare {sweep_dir}/*")
         return 0
-    failed = []
-    for i, point in enumerate(points, 1):
-        what = ", ".join(f"{k}={v}" for k, v in point.values)
-        if point.finished:
+    failed, busy = [], []
+
+    def train(i: int, point) -> None:
+        if point.finished:  # also by another sweep of the same grid
             print(f"kiln sweep: [{i}/{len(points)}] {point.folder} finished; skipped")
-            continue
+            return
+        what = ", ".join(f"{k}={v}" for k, v in point.values)
         state = "continues" if (point.folder / "recipe.toml").is_file() else "starts"
         print(f"kiln sweep: [{i}/{len(points)}] {what} {state} in {point.folder}", flush=True)
         cmd = _train_command(args.recipe, [*args.overrides, *point.overrides])
-        status = subprocess.call(cmd)
+        # the run dies with the sweep (kill -9 of it too): a rerun continues the point alone
+        status = subprocess.call(cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
         if status == 0:
             mark_done(point)
         else:
             failed.append(f"{point.folder} (exit {status}): {shlex.join(cmd)}")
+
+    for i, point in enumerate(points, 1):
+        try:  # the point is this sweep's while it trains it and records the outcome
+            claim = RunLock.take(point.folder, "kiln sweep", name=CLAIM)
+        except RunFolderInUse:
+            print(f"kiln sweep: [{i}/{len(points)}] {point.folder} is being trained by another "
+                  f"sweep ({holder_of(point.folder / CLAIM)}); back to it after the other points",
+                  flush=True)
+            busy.append((i, point))
+            continue
+        try:
+            train(i, point)
+        finally:
+            claim.release()
+    for i, point in busy:  # then wait for the other sweep: it may also stop before the end
+        print(f"kiln sweep: [{i}/{len(points)}] waiting for the other sweep to end "
+              f"{point.folder}", flush=True)
+        claim = RunLock.take(point.folder, "kiln sweep", name=CLAIM, wait=True)
+        try:
+            train(i, point)
+        finally:
+            claim.release()
     shown = [str(p.folder) for p in points if (p.folder / "metrics.jsonl").is_file()]
     if shown:
         from kiln.recipes.commands.compare import report

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kiln.components.errors import KilnError
 from kiln.recipes.config.files import load_recipe
 
 
@@ -15,12 +18,24 @@ def run(args) -> int:
     from kiln.recipes.runs.lock import hold_run_folder
     from kiln.recipes.training.trainer import Trainer
 
-    ok = False
+    ok, world = False, None
     try:
-        world = distributed.init(recipe.training.device, recipe.parallelism.backend)
+        # The one init of the process group: the trainer's own later call finds it up, so the
+        # recipe's timeout and flight recorder must be given here.
+        pcfg = recipe.parallelism
+        world = distributed.init(recipe.training.device, pcfg.backend,
+                                 timeout_s=pcfg.collective_timeout_s,
+                                 flight_recorder=pcfg.flight_recorder)
         with hold_run_folder(recipe.run.folder, world):  # one run per folder (run_lock.py)
             Trainer(recipe).fit()
         ok = True
+    except Exception as exc:
+        if world is not None and world.distributed and not isinstance(exc, KilnError):
+            # a collective failed or timed out: what each rank last issued, for the post-mortem
+            from kiln.recipes.hooks.watchdog import dump_flight_recorder
+
+            dump_flight_recorder(Path(recipe.run.folder) / "hang", world.rank)
+        raise
     finally:
         distributed.shutdown(together=ok)
     return 0

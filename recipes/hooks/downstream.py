@@ -9,6 +9,9 @@ read and planned before the first step, so bad task data stops a run before it t
 ``mode = "pause"`` (the looped MoE reference's hand-off): save a snapshot, write
 ``pending_downstream_eval.json`` (step, checkpoint, tasks) in the run folder and stop (exit 0);
 a scheduler runs ``kiln eval RUN --pending`` elsewhere, and the same training command resumes.
+The snapshot is published before the request is written: a resume at a step whose pause tasks
+are neither pending nor scored (a run killed in between) writes the request and pauses again.
+Rotation spares a snapshot a pending request names (``pending_snapshots``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ import numpy as np
 import torch
 
 from kiln.checkpointing import layout
-from kiln.components import devices
+from kiln.components import devices, distributed
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook
 from kiln.components.tasks import runner
 from kiln.components.tasks.scorer import Scorer
+from kiln.recipes.inference.pending import PENDING, requested, write_pending
 from kiln.recipes.inference.task_plans import (
-    PENDING,
     format_metrics,
     greedy_generate,
     model_context,
@@ -55,6 +58,8 @@ class RngState:
 
 
 class DownstreamEvalHook(Hook):
+    """Each ``[evals.NAME]`` task every ``interval`` steps and at the end, or a pause."""
+
     priority = 50
 
     def __init__(self) -> None:
@@ -83,12 +88,37 @@ class DownstreamEvalHook(Hook):
         self.scorer = Scorer(trainer.model, max_len=self.max_len,
                              vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
                              generate=greedy_generate(), lockstep=trainer.world.distributed)
+        self._ask_again(trainer)
         generating = [n for n, t in self.tasks.items() if hasattr(t, "generations")]
         if generating and trainer.world.distributed and not self.scorer.use_cache:
             raise RecipeError(f"task {generating[0]!r} generates text on several processes, "
                               "which needs a model whose attention has a KV cache (prompts of "
                               "several lengths decode in step); this model has none: run it "
                               "offline with `kiln eval RUN --tasks`")
+
+    def _ask_again(self, trainer) -> None:
+        """A pause publishes its snapshot before it writes the request, so a run killed in
+        between resumes at that step with nothing asked: ask now for what the step owes (its
+        pause tasks neither pending nor scored) and pause as the killed run would have."""
+        step = trainer.progress.step
+        if step == 0:
+            return
+        due = self._due(trainer, step, end=False)
+        if step >= trainer.total_steps:
+            due += self._due(trainer, step, end=True)
+        paused = [n for n in due if trainer.recipe.evals[n].mode == "pause"]
+        if not paused:
+            return
+        owed = None
+        if trainer.world.is_main:
+            asked = requested(Path(trainer.run_dir), trainer.print)
+            owed = [n for n in paused if (step, n) not in asked]
+        if trainer.world.distributed:
+            owed = distributed.broadcast_object(owed)
+        if owed:
+            trainer.print(f"kiln: step {step} was saved for a downstream evaluation that was "
+                          "never requested (the run stopped in between): requesting it now")
+            self.pause(trainer, owed, None)
 
     def _due(self, trainer, step: int, *, end: bool) -> list[str]:
         last = step == trainer.total_steps
@@ -155,22 +185,3 @@ class DownstreamEvalHook(Hook):
                       f"pending: {Path(trainer.run_dir) / PENDING}. Run `kiln eval "
                       f"{trainer.run_dir} --pending` (any machine)"
                       + ("" if final else ", then rerun this command to continue training."))
-
-
-def write_pending(run_dir: Path, step: int, checkpoint: Path, tasks: dict, log) -> Path:
-    """``pending_downstream_eval.json``; an earlier request not yet evaluated is kept beside it
-    as ``pending_downstream_eval.step_XXXXXXX.json``."""
-    path = run_dir / PENDING
-    if path.is_file():
-        import json
-
-        try:
-            old_step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
-        except (ValueError, KeyError, TypeError):
-            old_step = -1
-        kept = run_dir / f"pending_downstream_eval.{layout.step_name(max(old_step, 0))}.json"
-        path.replace(kept)
-        log(f"kiln: WARNING: the downstream evaluation of step {old_step} was not run yet; "
-            f"kept as {kept}")
-    layout.write_json(path, {"step": step, "checkpoint": str(checkpoint), "tasks": tasks})
-    return path

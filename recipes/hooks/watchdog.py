@@ -290,6 +290,23 @@ def _stacks() -> str:
                      for ident, frame in sys._current_frames().items())
 
 
+def dump_flight_recorder(folder: Path, rank: int) -> Path | None:
+    """After a collective failed (a peer gone or stopped past ``collective_timeout_s``, e.g.
+    during a checkpoint save, which the watchdog does not watch): torch's flight recorder to
+    ``folder/rank_N.flight_recorder.json``, as a hang leaves it. None without one."""
+    trace = _flight_recorder()
+    if trace is None:
+        return None
+    path = folder / f"rank_{rank}.flight_recorder.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, trace)
+    except OSError as exc:  # the failure being reported matters more than its record
+        print(f"kiln: WARNING: could not write {path} ({exc.strerror})", file=sys.stderr)
+        return None
+    return path
+
+
 def _flight_recorder() -> str | None:
     """torch's flight recorder as JSON (NCCL's own on CUDA builds), None without a process
     group or where this torch has none."""

@@ -20,9 +20,8 @@ from kiln.components.errors import RecipeError
 from kiln.components.tasks import presets, runner
 from kiln.components.tasks.scorer import Scorer
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.inference.task_plans import PENDING, greedy_generate, model_context, plan_tasks
-
-RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
+from kiln.recipes.inference.pending import PENDING, RESULTS, scored, task_checksums
+from kiln.recipes.inference.task_plans import greedy_generate, model_context, plan_tasks
 
 
 def warn(text: str) -> None:
@@ -141,14 +140,27 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
                           "mode = \"pause\" tasks writes it)")
     done = []
     for file in files:
+        step, checkpoint, tables, checksums = _read_request(file)
+        done_before = scored(run, log)  # a run killed before removing a request it scored
+        tables = {n: t for n, t in tables.items() if (step, n) not in done_before}
+        if not tables:
+            log(f"kiln: {file}: step {step} is scored already ({RESULTS}); request removed")
+            file.unlink()
+            continue
         try:
-            request = json.loads(file.read_text(encoding="utf-8"))
-            step, checkpoint, tables = request["step"], request["checkpoint"], request["tasks"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RecipeError(f"{file}: not a pending-evaluation file ({exc}); delete it or "
-                              "write step, checkpoint and tasks") from None
-        configs = build_config(Recipe, {"evals": tables}, "", Layered()).evals
+            configs = build_config(Recipe, {"evals": tables}, "", Layered()).evals
+        except RecipeError as exc:
+            raise RecipeError(f"{file}: {exc}") from None
+        now = task_checksums(tables)
+        for name, then in checksums.items():
+            if name in now and now[name] != then:
+                log(f"kiln: WARNING: {file}: task {name!r}: {tables[name]['path']} changed since "
+                    f"step {step} paused (sha256 {then[:12]} then, {now[name][:12]} now); scored "
+                    "with the file as it is now")
         # a path inside the run folder is written relative to it
+        if not (run / checkpoint).exists():  # keep_last spares it: deleted by hand, or moved
+            raise RecipeError(f"{file}: the snapshot of step {step}, {checkpoint}, is gone; "
+                              f"restore it, or delete {file.name} to drop the request")
         recipe, tokenizer, model, label = open_model(run / checkpoint)
         results = evaluate_model(model, tokenizer, recipe, configs, device=device, log=log)
         record = {"step": step, "checkpoint": checkpoint, "tasks": results}
@@ -157,3 +169,24 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
         file.unlink()
         done.append({"label": label, **record})
     return done
+
+
+def _read_request(file: Path) -> tuple[int, str, dict, dict]:
+    """(step, checkpoint, task tables, task-file checksums) of a pending request, or one error
+    naming the file and what is wrong."""
+    fix = f"; delete it or write step, checkpoint and tasks ({PENDING} of a paused run)"
+    try:
+        request = json.loads(file.read_text(encoding="utf-8"))
+        step, checkpoint, tables = request["step"], request["checkpoint"], request["tasks"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RecipeError(f"{file}: not a pending-evaluation file ({exc}){fix}") from None
+    for key, value, kind, ok in (
+        ("step", step, "a number", isinstance(step, int) and not isinstance(step, bool)),
+        ("checkpoint", checkpoint, "a path", isinstance(checkpoint, str) and checkpoint),
+        ("tasks", tables, "a table", isinstance(tables, dict)
+         and all(isinstance(t, dict) for t in tables.values())),
+    ):
+        if not ok:
+            raise RecipeError(f"{file}: {key} is {value!r}, not {kind}{fix}")
+    checksums = request.get("checksums") or {}  # requests of older versions have none
+    return step, checkpoint, tables, checksums if isinstance(checksums, dict) else {}

@@ -7,8 +7,6 @@ import functools
 
 from kiln.recipes.inference.generate import Sampling, generate
 
-PENDING = "pending_downstream_eval.json"
-
 
 def greedy_generate():
     """The greedy decoder a ``Scorer`` calls (``recipes/inference/generate.py``)."""

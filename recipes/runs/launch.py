@@ -77,14 +77,21 @@ def read_reports(folder: Path) -> list[dict]:
 def bind_to_launcher() -> None:
     """In a worker started by this launcher: die (SIGKILL) when the launcher dies (module doc)."""
     pid = os.environ.pop(LAUNCHER_PID, None)  # popped: the worker's own children are not bound
-    if pid is None or not sys.platform.startswith("linux"):
+    if pid is not None:
+        die_with_parent(int(pid))
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent, ``parent``, dies (``PR_SET_PDEATHSIG``, kept across
+    exec). Also a ``preexec_fn`` (``kiln sweep``'s training runs). Linux only."""
+    if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not allowed here (a sandbox): the worker runs unbound, as under plain torchrun
-    if os.getppid() != int(pid):  # the launcher died before the request: nobody will signal
+    if os.getppid() != parent:  # the parent died before the request: nobody will signal
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -51,15 +51,19 @@ _BUSY = (errno.EACCES, errno.EAGAIN)  # lockf: another process holds it
 class RunLock:
     """The held lock on ``folder``; ``release()`` (or the end of the process) lets it go."""
 
-    def __init__(self, folder: Path, fd: int | None, created: list[Path]) -> None:
-        self.folder, self.fd, self.created = folder, fd, created
+    def __init__(self, folder: Path, fd: int | None, created: list[Path],
+                 name: str = LOCK_FILE) -> None:
+        self.folder, self.fd, self.created, self.name = folder, fd, created, name
 
     @classmethod
-    def take(cls, folder: str | Path, command: str = "kiln train") -> RunLock:
-        """Lock ``folder`` (created when missing) or raise ``RunFolderInUse``."""
+    def take(cls, folder: str | Path, command: str = "kiln train", *, name: str = LOCK_FILE,
+             wait: bool = False) -> RunLock:
+        """Lock ``folder`` (created when missing) or raise ``RunFolderInUse``; ``wait``: until
+        the holder lets go instead. ``name``: the lock file (``kiln sweep`` claims a point's
+        folder with its own, the run inside it takes ``kiln.lock``)."""
         folder = Path(folder)
         created = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
-        path = folder / LOCK_FILE
+        path = folder / name
         for _ in range(100):  # retried only while another run removes the file or its folder
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,7 @@ class RunLock:
                 raise RecipeError(f"run.folder = {str(folder)!r}: cannot create {path} "
                                   f"({exc.strerror}); choose another --run.folder") from None
             try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
                 if exc.errno in _BUSY:
@@ -78,7 +82,7 @@ class RunLock:
                 print(f"kiln: warning: cannot lock {path} ({exc.strerror}): this filesystem has "
                       "no POSIX locks, so a second run on this folder would not be stopped",
                       file=sys.stderr)
-                return cls(folder, None, created)
+                return cls(folder, None, created, name)
             if not _same_file(fd, path):  # the holder removed this file as we opened it
                 os.close(fd)
                 continue
@@ -86,7 +90,7 @@ class RunLock:
                       "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-            return cls(folder, fd, created)
+            return cls(folder, fd, created, name)
         raise RunFolderInUse(f"run folder {folder}: could not take {path}: other processes keep "
                              "removing it; try again")
 
@@ -96,7 +100,7 @@ class RunLock:
         if self.fd is None:
             return
         try:
-            (self.folder / LOCK_FILE).unlink(missing_ok=True)
+            (self.folder / self.name).unlink(missing_ok=True)
             for folder in self.created:
                 try:
                     folder.rmdir()
@@ -114,15 +118,19 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _busy_message(folder: Path, path: Path) -> str:
+def holder_of(path: Path) -> str:
+    """Who holds the lock file ``path``, as its holder wrote it."""
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
-        who = (f"{holder['command']}, PID {holder['pid']} on host {holder['host']}, since "
-               f"{holder['since']}")
+        who = json.loads(path.read_text(encoding="utf-8"))
+        return (f"{who['command']}, PID {who['pid']} on host {who['host']}, since "
+                f"{who['since']}")
     except (OSError, ValueError, KeyError, TypeError):
-        who = "a process that has not written its host and PID yet"
-    return (f"run folder {folder} is in use by another run ({who}; the lock is {path}): wait "
-            "for it to end or stop it, or give another --run.folder")
+        return "a process that has not written its host and PID yet"
+
+
+def _busy_message(folder: Path, path: Path) -> str:
+    return (f"run folder {folder} is in use by another run ({holder_of(path)}; the lock is "
+            f"{path}): wait for it to end or stop it, or give another --run.folder")
 
 
 @contextlib.contextmanager

@@ -136,6 +136,9 @@ def series(run: Run, key: str, x: str = "step") -> tuple[list[float], list[float
     return xs, ys
 
 
+_WARNED: set[tuple[str, int]] = set()  # (run folder, lines left out of the time axis)
+
+
 def _x_axis(run: Run, x: str):
     if x == "step":
         return float
@@ -143,10 +146,18 @@ def _x_axis(run: Run, x: str):
     if x == "tokens":
         known = [(r["step"], r["tokens_seen"]) for r in train if "tokens_seen" in r]
     elif x == "time":
-        known, total = [], 0.0
+        known, total, bad = [], 0.0, 0
         for r in train:
-            total += float(r.get("interval_s", 0.0))
+            seconds = _number(r.get("interval_s", 0.0))
+            if seconds is None or not math.isfinite(seconds):  # its step is interpolated
+                bad += 1
+                continue
+            total += seconds
             known.append((r["step"], total))
+        if bad and (str(run.folder), bad) not in _WARNED:  # once, not once per curve
+            _WARNED.add((str(run.folder), bad))
+            print(f"kiln: warning: {run.folder / 'metrics.jsonl'}: {bad} lines whose interval_s "
+                  "is not a number, left out of the time axis", file=sys.stderr)
     else:
         raise ValueError(f"x must be step, tokens or time, got {x!r}")
     return lambda step: _interpolate(known, step)

@@ -8,6 +8,8 @@ so a crash between the two can repeat a line on resume, never lose one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kiln.components.base import default_config
 from kiln.components.protocols import Hook, complete_hook
 from kiln.recipes.config.schema import Recipe
@@ -48,4 +50,15 @@ def checkpoint_hook(trainer) -> Hook:
 
     return CheckpointHook(trainer, recipe_diff=lambda folder: diff(load_recipe(folder),
                                                                    trainer.recipe),
-                          export=lambda out: export_trainer_model(trainer, out))
+                          export=lambda out: export_trainer_model(trainer, out),
+                          keep=lambda root: _pending_snapshots(Path(trainer.run_dir), root))
+
+
+def _pending_snapshots(run_dir: Path, root: Path) -> set[str]:
+    """Snapshots a pending downstream evaluation needs (rotation spares them); the evaluation
+    modules are imported only when the run folder holds a request."""
+    if not any(run_dir.glob("pending_downstream_eval*.json")):
+        return set()
+    from kiln.recipes.inference.pending import pending_snapshots
+
+    return pending_snapshots(run_dir, root)

@@ -101,14 +101,24 @@ def test_init_picks_the_backend_of_the_device_type(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
+                        lambda timeout, group=None: seen.update(collectives=timeout))
     monkeypatch.setattr(devices, "pick_device", lambda choice, world_size: torch.device("xpu", 0))
     monkeypatch.setattr(devices, "set_current", lambda device: None)
     world = distributed.init("auto", timeout_s=90, flight_recorder=500)
-    assert seen["backend"] == "xccl" and seen["timeout"].total_seconds() == 90
+    assert seen["backend"] == "xccl" and seen["timeout"].total_seconds() == 600  # the join
+    assert seen["collectives"].total_seconds() == 90
     assert seen["device_id"] == torch.device("xpu", 0) and world.device.type == "xpu"
     import os
 
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500"
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    distributed.init("auto", flight_recorder=0)  # off: torch would keep 2000 when unset
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")  # the environment's own choice wins
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    distributed.init("auto", flight_recorder=500)
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ
 
 
 def test_pinned_memory_only_where_the_accelerator_copies_from_it(monkeypatch):

@@ -124,3 +124,42 @@ def test_a_missing_data_path_suggests_preparing_from_text(write, capsys):
     err = capsys.readouterr().err
     assert "data.path = 'no/such/data'" in err
     assert "kiln data prepare RECIPE --input FILE_OR_FOLDER... --out no/such/data" in err
+
+
+def test_train_joins_the_process_group_with_the_recipes_timeout_and_flight_recorder(
+        monkeypatch, tmp_path):
+    """The first init is the one that counts: a later one (the trainer's) finds the group up."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from kiln.recipes.runs import lock as run_lock
+
+    class Joined(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(**kw):
+        seen.update(join=kw["timeout"], fr=os.environ.get("TORCH_FR_BUFFER_SIZE"))
+
+    def hold_run_folder(folder, world):
+        raise Joined  # the next thing train does: the group is set up by now
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "KILN_ERROR_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "is_initialized", lambda: "join" in seen)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
+                        lambda timeout, group=None: seen.update(collectives=timeout))
+    monkeypatch.setattr(run_lock, "hold_run_folder", hold_run_folder)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.update(left=True))
+    with pytest.raises(Joined):
+        main(["train", str(CONFIGS / "debug.toml"), "--parallelism.collective_timeout_s=5",
+              "--parallelism.flight_recorder=50", f"--run.folder={tmp_path / 'r'}"])
+    # joining waits longer (ranks start seconds apart); every collective after it 5 s
+    assert seen["join"] == datetime.timedelta(seconds=600)
+    assert seen.get("collectives", seen["join"]).total_seconds() == 5 and seen["fr"] == "50"

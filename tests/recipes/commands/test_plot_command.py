@@ -69,3 +69,20 @@ def test_plot_bad_input(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
     assert main(["plot", str(run), "--out", str(tmp_path / "x.pdf")]) == 2
     assert "write a .png file" in capsys.readouterr().err
+
+
+def test_time_axis_leaves_out_lines_whose_interval_is_not_a_number(tmp_path, capsys):
+    import json
+
+    run = make_run(tmp_path / "a", losses=(3.0, 2.5, 2.0, 1.5))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    damaged = [json.loads(line) for line in lines]
+    damaged[1]["interval_s"], damaged[2]["interval_s"] = "2.0", None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in damaged))
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png"), "--x", "time"]) == 0
+    err = capsys.readouterr().err  # one warning for all the curves
+    assert err.count("warning") == 1 and "2 lines whose interval_s is not a number" in err
+    from kiln.recipes.runs.read import series
+
+    xs, ys = series(open_run(run), "loss", "time")
+    assert ys == [3.0, 2.5, 2.0, 1.5] and xs[0] == 2.0 and xs[-1] == 4.0  # two intervals known

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kiln.components.errors import RecipeError
 from kiln.recipes.cli import main
 from kiln.recipes.runs.sweep import expand, parse_grid, split_values
 from tests.conftest import CONFIGS
+from tests.recipes.runs.test_launch import _alive, gone_within
 
 DEBUG = str(CONFIGS / "debug.toml")
 
@@ -144,3 +146,71 @@ def test_a_real_sweep_of_two_tiny_runs(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out.splitlines()[-3:]
     assert table[0].split()[:3] == ["run", "lr", "steps"]
     assert table[1].split()[:3] == ["lr=1e-3,steps=2", "0.001", "2"]
+
+
+def test_a_sweep_killed_with_kill_9_takes_its_training_run_along(tmp_path):
+    script = tmp_path / "run_train.sh"  # a stand-in training run: its PID, then it waits
+    script.write_text(f"#!/bin/bash\necho $$ > {tmp_path}/child.pid\nexec sleep 600\n")
+    script.chmod(0o755)
+    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    sweep = subprocess.Popen([sys.executable, "-m", "kiln.recipes.cli", "sweep", DEBUG, "--grid",
+                              "optimizer.lr=1e-3,3e-3", "--out", "sw"], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL)
+    pid_file = tmp_path / "child.pid"
+    deadline = time.monotonic() + 120
+    while not pid_file.is_file() or not pid_file.read_text().strip():
+        assert sweep.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        sweep.kill()
+        sweep.wait()
+        assert gone_within([child], 5)
+    finally:
+        if _alive(child):
+            os.kill(child, 9)
+
+
+def test_two_sweeps_of_one_grid_share_its_points(tmp_path):
+    """Each point trains once (a stand-in run holding kiln.lock until the test lets it end);
+    neither sweep counts the other's points as failed, and both end with every point done."""
+    script = tmp_path / "run_train.sh"
+    script.write_text(f"""#!/bin/bash
+for a in "$@"; do case "$a" in --run.folder=*) f="${{a#--run.folder=}}";; esac; done
+f="${{f%\\"}}"; f="${{f#\\"}}"
+echo "$f" >> {tmp_path}/calls.txt
+exec {sys.executable} -c "
+import pathlib, sys, time
+from kiln.recipes.runs.lock import RunLock
+from tests.recipes.run_folders import make_run
+lock = RunLock.take(sys.argv[1])  # exits 2 when held, as kiln train does
+while not pathlib.Path('{tmp_path}/release').exists():
+    time.sleep(0.05)
+make_run(pathlib.Path(sys.argv[1]))" "$f"
+""")
+    script.chmod(0o755)
+    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "kiln.recipes.cli", "sweep", DEBUG, "--grid",
+           "optimizer.lr=1e-3,3e-3", "--out", "sw"]
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "calls.txt").is_file():
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    second = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    seen = [""]
+    while "another sweep" not in seen[-1] and "[2/2]" not in seen[-1]:  # at the first point
+        seen.append(second.stdout.readline())
+        assert seen[-1], seen  # the second sweep ended
+    (tmp_path / "release").touch()  # both runs may end now
+    assert "[1/2] sw/lr=1e-3 is being trained by another sweep (kiln sweep, PID" in seen[-1]
+    out, err = first.communicate(timeout=300)
+    second_err = second.communicate(timeout=300)[1]
+    assert (first.returncode, second.returncode) == (0, 0), (err, second_err)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 2  # each point once
+    assert all((tmp_path / "sw" / p / "sweep_done.json").is_file()
+               for p in ("lr=1e-3", "lr=3e-3"))
+    assert not list((tmp_path / "sw").glob("*/sweep.lock"))

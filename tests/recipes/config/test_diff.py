@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,11 @@ def test_diff_reads_run_folders(tmp_path, capsys):
     (run / "recipe.toml").write_text(to_toml(recipe))
     assert main(["diff", str(CONFIGS / "debug.toml"), str(run)]) == 1
     assert "steps: 300 -> 3" in capsys.readouterr().out
+
+
+def test_a_resolved_recipe_of_the_release_before_the_rooms_loads_unchanged():
+    """Run folders and checkpoints keep their resolved recipe.toml; one written before the hooks
+    became a registered kind ([run.watchdog] without a type) resolves to today's recipe."""
+    old = load_recipe(Path(__file__).parent / "data" / "debug_resolved_0.1.0.toml")
+    assert not diff(old, load_recipe(CONFIGS / "debug.toml")).keys()
+    assert old.run.watchdog.type == "watchdog" and old.run.routing.type == "routing"

@@ -97,3 +97,69 @@ def test_bad_task_data_stops_the_run_before_its_first_step(tmp_path):
     with pytest.raises(DataError, match=r"task 'mc': .*bad.jsonl: example 0: answer 3 is out "
                                         "of range"):
         train(recipe_for("dense", tmp_path / "r", *task_flags(tmp_path, path=bad)))
+
+
+class Killed(BaseException):
+    """kill -9 at a chosen moment (nothing of the process runs after it but its cleanup)."""
+
+
+def test_pause_killed_at_each_publish_scores_every_step_exactly_once(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A pause killed after its snapshot is published and before the request is written: the
+    resume asks again for its own step. A `kiln eval --pending` killed after appending a result
+    and before removing the request: the rerun does not score it twice."""
+    from kiln.recipes.cli import main
+    from kiln.recipes.hooks import downstream
+
+    path = samples.write_jsonl(tmp_path / "tasks.jsonl", samples.rows(6))
+    run = tmp_path / "paused"
+    args = (f"--training.steps={STEPS}", "--checkpoint.enable=true", "--checkpoint.interval=0",
+            "--evals.mc.type=multiple_choice", f"--evals.mc.path='{path}'",
+            "--evals.mc.interval=2", "--evals.mc.mode=pause")
+    write_pending = downstream.write_pending
+
+    def killed(*a, **kw):
+        raise Killed
+
+    for step in (2, 4):  # each killed run trains on to its next pause
+        monkeypatch.setattr(downstream, "write_pending", killed)
+        with pytest.raises(Killed):
+            train(recipe_for("dense", run, *args))
+        assert (run / "checkpoints" / f"step_000000{step}").is_dir()
+        assert not (run / "pending_downstream_eval.json").exists()  # lost with the process
+        monkeypatch.setattr(downstream, "write_pending", write_pending)
+        losses, _ = train(recipe_for("dense", run, *args))  # the same command again
+        assert losses == [] and json.loads(
+            (run / "pending_downstream_eval.json").read_text())["step"] == step
+        request = (run / "pending_downstream_eval.json").read_text()
+        if step == 4:  # the task file edited after the pause: scored, with a warning
+            samples.write_jsonl(path, samples.rows(7))
+        capsys.readouterr()
+        assert main(["eval", str(run), "--pending"]) == 0
+        assert ("'mc': " + f"{path} changed since step 4 paused" in capsys.readouterr().err) \
+            is (step == 4)
+        (run / "pending_downstream_eval.json").write_text(request)  # killed before the unlink
+        assert main(["eval", str(run), "--pending"]) == 0
+        assert not (run / "pending_downstream_eval.json").exists()
+    scored = [json.loads(line) for line in (run / "downstream_eval.jsonl").read_text()
+              .splitlines()]
+    assert [(r["step"], list(r["tasks"])) for r in scored] == [(2, ["mc"]), (4, ["mc"])]
+    losses, _ = train(recipe_for("dense", run, *args))  # finished, and nothing owed
+    assert losses == [] and not (run / "pending_downstream_eval.json").exists()
+
+
+def test_rotation_keeps_a_snapshot_with_a_pending_evaluation(tmp_path):
+    """keep_last = 1 and a save every step: the paused step's snapshot stays until scored."""
+    from kiln.recipes.cli import main
+
+    path = samples.write_jsonl(tmp_path / "tasks.jsonl", samples.rows(6))
+    run = tmp_path / "r"
+    args = (f"--training.steps={STEPS}", "--checkpoint.enable=true", "--checkpoint.interval=1",
+            "--checkpoint.keep_last=1", "--evals.mc.type=multiple_choice",
+            f"--evals.mc.path='{path}'", "--evals.mc.interval=2", "--evals.mc.mode=pause")
+    train(recipe_for("dense", run, *args))  # pauses at step 2
+    train(recipe_for("dense", run, *args))  # on without evaluating: saves 3, pauses at 4
+    assert (run / "checkpoints" / "step_0000002").is_dir()
+    assert main(["eval", str(run), "--pending"]) == 0
+    assert [json.loads(line)["step"] for line in
+            (run / "downstream_eval.jsonl").read_text().splitlines()] == [2, 4]

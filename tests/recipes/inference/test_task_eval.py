@@ -86,3 +86,20 @@ def test_kiln_s_own_export_is_a_hugging_face_folder_to_evaluate(run, capsys, wri
         logged["eval/bpb/bits_per_byte"], rel=1e-6)
     assert main(["eval", str(export), "--list-tasks"]) == 0
     assert "multiple_choice" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"step": 2, "checkpoint": 5, "tasks": {"mc": {}}}, "checkpoint is 5, not a path"),
+    ({"step": "two", "checkpoint": "c", "tasks": {"mc": {}}}, "step is 'two', not a number"),
+    ({"step": 2, "checkpoint": "c", "tasks": ["mc"]}, "tasks is ['mc'], not a table"),
+    ({"step": 2, "checkpoint": "checkpoints/step_0000002", "tasks": {"mc": {}}},
+     "the snapshot of step 2, checkpoints/step_0000002, is gone"),
+])
+def test_a_damaged_or_stale_request_is_one_error_naming_it(tmp_path, capsys, request_, message):
+    if isinstance(request_["tasks"], dict):
+        request_["tasks"] = {"mc": {"type": "multiple_choice", "path": "tasks.jsonl"}}
+    (tmp_path / "pending_downstream_eval.json").write_text(json.dumps(request_))
+    assert main(["eval", str(tmp_path), "--pending"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert f"{tmp_path / 'pending_downstream_eval.json'}: " in err

@@ -75,15 +75,20 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
     try:
         proc.send_signal(signal.SIGKILL)  # kill -9 of the launcher alone
         proc.wait()
-        deadline = time.monotonic() + 30
-        while _alive(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker_pid)
+        assert gone_within([worker_pid], 30)
     finally:
         for pid in (worker_pid, child_pid):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.stdout.close()
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    """Whether every process of ``pids`` ends within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
@@ -131,18 +136,21 @@ def test_two_processes_fail_with_one_message_and_kiln_status(tmp_path):
     assert "kiln train: error:" in two.stderr and "model.dim: 32 -> 48" in two.stderr
 
 
-def _training(tmp_path) -> tuple[subprocess.Popen, dict[int, int]]:
-    """`NGPU=2 ./run_train.sh` (its own process group) once it trains: (launcher, rank -> pid)."""
+def _training(tmp_path, *extra: str,
+              until: str = "metrics.jsonl") -> tuple[subprocess.Popen, dict[int, int]]:
+    """`NGPU=2 ./run_train.sh` (its own process group) once RUN/``until`` exists: (launcher,
+    rank -> pid)."""
     cmd = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=100000",
            "--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
            "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--data.max_bytes=300000",
            "--data.eval_fraction=0.2", "--eval.interval=0", "--checkpoint.enable=false",
-           "--run.log_interval=1", "--run.progress_bar=false", f"--run.folder={tmp_path / 'r'}"]
+           "--run.log_interval=1", "--run.progress_bar=false", f"--run.folder={tmp_path / 'r'}",
+           *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "NGPU": "2"}, text=True,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    while not (tmp_path / "r" / "metrics.jsonl").exists():
+    while not (tmp_path / "r" / until).exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
     ranks = {}
@@ -170,13 +178,40 @@ def test_the_workers_die_with_their_launcher(tmp_path):
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # kill -9 -PGID of `NGPU=2 ./run_train.sh`
         proc.wait()
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in ranks.values())
+        assert gone_within(list(ranks.values()), 30)
     finally:
         for pid in ranks.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.stdout.close()
         proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_in_a_checkpoint_save_ends_the_run_at_the_collective_timeout(tmp_path):
+    proc, ranks = _training(tmp_path, "--checkpoint.enable=true", "--checkpoint.interval=20",
+                            "--parallelism.collective_timeout_s=5",
+                            "--parallelism.flight_recorder=50",
+                            until="checkpoints/step_0000020")
+    root = tmp_path / "r" / "checkpoints"
+    try:
+        while not any(p.name.startswith(".tmp-") for p in root.iterdir()):  # the next save
+            assert proc.poll() is None
+            time.sleep(0.002)
+        os.kill(ranks[1], signal.SIGSTOP)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    # 5 s collective timeout + torchrun's 30 s before it SIGKILLs the stopped rank
+    assert proc.returncode == 1 and took < 45, (took, err)
+    assert "Timed out waiting 5000ms" in err
+    trace = json.loads((tmp_path / "r" / "hang" / "rank_0.flight_recorder.json").read_text())
+    assert 0 < len(trace["entries"]) <= 50
+    from kiln.checkpointing import layout
+
+    assert [p.name for _, p in layout.list_checkpoints(root)] == ["step_0000020"]
+    assert layout.is_complete(root / "step_0000020")
