@@ -80,7 +80,7 @@ exit ${{FAIL:-0}}
 def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
     _fake_run_train(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[3]))
     monkeypatch.setenv("NGPU", "2")  # several processes: through ./run_train.sh
     args = ["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,3e-3", "--out", "sw",
             "--training.steps=5"]
@@ -122,7 +122,7 @@ def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatc
     assert "#SBATCH --array=0-1" in text and not (tmp_path / "calls.txt").exists()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1",
            "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_JOB_NUM_NODES": "2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     subprocess.run(["bash", str(script)], env=env, check=True, cwd="/")
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 1 and "--optimizer.lr=3e-3" in calls[0]
@@ -152,7 +152,7 @@ def test_a_sweep_killed_with_kill_9_takes_its_training_run_along(tmp_path):
     script = tmp_path / "run_train.sh"  # a stand-in training run: its PID, then it waits
     script.write_text(f"#!/bin/bash\necho $$ > {tmp_path}/child.pid\nexec sleep 600\n")
     script.chmod(0o755)
-    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     sweep = subprocess.Popen([sys.executable, "-m", "kiln.recipes.cli", "sweep", DEBUG, "--grid",
                               "optimizer.lr=1e-3,3e-3", "--out", "sw"], cwd=tmp_path, env=env,
                              stdout=subprocess.DEVNULL)
@@ -189,7 +189,7 @@ while not pathlib.Path('{tmp_path}/release').exists():
 make_run(pathlib.Path(sys.argv[1]))" "$f"
 """)
     script.chmod(0o755)
-    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     cmd = [sys.executable, "-m", "kiln.recipes.cli", "sweep", DEBUG, "--grid",
            "optimizer.lr=1e-3,3e-3", "--out", "sw"]
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,

@@ -14,7 +14,7 @@ from pathlib import Path
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 
-CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "train_configs"
 TINY = [
     "--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
     "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=4",
