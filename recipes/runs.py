@@ -35,7 +35,7 @@ class Run:
     def metric_keys(self) -> list[str]:
         """Every numeric metric the run logged, sorted."""
         return sorted({k for r in self.records for k, v in r.items()
-                       if k not in ("step", "time") and _number(v) is not None})
+                       if k not in ("step", "time", "session") and _number(v) is not None})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -59,12 +59,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A resumed run logs again the steps after its checkpoint: the later lines win. Lines of
-    one kind (training, evaluation) whose step is not above the previous line's of that kind
-    drop the earlier lines from that step on."""
+    """A resumed run logs again the steps after its checkpoint: the later lines win. The first
+    line of each session carries ``session: {"from_step": S}`` (``MetricsWriter``): the earlier
+    lines above step S go. Files from before that marker, and lines the marker cannot place,
+    go by their keys: a line whose step is not above the previous step of lines with the same
+    keys drops those lines from that step on (the tasks of one evaluation log one line each at
+    the same step, with different keys)."""
     kept: list[dict[str, Any]] = []
-    last: dict[str, int] = {}
+    last: dict[Any, int] = {}
     for rec in records:
+        start = _session_start(rec)
+        if start is not None:
+            kept = [r for r in kept if r["step"] <= start]
+            last = {}
         kind = _kind(rec)
         if kind in last and rec["step"] <= last[kind]:
             kept = [r for r in kept if _kind(r) != kind or r["step"] < rec["step"]]
@@ -73,13 +80,18 @@ def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def _kind(rec: dict[str, Any]) -> str:
-    """Training lines hold the loss; other lines are named by their first key's prefix
-    (``eval/``, ``diag/``, ...)."""
+def _session_start(rec: dict[str, Any]) -> int | None:
+    marker = rec.get("session")
+    start = marker.get("from_step") if isinstance(marker, dict) else None
+    return start if isinstance(start, int) and not isinstance(start, bool) else None
+
+
+def _kind(rec: dict[str, Any]) -> Any:
+    """Training lines hold the loss (their other keys vary: MFU, guard counters); any other
+    line is named by its keys (an evaluation's, one task's, the diagnostics')."""
     if "loss" in rec:
         return "train"
-    first = next((k for k in rec if k not in ("step", "time")), "")
-    return first.split("/", 1)[0]
+    return frozenset(k for k in rec if k not in ("step", "time", "session"))
 
 
 def open_run(path: str | Path, *, need_metrics: bool = True) -> Run:

@@ -348,6 +348,7 @@ class Trainer:
                            "--run.folder to start over)")
                 return self.progress
             self._start_from_pretrained()
+            self.metrics.begin_session(self.progress.step)  # after the resume set the step
             batches = iter(self.train_loader)
             self.model.train()
             set_progress = getattr(self.model, "set_progress", None)  # schedules inside a model

@@ -85,3 +85,54 @@ def test_series_x_axes(tmp_path):
     assert series(run, "loss", "tokens") == ([20480.0, 40960.0, 61440.0], [3.0, 2.0, 1.0])
     assert series(run, "loss", "time")[0] == [2.0, 4.0, 6.0]
     assert series(run, "eval/loss", "tokens") == ([61440.0], [2.0])  # from the train lines
+
+
+def test_eval_lines_of_several_tasks_at_one_step_all_survive(tmp_path):
+    """In-loop tasks log one line each at the same step: none of them is a resumed session."""
+    lines = [{"step": 10, "loss": 3.0}, {"step": 10, "eval/loss": 2.9},
+             {"step": 10, "eval/mc/acc": 0.3, "eval/mc/acc_norm": 0.3},
+             {"step": 10, "eval/em/exact_match": 0.0},
+             {"step": 20, "loss": 2.0}, {"step": 20, "eval/loss": 2.1},
+             {"step": 20, "eval/mc/acc": 0.4, "eval/mc/acc_norm": 0.4},
+             {"step": 20, "eval/em/exact_match": 0.1}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert read_jsonl(path) == lines
+    # an old file without session markers: a resumed session re-logging step 20 still wins
+    again = [{"step": 20, "loss": 1.9}, {"step": 20, "eval/loss": 2.05},
+             {"step": 20, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.5}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines + again))
+    kept = read_jsonl(path)
+    assert [r for r in kept if r["step"] == 20] == [{"step": 20, "eval/em/exact_match": 0.1},
+                                                    *again]
+
+
+def test_session_marker_drops_what_the_earlier_session_logged_after_its_checkpoint(tmp_path):
+    """A session's first line says where it resumed from: the earlier session's later lines go,
+    whatever their keys (here a task the resumed session no longer runs)."""
+    lines = [{"step": 10, "loss": 3.0, "session": {"from_step": 0}},
+             {"step": 20, "loss": 2.5}, {"step": 20, "eval/old/acc": 0.2},
+             {"step": 30, "loss": 2.4}, {"step": 30, "eval/old/acc": 0.3},
+             {"step": 30, "loss": 2.2, "session": {"from_step": 20}},
+             {"step": 30, "eval/new/acc": 0.6}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kept = read_jsonl(path)
+    assert [(r["step"], sorted(set(r) - {"step", "session"})) for r in kept] == [
+        (10, ["loss"]), (20, ["loss"]), (20, ["eval/old/acc"]), (30, ["loss"]),
+        (30, ["eval/new/acc"])]
+    run = make_run(tmp_path / "run")
+    (run / "metrics.jsonl").write_text(path.read_text())
+    assert "session" not in open_run(run).metric_keys()
+
+
+def test_plot_and_compare_see_every_task_line(tmp_path, capsys):
+    run = make_run(tmp_path / "r", evals=())
+    with (run / "metrics.jsonl").open("a") as f:
+        for step in (10, 20, 30):
+            for line in ({"eval/loss": 3.0 - step / 100}, {"eval/mc/acc": step / 100}):
+                f.write(json.dumps({"step": step, **line}) + "\n")
+    assert series(open_run(run), "eval/loss") == ([10.0, 20.0, 30.0], [2.9, 2.8, 2.7])
+    assert main(["compare", str(run), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["eval_loss"], row["best_eval_loss"]) == (2.7, 2.7)
