@@ -3,7 +3,8 @@
 Used by ``kiln compare``, ``kiln plot``, ``kiln sweep`` and the trainer's plot refresh. A run
 folder holds ``recipe.toml`` (written after the first step) and ``metrics.jsonl`` (one JSON
 object per logged step: training lines, evaluation lines); an MoE run also ``experts.jsonl``
-(per-expert loads, written by the routing-health hook).
+(per-expert loads, written by the routing-health hook); a run with ``mode = "pause"`` tasks
+``downstream_eval.jsonl`` (their scores, written by ``kiln eval RUN --pending``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kiln.components.errors import RecipeError
 
 # What a run folder looks like, for the messages that reject one.
 EXPERTS_FILE = "experts.jsonl"  # per-expert loads of MoE runs (recipes/routing_hook.py)
+DOWNSTREAM_FILE = "downstream_eval.jsonl"  # pause-mode task scores (recipes/task_eval.py)
 RUN_FOLDER = "a run folder holds recipe.toml and metrics.jsonl (runs/<name>/ after `kiln train`)"
 
 
@@ -212,10 +214,50 @@ def summary(run: Run) -> dict[str, Any]:
         "mfu": _median([r.get("mfu") for r in train[1:] or train]),
         "wall_clock_s": sum(float(r.get("interval_s", 0.0)) for r in train) or _span(run),
     }
-    for key in run.metric_keys():
-        if key.startswith("downstream/"):
-            out[key] = _last(run, key)
+    for name, (metric, points) in task_scores(run).items():
+        out[f"task/{name}"] = points[-1][1]
+        out.setdefault("task_metrics", {})[name] = metric
     return out
+
+
+def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """Per downstream task: its headline metric and its (step, value) points, by step, from
+    the in-loop lines (``eval/<task>/<metric>``) and ``downstream_eval.jsonl``."""
+    types = {name: cfg.type for name, cfg in run.recipe.evals.items()}
+    logged: dict[str, dict[str, dict[int, float]]] = {}  # task -> metric -> step -> value
+    for rec in run.records:
+        for key, value in rec.items():
+            head, _, metric = key.rpartition("/")
+            if head.startswith("eval/") and (number := _number(value)) is not None:
+                logged.setdefault(head[5:], {}).setdefault(metric, {})[rec["step"]] = number
+    path = run.folder / DOWNSTREAM_FILE
+    for rec in read_jsonl(path) if path.is_file() else []:
+        tasks = rec.get("tasks")
+        for name, result in (tasks.items() if isinstance(tasks, dict) else ()):
+            metrics = result.get("metrics") if isinstance(result, dict) else None
+            if not isinstance(metrics, dict):
+                continue
+            types.setdefault(name, str(result.get("type", "")))
+            for metric, value in metrics.items():
+                if (number := _number(value)) is not None:
+                    logged.setdefault(name, {}).setdefault(metric, {})[rec["step"]] = number
+    out = {}
+    for name, metrics in logged.items():
+        metric = _headline(types.get(name, ""), list(metrics))
+        out[name] = (metric, sorted(metrics[metric].items()))
+    return out
+
+
+def _headline(task_type: str, metrics: list[str]) -> str:
+    """The task kind's ``headline`` metric (components/evals), else the first one logged (a
+    kind no longer registered, or one without a headline)."""
+    from kiln.components import registry
+
+    try:
+        name = getattr(registry.get("task", task_type).obj, "headline", "")
+    except registry.RegistryError:
+        name = ""
+    return name if name in metrics else metrics[0]
 
 
 def _last(run: Run, key: str) -> float | None:

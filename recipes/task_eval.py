@@ -20,9 +20,10 @@ from kiln.components.errors import RecipeError
 from kiln.components.evals import presets, runner
 from kiln.components.evals.scorer import Scorer
 from kiln.recipes.downstream import PENDING, greedy_generate, model_context, plan_tasks
+from kiln.recipes.runs import DOWNSTREAM_FILE
 from kiln.recipes.schema import Recipe
 
-RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
+RESULTS = DOWNSTREAM_FILE  # in the run folder: one line per `--pending` evaluation
 
 
 def warn(text: str) -> None:
