@@ -121,6 +121,9 @@ def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatc
     script = tmp_path / "sw" / "sweep.sbatch"
     text = script.read_text()
     assert "#SBATCH --array=0-1" in text and not (tmp_path / "calls.txt").exists()
+    # --output is relative to the job's working folder: the one the sweep was emitted from
+    assert f"#SBATCH --chdir={tmp_path}\n" in text
+    assert text.index("#SBATCH --chdir=") < text.index("#SBATCH --output=sw/")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1",
            "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_JOB_NUM_NODES": "2",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
