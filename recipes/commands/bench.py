@@ -27,11 +27,15 @@ _BENCH_OVERRIDES = [
     "--eval.at_end=false", "--checkpoint.enable=false",
 ]
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="measured steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unmeasured steps first (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--loops", default="", help="looped models: peak activation memory of "
                         "one step at each H (e.g. 4,8,16), segment length K from the recipe")

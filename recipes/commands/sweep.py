@@ -14,6 +14,8 @@ from kiln.components.errors import RecipeError
 from kiln.recipes.recipe import load_recipe
 from kiln.recipes.sweep import expand, mark_done, parse_grid, slurm_script
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from kiln.recipes.recipe import load_recipe
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+EPILOG = ("Several processes: NGPU=N ./run_train.sh RECIPE [--key=value ...] "
+          "(torchrun; NNODES, NODE_RANK and RDZV_ENDPOINT for several nodes).")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file (or a run folder to continue)")

@@ -21,6 +21,10 @@ from kiln.recipes.model_inputs import ModelInputs
 from kiln.recipes.optimizer_set import OptimizerSet
 from kiln.recipes.recipe import load_recipe
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+EPILOG = ("NGPU in the environment: the world size to plan for, as "
+          "./run_train.sh runs it (--world-size wins).")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipes", nargs="+", help="recipe files")
