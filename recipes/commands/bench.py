@@ -76,7 +76,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, checkpoints=False, out=sink)
             # First of the hooks: a step ends before the others run, so the log line of the
-            # last step (which measures the matmul peak for MFU, ~0.25 s) is not timed.
+            # last step is not timed. (The peak for MFU is found at the start: a cached
+            # number, or once per machine a ~1-2 s probe counted in "first step".)
             trainer.hooks.insert(0, timer)
             startup.update(trainer.startup_s)
             devices.reset_peak_memory(trainer.device)
