@@ -26,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("kiln.recipes.commands.diff", "compare two recipes, run folders or checkpoints"),
     "bench": ("kiln.recipes.commands.bench", "measure tokens/s, MFU, memory of a recipe"),
     "eval": ("kiln.recipes.commands.eval",
-             "held-out loss of a run's checkpoint; --loops 1,2,4,8 for looped models"),
+             "a checkpoint's held-out loss (--loops 1,2,4,8: per loop count of a looped model) "
+             "or downstream task scores (--tasks NAME,...; --pending: a paused run's)"),
     "data": ("kiln.recipes.commands.data",
              "prepare a dataset folder from text: packed documents or balanced_shards shards"),
     "tokenizer": ("kiln.recipes.commands.tokenizer",
@@ -47,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("kiln.recipes.commands.sweep",
               "train a grid of overrides one run after another (resumable) or as a SLURM array"),
 }
+
+# The epilog of a command whose module sets TAKES_OVERRIDES (its usage line gets the overrides).
+OVERRIDES_HELP = ("--key=value: a recipe key after the recipe overrides its TOML, e.g. "
+                  "--training.steps=100 --optimizer.lr=3e-3 (kiln list shows the keys).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.run(argparse.Namespace(argv=argv_rest, overrides=[])) or 0)
         except KilnError as exc:
             return _fail(name, exc.exit_code, str(exc))
-    cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
+    overrides_too = getattr(module, "TAKES_OVERRIDES", False)
+    epilog = " ".join(t for t in (OVERRIDES_HELP if overrides_too else "",
+                                  getattr(module, "EPILOG", "")) if t)
+    cmd_parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1],
+                                         epilog=epilog or None)
     module.add_arguments(cmd_parser)
+    if overrides_too:  # not argparse options (split off below): the usage line says so
+        usage = cmd_parser.format_usage().removeprefix("usage: ").rstrip()
+        cmd_parser.usage = f"{usage} [--key=value ...]"
     # Recipe overrides (--a.b=c) are not argparse options: split them off first (not the
     # value of an option of the command: `kiln sweep R --grid optimizer.lr=1e-3,3e-3`).
     overrides, rest = _split_overrides(cmd_parser, argv[1:])

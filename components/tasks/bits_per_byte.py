@@ -45,6 +45,7 @@ class BitsPerByte(common.Task):
 
     Config = BitsPerByteConfig
     columns = ["nll"]
+    headline = "bits_per_byte"
 
     def rows(self) -> tuple[list[dict], str]:
         if self.cfg.path.endswith(".txt"):

@@ -91,6 +91,9 @@ class Plan:
 class Task:
     """Base of the built-in kinds: the examples, their fields and few-shot shots."""
 
+    # the metric that stands for the task in `kiln compare` ("" = the first of summarize())
+    headline: ClassVar[str] = ""
+
     def __init__(self, cfg: TaskConfig, *, name: str = "task") -> None:
         self.cfg = cfg
         self.name = name

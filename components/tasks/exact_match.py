@@ -71,6 +71,7 @@ class ExactMatch(common.Task):
 
     Config = ExactMatchConfig
     columns = ["exact_match"]
+    headline = "exact_match"
 
     def _prompt(self, row: dict, where: str) -> tuple[str, str]:
         prompt_text = task_files.text(row, self.path_of("prompt"), where)

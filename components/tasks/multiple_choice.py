@@ -91,6 +91,7 @@ class MultipleChoice(common.Task):
 
     Config = MultipleChoiceConfig
     columns = ["acc", "acc_norm", "acc_bytes"]
+    headline = "acc"
 
     def _fields(self, row: dict, where: str) -> tuple[str, list[str], int]:
         cfg = self.cfg

@@ -27,11 +27,15 @@ _BENCH_OVERRIDES = [
     "--eval.at_end=false", "--checkpoint.enable=false",
 ]
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="measured steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unmeasured steps first (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--loops", default="", help="looped models: peak activation memory of "
                         "one step at each H (e.g. 4,8,16), segment length K from the recipe")
@@ -72,7 +76,8 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         with open(os.devnull, "w") as sink:
             trainer = Trainer(recipe, checkpoints=False, out=sink)
             # First of the hooks: a step ends before the others run, so the log line of the
-            # last step (which measures the matmul peak for MFU, ~0.25 s) is not timed.
+            # last step is not timed. (The peak for MFU is found at the start: a cached
+            # number, or once per machine a ~1-2 s probe counted in "first step".)
             trainer.hooks.insert(0, timer)
             startup.update(trainer.startup_s)
             devices.reset_peak_memory(trainer.device)

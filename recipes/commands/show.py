@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kiln.recipes.config.files import load_recipe, to_toml
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file, run folder or checkpoint folder")

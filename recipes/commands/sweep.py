@@ -19,6 +19,8 @@ from kiln.recipes.runs.sweep import expand, mark_done, parse_grid, slurm_script
 
 CLAIM = "sweep.lock"  # a point's folder, held by the sweep training it (run_lock.RunLock)
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file")

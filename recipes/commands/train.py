@@ -7,6 +7,10 @@ from pathlib import Path
 from kiln.components.errors import KilnError
 from kiln.recipes.config.files import load_recipe
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+EPILOG = ("Several processes: NGPU=N ./run_train.sh RECIPE [--key=value ...] "
+          "(torchrun; NNODES, NODE_RANK and RDZV_ENDPOINT for several nodes).")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipe", help="recipe file (or a run folder to continue)")

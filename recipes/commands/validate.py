@@ -22,6 +22,10 @@ from kiln.recipes.training.layout_report import layout_report
 from kiln.recipes.training.model_inputs import ModelInputs
 from kiln.recipes.training.optimizer_set import OptimizerSet
 
+TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
+EPILOG = ("NGPU in the environment: the world size to plan for, as "
+          "./run_train.sh runs it (--world-size wins).")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("recipes", nargs="+", help="recipe files")

@@ -22,6 +22,9 @@ class LogHook(Hook):
         self._over = False
 
     def on_train_start(self, trainer) -> None:
+        # The peak for MFU (its notice line) now, before any step or checkpoint line; a
+        # measured peak is cached per machine (flops.py), so this costs ~1 s once.
+        trainer.peak_flops  # noqa: B018 - a cached property: found and printed once
         self._t0 = time.perf_counter()
         self._tokens0 = trainer.progress.tokens
 

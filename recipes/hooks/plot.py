@@ -31,12 +31,14 @@ class PlotHook(Hook):
             require_matplotlib("run.plot_interval")  # fail before the first step, not after
 
     def on_step_end(self, trainer, result) -> None:
-        if trainer.progress.step % self.interval == 0:
+        step = trainer.progress.step
+        if step % self.interval == 0 and step < trainer.total_steps:  # the last: at the end
             self.draw(trainer)
 
     def on_train_end(self, trainer) -> None:
-        if trainer.progress.step % self.interval:
-            self.draw(trainer)
+        # After the evaluation hooks' on_train_end (they have higher priorities): the final
+        # evaluation is in.
+        self.draw(trainer)
 
     def draw(self, trainer) -> None:
         if not trainer.world.is_main:

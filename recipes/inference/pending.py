@@ -9,9 +9,10 @@ import json
 from pathlib import Path
 
 from kiln.checkpointing import layout
+from kiln.recipes.runs.read import DOWNSTREAM_FILE
 
 PENDING = "pending_downstream_eval.json"
-RESULTS = "downstream_eval.jsonl"  # in the run folder: one line per `--pending` evaluation
+RESULTS = DOWNSTREAM_FILE  # in the run folder: one line per `--pending` evaluation
 
 
 def requested(run_dir: Path, log) -> set[tuple[int, str]]:

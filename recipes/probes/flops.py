@@ -1,13 +1,22 @@
 """Peak FLOP/s for MFU, in the dtype the GEMMs actually run in: a datasheet table by GPU name
 and dtype, a measured matmul probe where the table has no entry (CPU, unknown GPUs), and a
 one-line notice naming the peak used. An MFU above 100% means the peak is wrong: ``mfu()``
-reports none then (peers shipped >100% MFU on new GPUs, OLMo-core #817, torchtitan #1201)."""
+reports none then (peers shipped >100% MFU on new GPUs, OLMo-core #817, torchtitan #1201).
+
+A probe timed at start-up moves with whatever else the machine runs (6x between two runs on a
+shared box), and MFU would move with it: a measured peak is measured once per machine (CPU
+model or GPU name, thread count, dtype, torch version; the best of several rounds) and cached
+in ``$KILN_CACHE/peak_flops.json``, so runs of one machine share one peak."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,6 +43,7 @@ class Peak:
     flops: float  # per device; 0 = unknown (no MFU)
     dtype: str  # fp8, bf16, tf32, fp32
     source: str  # where the number comes from
+    warning: str = ""  # e.g. an unreadable peak cache, measured again
 
     def notice(self) -> str:
         if not self.flops:
@@ -74,12 +84,79 @@ def peak_flops(device_type: str, dtype: str = "fp32") -> Peak:
     elif device_type != "cpu":  # no table for other accelerators, nor a synchronised probe
         return Peak(0.0, dtype, f"{device_type} (no datasheet table, no probe)")
     try:
-        rate = matmul_probe(dtype, device_type)
+        rate, cached, warning = measured_peak(dtype, device_type)
     except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. no fp8 matmul here
         return Peak(0.0, dtype, f"{device_type} (the {dtype} probe failed: {exc})")
-    where = torch.cuda.get_device_name() if device_type == "cuda" else (
-        f"cpu, {torch.get_num_threads()} threads")
-    return Peak(rate, dtype, f"{where}, measured: {dtype} matmul probe")
+    return Peak(rate, dtype, f"{machine(device_type)}, {dtype} matmul probe {cached}", warning)
+
+
+PROBE_ROUNDS = 5  # the best round is the peak: a round slowed by other work does not count
+PROBE_BUDGET_S = 2.0  # fewer rounds where one is slow (fp8 through _scaled_mm on a CPU)
+
+
+def machine(device_type: str) -> str:
+    """What a measured peak belongs to: the GPU's name, or the CPU model and thread count."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    threads = torch.get_num_threads()
+    return f"cpu {cpu_model()}, {threads} thread{'s' * (threads != 1)}"
+
+
+def cpu_model() -> str:
+    info = Path("/proc/cpuinfo")
+    for line in (info.read_text(errors="replace").splitlines() if info.is_file() else []):
+        if line.startswith("model name") and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def peak_cache() -> Path:
+    """Measured peaks of this machine: beside kiln's data cache ($KILN_CACHE)."""
+    return Path(os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser() / "peak_flops.json"
+
+
+def measured_peak(dtype: str, device_type: str) -> tuple[float, str, str]:
+    """(FLOP/s, where it came from, a warning or ""): the cached measurement of this machine,
+    else the best of ``PROBE_ROUNDS`` probes, then cached."""
+    path, key = peak_cache(), f"{machine(device_type)} | {dtype} | torch {torch.__version__}"
+    entries, warning = read_peak_cache(path)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and _positive(entry.get("flops")):
+        return float(entry["flops"]), f"measured once on this machine, cached in {path}", warning
+    rates, started = [], time.perf_counter()
+    while len(rates) < PROBE_ROUNDS and time.perf_counter() - started < PROBE_BUDGET_S:
+        rates.append(matmul_probe(dtype, device_type, seconds=0.2))
+    rate = max(rates)
+    entries[key] = {"flops": rate, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:  # through a temporary file and a rename: a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        warning = f"{warning}; " * bool(warning) + f"kiln: warning: {path}: the peak is not " \
+            f"cached ({exc}); the next run measures it again"
+    return rate, f"measured now, cached in {path}", warning
+
+
+def read_peak_cache(path: Path) -> tuple[dict, str]:
+    """(entries, warning): a missing file is empty; an unreadable one too, with a warning."""
+    if not path.is_file():
+        return {}, ""
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        entries, problem = None, str(exc)
+    else:
+        problem = "not a JSON object"
+    if isinstance(entries, dict):
+        return entries, ""
+    return {}, (f"kiln: warning: {path}: not a peak cache ({problem}); the peak is measured "
+                "again and the file rewritten")
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float = 0.25) -> float:
@@ -113,6 +190,8 @@ def trainer_peak(trainer) -> float:
     dtype = gemm_dtype(trainer.recipe.training, trainer.recipe.parallelism,
                        bool(trainer.parallel.float8_modules), trainer.device.type)
     peak = peak_flops(trainer.device.type, dtype)
+    if peak.warning:
+        trainer.print(peak.warning)
     trainer.print(peak.notice())
     return peak.flops
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from kiln.components.errors import KilnError, RecipeError
+from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, short_names
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, open_run, pick, read_jsonl, series
 
@@ -60,21 +62,46 @@ def _value(v) -> str:
 
 def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
     """The metric keys to draw. Names the user gave must each match a key some run logged;
-    the default names are drawn where present."""
+    the default names are drawn where present. A key whose series equal another's in every
+    run (``lr/main/no_decay`` beside ``lr/main`` under one schedule) is not drawn twice."""
     wanted = list(names) if names else list(DEFAULT_METRICS)
+    logged = sorted({k for run in runs for k in run.metric_keys()})
     keys: list[str] = []
     for name in wanted:
         found = sorted({k for run in runs for k in pick(run, [name])})
         if not found and names:
-            logged = sorted({k for run in runs for k in run.metric_keys()})
-            raise RecipeError(
-                f"--metrics: no run logged {name!r}; the runs logged: {', '.join(logged)}")
+            raise RecipeError(f"--metrics: no run logged {name!r}{did_you_mean(name, logged)}; "
+                              + logged_keys(logged))
         keys += [k for k in found if k not in keys]
     if not keys:
-        logged = sorted({k for run in runs for k in run.metric_keys()})
-        raise RecipeError(f"none of {', '.join(wanted)} was logged; the runs logged: "
-                          f"{', '.join(logged)}")
-    return keys
+        raise RecipeError(f"none of {', '.join(wanted)} was logged; " + logged_keys(logged))
+    drawn: list[str] = []
+    for key in keys:
+        if not any(all(series(r, key) == series(r, k) for r in runs) for k in drawn):
+            drawn.append(key)
+    return drawn
+
+
+def logged_keys(logged: list[str]) -> str:
+    """The logged keys, short: a prefix shared by several keys once (``diag/... (40 keys)``;
+    the prefix selects them all), wrapped."""
+    groups: dict[str, list[str]] = {}
+    for key in logged:
+        groups.setdefault(key.split("/", 1)[0], []).append(key)
+    shown = [ks[0] if len(ks) == 1 else f"{head}/... ({len(ks)} keys)"
+             for head, ks in groups.items()]
+    return "the runs logged:\n" + textwrap.fill(", ".join(shown), width=96,
+                                                initial_indent="  ", subsequent_indent="  ")
+
+
+def plot_series(ax, xs: list[float], ys: list[float], label: str) -> None:
+    """One run's line; a lone point (one evaluation) as a marker with its value beside it."""
+    if len(xs) == 1:
+        ax.plot(xs, ys, label=label, marker="o", markersize=7, linestyle="none")
+        ax.annotate(f"{ys[0]:.4g}", (xs[0], ys[0]), textcoords="offset points", xytext=(6, 4),
+                    fontsize="small")
+    else:
+        ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
 
 
 def smooth(ys: list[float], n: int) -> list[float]:
@@ -128,7 +155,7 @@ def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
         for run, lab in zip(runs, labels, strict=True):
             xs, ys = series(run, key, x)
             if xs:
-                ax.plot(xs, smooth(ys, smooth_n), label=lab, marker="." if len(xs) < 30 else None)
+                plot_series(ax, xs, smooth(ys, smooth_n), lab)
         ax.set_title(key + (f" (smoothed over {smooth_n})" if smooth_n > 1 else ""))
         ax.set_xlabel(X_LABELS[x])
         ax.grid(alpha=0.3)

@@ -3,7 +3,8 @@
 Used by ``kiln compare``, ``kiln plot``, ``kiln sweep`` and the trainer's plot refresh. A run
 folder holds ``recipe.toml`` (written after the first step) and ``metrics.jsonl`` (one JSON
 object per logged step: training lines, evaluation lines); an MoE run also ``experts.jsonl``
-(per-expert loads, written by the routing-health hook).
+(per-expert loads, written by the routing-health hook); a run with ``mode = "pause"`` tasks
+``downstream_eval.jsonl`` (their scores, written by ``kiln eval RUN --pending``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kiln.components.errors import RecipeError
 
 # What a run folder looks like, for the messages that reject one.
 EXPERTS_FILE = "experts.jsonl"  # per-expert loads of MoE runs (recipes/hooks/routing.py)
+DOWNSTREAM_FILE = "downstream_eval.jsonl"  # pause-mode task scores (recipes/inference/pending.py)
 RUN_FOLDER = "a run folder holds recipe.toml and metrics.jsonl (runs/<name>/ after `kiln train`)"
 
 
@@ -35,7 +37,7 @@ class Run:
     def metric_keys(self) -> list[str]:
         """Every numeric metric the run logged, sorted."""
         return sorted({k for r in self.records for k, v in r.items()
-                       if k not in ("step", "time") and _number(v) is not None})
+                       if k not in ("step", "time", "session") and _number(v) is not None})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -59,12 +61,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A resumed run logs again the steps after its checkpoint: the later lines win. Lines of
-    one kind (training, evaluation) whose step is not above the previous line's of that kind
-    drop the earlier lines from that step on."""
+    """A resumed run logs again the steps after its checkpoint: the later lines win. The first
+    line of each session carries ``session: {"from_step": S}`` (``MetricsWriter``): the earlier
+    lines above step S go. Files from before that marker, and lines the marker cannot place,
+    go by their keys: a line whose step is not above the previous step of lines with the same
+    keys drops those lines from that step on (the tasks of one evaluation log one line each at
+    the same step, with different keys)."""
     kept: list[dict[str, Any]] = []
-    last: dict[str, int] = {}
+    last: dict[Any, int] = {}
     for rec in records:
+        start = _session_start(rec)
+        if start is not None:
+            kept = [r for r in kept if r["step"] <= start]
+            last = {}
         kind = _kind(rec)
         if kind in last and rec["step"] <= last[kind]:
             kept = [r for r in kept if _kind(r) != kind or r["step"] < rec["step"]]
@@ -73,13 +82,18 @@ def _latest_session(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def _kind(rec: dict[str, Any]) -> str:
-    """Training lines hold the loss; other lines are named by their first key's prefix
-    (``eval/``, ``diag/``, ...)."""
+def _session_start(rec: dict[str, Any]) -> int | None:
+    marker = rec.get("session")
+    start = marker.get("from_step") if isinstance(marker, dict) else None
+    return start if isinstance(start, int) and not isinstance(start, bool) else None
+
+
+def _kind(rec: dict[str, Any]) -> Any:
+    """Training lines hold the loss (their other keys vary: MFU, guard counters); any other
+    line is named by its keys (an evaluation's, one task's, the diagnostics')."""
     if "loss" in rec:
         return "train"
-    first = next((k for k in rec if k not in ("step", "time")), "")
-    return first.split("/", 1)[0]
+    return frozenset(k for k in rec if k not in ("step", "time", "session"))
 
 
 def open_run(path: str | Path, *, need_metrics: bool = True) -> Run:
@@ -211,10 +225,50 @@ def summary(run: Run) -> dict[str, Any]:
         "mfu": _median([r.get("mfu") for r in train[1:] or train]),
         "wall_clock_s": sum(float(r.get("interval_s", 0.0)) for r in train) or _span(run),
     }
-    for key in run.metric_keys():
-        if key.startswith("downstream/"):
-            out[key] = _last(run, key)
+    for name, (metric, points) in task_scores(run).items():
+        out[f"task/{name}"] = points[-1][1]
+        out.setdefault("task_metrics", {})[name] = metric
     return out
+
+
+def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """Per downstream task: its headline metric and its (step, value) points, by step, from
+    the in-loop lines (``eval/<task>/<metric>``) and ``downstream_eval.jsonl``."""
+    types = {name: cfg.type for name, cfg in run.recipe.evals.items()}
+    logged: dict[str, dict[str, dict[int, float]]] = {}  # task -> metric -> step -> value
+    for rec in run.records:
+        for key, value in rec.items():
+            head, _, metric = key.rpartition("/")
+            if head.startswith("eval/") and (number := _number(value)) is not None:
+                logged.setdefault(head[5:], {}).setdefault(metric, {})[rec["step"]] = number
+    path = run.folder / DOWNSTREAM_FILE
+    for rec in read_jsonl(path) if path.is_file() else []:
+        tasks = rec.get("tasks")
+        for name, result in (tasks.items() if isinstance(tasks, dict) else ()):
+            metrics = result.get("metrics") if isinstance(result, dict) else None
+            if not isinstance(metrics, dict):
+                continue
+            types.setdefault(name, str(result.get("type", "")))
+            for metric, value in metrics.items():
+                if (number := _number(value)) is not None:
+                    logged.setdefault(name, {}).setdefault(metric, {})[rec["step"]] = number
+    out = {}
+    for name, metrics in logged.items():
+        metric = _headline(types.get(name, ""), list(metrics))
+        out[name] = (metric, sorted(metrics[metric].items()))
+    return out
+
+
+def _headline(task_type: str, metrics: list[str]) -> str:
+    """The task kind's ``headline`` metric (components/tasks), else the first one logged (a
+    kind no longer registered, or one without a headline)."""
+    from kiln.components import registry
+
+    try:
+        name = getattr(registry.get("task", task_type).obj, "headline", "")
+    except registry.RegistryError:
+        name = ""
+    return name if name in metrics else metrics[0]
 
 
 def _last(run: Run, key: str) -> float | None:

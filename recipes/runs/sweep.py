@@ -133,7 +133,8 @@ def slurm_script(recipe: str, extra: list[str], points: list[Point], sweep_dir: 
                      for p in points)
     return f"""#!/bin/bash
 # kiln sweep: {len(points)} runs of {recipe} as a SLURM job array, one task per run.
-# Submit from anywhere: sbatch {sweep_dir}/sweep.sbatch
+# Submit from anywhere: sbatch {workdir.resolve() / sweep_dir / 'sweep.sbatch'}
+# (--chdir: the job runs in {workdir.resolve()}, and --output is relative to it)
 # Each task trains with ./run_train.sh in {workdir}: NGPU processes per node (default: the
 # GPUs SLURM gave the node, SLURM_GPUS_ON_NODE, else 1) on the job's nodes (--nodes; several
 # nodes rendezvous at the first node's RDZV_PORT, default 29500). Add your site's options
@@ -143,6 +144,7 @@ def slurm_script(recipe: str, extra: list[str], points: list[Point], sweep_dir: 
 #SBATCH --array=0-{len(points) - 1}
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
+#SBATCH --chdir={workdir.resolve()}
 #SBATCH --output={sweep_dir}/slurm-%A_%a.out
 set -euo pipefail
 cd {shlex.quote(str(workdir))}

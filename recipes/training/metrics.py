@@ -31,6 +31,7 @@ class MetricsWriter:
         self._wb_cfg = wandb if enabled else None
         self._wb_meta = (run_name, config or {})
         self._wb = None
+        self._session: int | None = None  # the step a session started from, until logged
         if self._wb_cfg is not None and importlib.util.find_spec("wandb") is None:
             raise RecipeError("run.wandb is set but the wandb package is not installed: "
                               "pip install wandb (or remove [run.wandb])")
@@ -61,12 +62,23 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(self._tb_dir))
         return self._tb
 
+    def begin_session(self, step: int) -> None:
+        """Training (re)starts from ``step``: the next line carries ``session: {"from_step":
+        step}``, so a reader drops what an earlier session logged after that step
+        (``recipes/runs/read.py``). Nothing is written until then: a run that fails before its first
+        step leaves no file."""
+        self._session = step
+
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
         clean = {k: _plain(v) for k, v in values.items()}
+        line = {"step": step, **clean, "time": round(time.time(), 3)}
+        if self._session is not None:
+            line["session"] = {"from_step": self._session}
+            self._session = None
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **clean, "time": round(time.time(), 3)}) + "\n")
+            f.write(json.dumps(line) + "\n")
         scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float))}
         tb = self._writer()
         if tb is not None:

@@ -272,6 +272,7 @@ class Trainer:
                            "--run.folder to start over)")
                 return self.progress
             self._start_from_pretrained()
+            self.metrics.begin_session(self.progress.step)  # after the resume set the step
             batches = iter(self.train_loader)
             self.model.train()
             warmup = self.recipe.training.context_warmup

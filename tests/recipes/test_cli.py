@@ -21,6 +21,24 @@ def test_help_lists_every_command(capsys):
         assert name in out
 
 
+def test_help_says_what_each_command_takes(capsys):
+    """The top-level line of eval names --tasks; train / validate usage shows the recipe
+    overrides and NGPU; bench shows its defaults."""
+    assert main(["--help"]) == 0
+    eval_help = COMMANDS["eval"][1]
+    assert "--tasks" in eval_help and "--loops" in eval_help
+    assert f"eval {eval_help}" in " ".join(capsys.readouterr().out.split())
+    for command in ("train", "validate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert "[--key=value ...]" in out.split("\n\n")[0] and "NGPU" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured steps (default: 20)" in out and "(default: 3)" in out
+
+
 def test_unknown_command_exits_2(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err

@@ -24,14 +24,12 @@ def test_differing_keys_and_their_short_names(tmp_path):
 
 
 def test_summary_final_best_eval_speed(tmp_path):
-    run = open_run(make_run(tmp_path / "a", losses=(3.0, 1.5, 2.0), evals=(2.6, 2.2),
-                            extra={"downstream/hellaswag": 0.31}))
+    run = open_run(make_run(tmp_path / "a", losses=(3.0, 1.5, 2.0), evals=(2.6, 2.2)))
     s = summary(run)
     assert (s["steps"], s["final_loss"], s["best_loss"]) == (30, 2.0, 1.5)
     assert (s["eval_loss"], s["best_eval_loss"], s["eval_bpb"]) == (2.2, 2.2, 1.1)
     assert s["tokens_per_second"] == 2500.0  # median without the first (warm-up) line
     assert s["wall_clock_s"] == 6.0 and s["mfu"] == 0.1
-    assert s["downstream/hellaswag"] == 0.31
 
 
 def test_compare_table_text_markdown_json_and_sort(tmp_path, capsys):
@@ -85,3 +83,111 @@ def test_series_x_axes(tmp_path):
     assert series(run, "loss", "tokens") == ([20480.0, 40960.0, 61440.0], [3.0, 2.0, 1.0])
     assert series(run, "loss", "time")[0] == [2.0, 4.0, 6.0]
     assert series(run, "eval/loss", "tokens") == ([61440.0], [2.0])  # from the train lines
+
+
+def test_eval_lines_of_several_tasks_at_one_step_all_survive(tmp_path):
+    """In-loop tasks log one line each at the same step: none of them is a resumed session."""
+    lines = [{"step": 10, "loss": 3.0}, {"step": 10, "eval/loss": 2.9},
+             {"step": 10, "eval/mc/acc": 0.3, "eval/mc/acc_norm": 0.3},
+             {"step": 10, "eval/em/exact_match": 0.0},
+             {"step": 20, "loss": 2.0}, {"step": 20, "eval/loss": 2.1},
+             {"step": 20, "eval/mc/acc": 0.4, "eval/mc/acc_norm": 0.4},
+             {"step": 20, "eval/em/exact_match": 0.1}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert read_jsonl(path) == lines
+    # an old file without session markers: a resumed session re-logging step 20 still wins
+    again = [{"step": 20, "loss": 1.9}, {"step": 20, "eval/loss": 2.05},
+             {"step": 20, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.5}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines + again))
+    kept = read_jsonl(path)
+    assert [r for r in kept if r["step"] == 20] == [{"step": 20, "eval/em/exact_match": 0.1},
+                                                    *again]
+
+
+def test_session_marker_drops_what_the_earlier_session_logged_after_its_checkpoint(tmp_path):
+    """A session's first line says where it resumed from: the earlier session's later lines go,
+    whatever their keys (here a task the resumed session no longer runs)."""
+    lines = [{"step": 10, "loss": 3.0, "session": {"from_step": 0}},
+             {"step": 20, "loss": 2.5}, {"step": 20, "eval/old/acc": 0.2},
+             {"step": 30, "loss": 2.4}, {"step": 30, "eval/old/acc": 0.3},
+             {"step": 30, "loss": 2.2, "session": {"from_step": 20}},
+             {"step": 30, "eval/new/acc": 0.6}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kept = read_jsonl(path)
+    assert [(r["step"], sorted(set(r) - {"step", "session"})) for r in kept] == [
+        (10, ["loss"]), (20, ["loss"]), (20, ["eval/old/acc"]), (30, ["loss"]),
+        (30, ["eval/new/acc"])]
+    run = make_run(tmp_path / "run")
+    (run / "metrics.jsonl").write_text(path.read_text())
+    assert "session" not in open_run(run).metric_keys()
+
+
+def test_plot_and_compare_see_every_task_line(tmp_path, capsys):
+    run = make_run(tmp_path / "r", evals=())
+    with (run / "metrics.jsonl").open("a") as f:
+        for step in (10, 20, 30):
+            for line in ({"eval/loss": 3.0 - step / 100}, {"eval/mc/acc": step / 100}):
+                f.write(json.dumps({"step": step, **line}) + "\n")
+    assert series(open_run(run), "eval/loss") == ([10.0, 20.0, 30.0], [2.9, 2.8, 2.7])
+    assert main(["compare", str(run), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["eval_loss"], row["best_eval_loss"]) == (2.7, 2.7)
+
+
+MC = ("--evals.mc.type=multiple_choice", "--evals.mc.path=mc.jsonl", "--evals.mc.interval=10")
+EM = ("--evals.em.type=exact_match", "--evals.em.path=em.jsonl")
+
+
+def _log(run, *lines) -> None:
+    with (run / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+
+
+def test_compare_shows_one_column_per_task_from_either_source(tmp_path, capsys):
+    """In-loop tasks log eval/<task>/<metric>; pause-mode results are in downstream_eval.jsonl.
+    Either way one column per task: its headline metric (acc, exact_match) at the last step."""
+    a = make_run(tmp_path / "a", ("--optimizer.lr=1e-3", *MC, *EM))
+    _log(a, {"step": 10, "eval/mc/acc": 0.3, "eval/mc/acc_norm": 0.9, "eval/mc/acc_bytes": 0.9},
+         {"step": 30, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.1, "eval/mc/acc_bytes": 0.1},
+         {"step": 30, "eval/em/exact_match": 0.25})
+    b = make_run(tmp_path / "b", ("--optimizer.lr=3e-3", *MC, *EM, "--evals.mc.mode=pause",
+                                  "--evals.em.mode=pause", "--checkpoint.enable=true"))
+    (b / "downstream_eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [
+        {"step": 10, "checkpoint": "checkpoints/step_0000010", "tasks": {
+            "mc": {"type": "multiple_choice", "metrics": {"acc": 0.4, "acc_norm": 0.2,
+                                                          "acc_bytes": 0.2}}}},
+        {"step": 30, "checkpoint": "checkpoints/step_0000030", "tasks": {
+            "mc": {"type": "multiple_choice", "metrics": {"acc": 0.7, "acc_norm": 0.2,
+                                                          "acc_bytes": 0.2}},
+            "em": {"type": "exact_match", "metrics": {"exact_match": 0.5}}}}]))
+    assert main(["compare", str(a), str(b)]) == 0
+    header, row_a, row_b = capsys.readouterr().out.splitlines()
+    assert "mc acc" in header and "em exact_match" in header
+    assert "acc_norm" not in header and "evals." not in header  # one column per task
+    assert header.index("em exact_match") < header.index("mc acc")  # by name
+    assert row_a.split()[-7:-3] == ["2.4000", "1.2000", "0.2500", "0.5000"]
+    assert row_b.split()[-7:-3] == ["2.4000", "1.2000", "0.5000", "0.7000"]
+    assert main(["compare", str(a), str(b), "--sort=-mc acc"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("b ")
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["task/mc"] for r in rows] == [0.5, 0.7] and rows[0]["task/em"] == 0.25
+
+
+def test_compare_with_different_evals_tables_stays_one_line_per_run(tmp_path, capsys):
+    """Different [evals] tables: one evals column naming what differs (escaped, no raw
+    newlines), not a column per sub-key; training.steps is not a second 'steps' column."""
+    a = make_run(tmp_path / "a", ("--training.steps=100", *MC))
+    b = make_run(tmp_path / "b", ("--training.steps=200", *MC, *EM,
+                                  "--evals.mc.fewshot_separator=\"\\n##\\n\"",
+                                  "--evals.mc.num_fewshot=2"))
+    assert main(["compare", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    headers = lines[0].split("  ")
+    headers = [h.strip() for h in headers if h.strip()]
+    assert len(headers) == len(set(headers)) and "training.steps" in headers
+    assert "evals" in headers and not any(h.startswith("evals.") for h in headers)
+    assert "mc.num_fewshot=2" in lines[2] and "\\n##\\n" in lines[2] and "em" in lines[2]

@@ -3,10 +3,14 @@ heatmap of MoE runs, smoothing, and the messages for unknown metrics."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
 from kiln.recipes.cli import main
-from kiln.recipes.runs.plots import legend_labels, resolve_metrics, smooth
+from kiln.recipes.hooks.plot import PlotConfig, PlotHook
+from kiln.recipes.runs.plots import legend_labels, plot_series, resolve_metrics, smooth
 from kiln.recipes.runs.read import open_run, open_runs
 from tests.recipes.run_folders import make_run
 
@@ -34,7 +38,7 @@ def test_metric_names_select_sub_keys_and_unknown_ones_are_refused(tmp_path):
     runs = [open_run(make_run(tmp_path / "a"))]
     assert resolve_metrics(runs, None) == ["loss", "eval/loss", "lr/main", "grad_norm"]
     assert resolve_metrics(runs, ["lr"]) == ["lr/main"]
-    with pytest.raises(Exception, match="no run logged 'eval/bleu'; the runs logged: eval/bpb"):
+    with pytest.raises(Exception, match="no run logged 'eval/bleu'"):
         resolve_metrics(runs, ["loss", "eval/bleu"])
 
 
@@ -86,3 +90,62 @@ def test_time_axis_leaves_out_lines_whose_interval_is_not_a_number(tmp_path, cap
 
     xs, ys = series(open_run(run), "loss", "time")
     assert ys == [3.0, 2.5, 2.0, 1.5] and xs[0] == 2.0 and xs[-1] == 4.0  # two intervals known
+def test_a_panel_equal_to_another_is_not_drawn_twice(tmp_path):
+    run = make_run(tmp_path / "a")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for x in lines:
+        if "lr/main" in x:
+            x["lr/main/no_decay"] = x["lr/main"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    b = make_run(tmp_path / "b")
+    assert resolve_metrics([open_run(run)], ["lr"]) == ["lr/main"]
+    assert resolve_metrics([open_run(run)], None) == ["loss", "eval/loss", "lr/main", "grad_norm"]
+    # another run without no_decay: the two panels differ, both are drawn
+    assert resolve_metrics([open_run(run), open_run(b)], ["lr"]) == ["lr/main", "lr/main/no_decay"]
+
+
+def test_a_single_point_gets_a_marker_and_its_value():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    plot_series(ax, [300.0], [2.4567], "lr=0.001")
+    plot_series(ax, [1.0, 2.0], [3.0, 2.0], "lr=0.003")
+    lone, line = ax.lines
+    assert lone.get_marker() == "o" and lone.get_markersize() >= 6
+    assert [t.get_text() for t in ax.texts] == ["2.457"]
+    assert line.get_marker() == "."
+    plt.close(fig)
+
+
+def test_an_unknown_metric_gets_a_did_you_mean_and_a_short_wrapped_list(tmp_path):
+    extra = {f"diag/act/{i}/rms": 1.0 for i in range(40)}
+    runs = [open_run(make_run(tmp_path / "a", extra=extra))]
+    with pytest.raises(Exception) as info:
+        resolve_metrics(runs, ["eval/los"])
+    text = str(info.value)
+    assert "no run logged 'eval/los' (did you mean 'eval/loss'?)" in text
+    assert "diag/... (40 keys)" in text and "diag/act/3/rms" not in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_the_plot_at_the_end_is_drawn_after_the_final_evaluation(monkeypatch):
+    """The last step is a multiple of the interval: its plot waits for on_train_end, which
+    runs after the evaluation hooks' (the standard hooks' order)."""
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.training.hook_set import by_priority, standard_hooks
+    from tests.conftest import CONFIGS
+
+    drawn = []
+    monkeypatch.setattr(PlotHook, "draw", lambda self, trainer: drawn.append(
+        trainer.progress.step))
+    hook = PlotHook(PlotConfig(interval=10))
+    trainer = SimpleNamespace(progress=SimpleNamespace(step=10), total_steps=20)
+    hook.on_step_end(trainer, None)
+    trainer.progress.step = 20
+    hook.on_step_end(trainer, None)
+    assert drawn == [10]
+    hook.on_train_end(trainer)
+    assert drawn == [10, 20]
+    recipe = load_recipe(CONFIGS / "debug_evals.toml", ["--run.plot_interval=10"])
+    kinds = [type(h).__name__ for h in by_priority(standard_hooks(recipe))]
+    assert kinds.index("PlotHook") > max(kinds.index("EvalHook"),
+                                         kinds.index("DownstreamEvalHook"))

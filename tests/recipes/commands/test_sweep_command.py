@@ -70,7 +70,9 @@ f="${{f%\\"}}"; f="${{f#\\"}}"
 {sys.executable} -c "
 import sys, pathlib
 from tests.recipes.run_folders import make_run
-make_run(pathlib.Path(sys.argv[1]))" "$f"
+run = make_run(pathlib.Path(sys.argv[1]))
+with (run / 'metrics.jsonl').open('a') as f:
+    f.write('{{\\"step\\": 30, \\"eval/mc/acc\\": 0.5, \\"eval/mc/acc_norm\\": 0.4}}\\n')" "$f"
 exit ${{FAIL:-0}}
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -90,6 +92,7 @@ def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatc
     assert len(calls) == 2 and "--training.steps=5 --optimizer.lr=1e-3" in calls[0]
     assert "lr=1e-3,3e-3" not in out and "starts in sw/lr=1e-3" in out
     assert out.splitlines()[-3].split()[:2] == ["run", "steps"]  # the comparison table
+    assert "mc acc" in out.splitlines()[-3] and "acc_norm" not in out  # a column per task
     done = json.loads((tmp_path / "sw" / "lr=1e-3" / "sweep_done.json").read_text())
     assert done["overrides"] == ["--optimizer.lr=1e-3"]
     assert main(args) == 0
@@ -120,6 +123,9 @@ def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatc
     script = tmp_path / "sw" / "sweep.sbatch"
     text = script.read_text()
     assert "#SBATCH --array=0-1" in text and not (tmp_path / "calls.txt").exists()
+    # --output is relative to the job's working folder: the one the sweep was emitted from
+    assert f"#SBATCH --chdir={tmp_path}\n" in text
+    assert text.index("#SBATCH --chdir=") < text.index("#SBATCH --output=sw/")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1",
            "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_JOB_NUM_NODES": "2",
            "PYTHONPATH": str(Path(__file__).resolve().parents[3])}

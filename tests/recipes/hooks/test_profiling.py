@@ -47,6 +47,52 @@ def test_cpu_peaks_are_measured_in_the_gemm_dtype(dtype):
     assert peak.notice().startswith("mfu: against ") and f"{dtype} matmul probe" in peak.notice()
 
 
+def test_a_measured_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    """A start-up probe moves with the machine's load; the cached one does not: measured once
+    per (CPU model, threads, dtype, torch version), the best of several rounds, written
+    atomically; a corrupt cache file is measured again with a warning."""
+    import kiln.recipes.probes.flops as flops
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    rates = iter([1e9, 3e9, 2e9, 5e9, 4e9] * 3)
+    calls = []
+    monkeypatch.setattr(flops, "matmul_probe", lambda *a, **k: calls.append(1) or next(rates))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    flops.peak_flops.cache_clear()
+    first = flops.peak_flops("cpu", "fp32")
+    assert first.flops == 5e9 and len(calls) == 5  # the best round
+    path = tmp_path / "cache" / "peak_flops.json"
+    (key, entry), = json.loads(path.read_text()).items()
+    assert ", 1 thread | fp32 | torch " in key and torch.__version__ in key
+    assert flops.cpu_model() in key and entry["flops"] == 5e9
+    assert ", 1 thread, fp32 matmul probe measured now" in first.notice()
+    flops.peak_flops.cache_clear()
+    again = flops.peak_flops("cpu", "fp32")
+    assert again.flops == 5e9 and len(calls) == 5
+    assert "measured once on this machine, cached in" in again.notice()
+    assert not list(path.parent.glob("*.tmp"))
+    path.write_text("{not json")
+    flops.peak_flops.cache_clear()
+    redone = flops.peak_flops("cpu", "fp32")
+    assert len(calls) == 10 and redone.flops == 5e9
+    assert "not a peak cache" in redone.warning and "measured again" in redone.warning
+    assert json.loads(path.read_text())[key]["flops"] == 5e9
+    flops.peak_flops.cache_clear()
+
+
+def test_the_peak_line_comes_before_any_step_or_checkpoint_line(tmp_path):
+    """The peak is found when training starts: a resumed run under max_hours saves before its
+    first log line, and the mfu: line still comes first."""
+    args = ("--checkpoint.enable=true", "--training.max_hours=1",
+            "--checkpoint.interval_minutes=0.0001", "--run.log_interval=10")
+    train(recipe_for("dense", tmp_path / "r", "--training.steps=1", *args))
+    out = io.StringIO()
+    train(recipe_for("dense", tmp_path / "r", "--training.steps=3", *args), out=out)
+    lines = out.getvalue().splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith(("kiln: checkpoint", "step ")))
+    assert any(x.startswith("mfu: against") for x in lines[:first])
+
+
 def test_an_mfu_above_100_percent_is_not_logged(tmp_path, monkeypatch):
     import kiln.recipes.probes.flops as flops
 

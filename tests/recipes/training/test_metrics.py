@@ -51,3 +51,16 @@ def test_missing_wandb_package_is_a_recipe_error(tmp_path, monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(RecipeError, match="pip install wandb"):
         run(tmp_path / "x", "--run.wandb.project=p")
+
+
+def test_each_session_marks_its_first_line_with_the_step_it_started_from(tmp_path):
+    from kiln.recipes.training.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, tensorboard=False, enabled=True)
+    writer.begin_session(0)
+    writer.log(1, {"loss": 3.0})
+    writer.log(2, {"loss": 2.0})
+    writer.begin_session(1)  # resumed from the step-1 checkpoint
+    writer.log(2, {"loss": 2.1})
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("session") for x in lines] == [{"from_step": 0}, None, {"from_step": 1}]
