@@ -6,8 +6,6 @@ through the ``kiln.components`` entry-point group instead.
 
 from __future__ import annotations
 
-import importlib
-
 BUILTINS: tuple[str, ...] = (
     "kiln.components.optimizers.adamw",
     "kiln.components.optimizers.adamw8bit",
@@ -41,7 +39,3 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.tasks.bits_per_byte",
 )
 
-
-def import_builtins() -> None:
-    for name in BUILTINS:
-        importlib.import_module(name)

@@ -104,9 +104,10 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        # Each package lists its built-in modules itself (``import_builtins``).
+        # Each package lists its built-in modules itself, in ``BUILTINS``.
         for package in BUILTIN_PACKAGES:
-            importlib.import_module(package).import_builtins()
+            for name in importlib.import_module(package).BUILTINS:
+                importlib.import_module(name)
 
 
 def load_plugins(force: bool = False) -> list[str]:

@@ -2,16 +2,14 @@
 
 The base class and its events are ``kiln.components.protocols.Hook`` (re-exported here). The
 hooks with a ``[run.*]`` table register under kind ``hook``; the registry imports them on first
-use through ``import_builtins``.
+use.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from kiln.components.protocols import Hook
 
-__all__ = ["Hook", "import_builtins"]
+__all__ = ["BUILTINS", "Hook"]
 
 BUILTINS: tuple[str, ...] = (
     "kiln.recipes.hooks.watchdog",
@@ -21,7 +19,3 @@ BUILTINS: tuple[str, ...] = (
     "kiln.recipes.hooks.plot",
 )
 
-
-def import_builtins() -> None:
-    for name in BUILTINS:
-        importlib.import_module(name)

@@ -120,25 +120,13 @@ def test_hooks_run_by_priority_and_close_in_reverse():
     assert by_priority([c, a, b]) == [b, a, c]
 
 
-def test_a_hooks_table_may_not_name_a_run_hook(write):
-    recipe = write("r.toml", """
-        extends = "%s"
-        [hooks.w]
-        type = "watchdog"
-    """ % (CONFIGS / "debug.toml"))
+@pytest.mark.parametrize("table, message", [
+    ("[hooks.w]\ntype = \"watchdog\"", r"hooks.w.type = 'watchdog'.*\[run.watchdog\]"),
+    ("[run.watchdog]\ntype = \"diagnostics\"", r"run.watchdog.type = 'diagnostics'"),
+])
+def test_kiln_s_own_hooks_are_set_in_run_and_nowhere_else(write, table, message):
     from kiln.components.errors import RecipeError
 
-    with pytest.raises(RecipeError, match=r"hooks.w.type = 'watchdog'.*\[run.watchdog\]"):
-        load_recipe(recipe)
-
-
-def test_a_run_hook_table_holds_its_own_type(write):
-    recipe = write("r.toml", """
-        extends = "%s"
-        [run.watchdog]
-        type = "diagnostics"
-    """ % (CONFIGS / "debug.toml"))
-    from kiln.components.errors import RecipeError
-
-    with pytest.raises(RecipeError, match=r"run.watchdog.type = 'diagnostics'"):
+    recipe = write("r.toml", f'extends = "{CONFIGS / "debug.toml"}"\n{table}\n')
+    with pytest.raises(RecipeError, match=message):
         load_recipe(recipe)
