@@ -4,6 +4,7 @@ shards picked up while training, exact resume, the Hub path offline."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -228,8 +229,11 @@ def test_hub_source_online_lists_the_repo_tree(root, tmp_path, monkeypatch):
 def test_prefetch_thread_gives_the_same_batches_and_reports_the_consumed_state(root):
     sync = dataset(root, prefetch=0).loader("train", micro_batch=2, global_batch=6)
     ahead = dataset(root, prefetch=4).loader("train", micro_batch=2, global_batch=6)
-    for _ in range(23):  # past the first shards (20 rows): the thread has read further
+    for _ in range(23):  # past the first shards (20 rows): the thread reads further
         assert tags(next(ahead)) == tags(next(sync))
+    deadline = time.monotonic() + 60  # on a loaded machine the thread may not have run yet
+    while ahead._ahead <= ahead._pos and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert ahead._ahead > ahead._pos
     assert ahead.state_dict() == sync.state_dict()
     ahead.skip_steps(2)  # stops the thread, rewinds the streams to what was handed out
