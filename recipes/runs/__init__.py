@@ -1,0 +1,1 @@
+"""Run folders: the lock, reading runs back, sweeps, the launcher, plots."""
