@@ -40,8 +40,10 @@ def test_installs_into_a_fresh_environment_beside_a_package_named_components(tmp
     """A non-editable install next to an unrelated ``components`` package (first on sys.path)
     imports kiln's own modules and trains a step."""
     source = tmp_path / "source"  # pip builds in the source tree: keep the checkout clean
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"))
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__")
+    # Run folders only at the top: recipes/runs/ is a package.
+    shutil.copytree(REPO, source, ignore=lambda d, names: set(skip(d, names)) | (
+        {"runs"} if Path(d) == REPO else set()))
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
