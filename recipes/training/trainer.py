@@ -223,11 +223,6 @@ class Trainer:
             self.recipe.parallelism.param_dtype == "bfloat16")
         return torch.bfloat16 if bf16 else torch.float32
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens trained on in this step, all ranks (shorter during a context warmup)."""
-        return self.plan.global_batch * self.seq_len
-
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of one micro-batch, as the step computes it (evaluation)."""
         return self.step_context.forward_loss(batch)
