@@ -98,7 +98,10 @@ def test_init_picks_the_backend_of_the_device_type(monkeypatch):
 
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    # setenv first: delenv of an unset name records nothing to undo, and the later delenv's
+    # undo would then leave "500" in the environment of every test after this one
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "unset")
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
     monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",

@@ -146,7 +146,9 @@ def _training(tmp_path, *extra: str,
            "--data.eval_fraction=0.2", "--eval.interval=0", "--checkpoint.enable=false",
            "--run.log_interval=1", "--run.progress_bar=false", f"--run.folder={tmp_path / 'r'}",
            *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "NGPU": "2"}, text=True,
+    env = {k: v for k, v in os.environ.items()  # the recipe's flight recorder, not a leftover
+           if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "NGPU": "2"}, text=True,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
