@@ -160,20 +160,21 @@ def _positive(v) -> bool:
 
 
 def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float = 0.25) -> float:
-    """Measured square-matmul FLOP/s (1024^2 on CPU, 8192^2 on CUDA) in ``dtype``; fp8 through
-    torch._scaled_mm (what float8 training calls), tf32 with tensor cores allowed."""
-    n = 8192 if device_type == "cuda" else 1024
-    a = torch.randn(n, n, device=device_type)
-    b = torch.randn(n, n, device=device_type)
-    if dtype == "fp8":
-        one = torch.ones((), device=device_type)
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-        mm = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
-    else:
-        a, b = a.to(DTYPES[dtype]), b.to(DTYPES[dtype])
-        mm = lambda: torch.mm(a, b)  # noqa: E731
-    mm()  # warm up
+    """Measured square-matmul FLOP/s in ``dtype`` (up to 1024^2 on CPU, 8192^2 on CUDA); fp8
+    through torch._scaled_mm (what float8 training calls), tf32 with tensor cores allowed."""
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    n = 8192 if device_type == "cuda" else 128
+    mm = _square_mm(n, dtype, device_type)
+    while device_type != "cuda" and n < 1024:
+        # doubled while one matmul is quick: fp8 is emulated on CPUs at ~5e7 FLOP/s, where a
+        # 1024^2 product alone takes a minute and a half
+        start = time.perf_counter()
+        mm()
+        if time.perf_counter() - start > seconds / 8:
+            break
+        n *= 2
+        mm = _square_mm(n, dtype, device_type)
+    mm()  # warm up
     sync()
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or iters < 2:
@@ -183,6 +184,17 @@ def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float =
             sync()
     elapsed = time.perf_counter() - start
     return 2 * n**3 * iters / elapsed
+
+
+def _square_mm(n: int, dtype: str, device_type: str):
+    a = torch.randn(n, n, device=device_type)
+    b = torch.randn(n, n, device=device_type)
+    if dtype == "fp8":
+        one = torch.ones((), device=device_type)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        return lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+    a, b = a.to(DTYPES[dtype]), b.to(DTYPES[dtype])
+    return lambda: torch.mm(a, b)
 
 
 def trainer_peak(trainer) -> float:
