@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, short_names
-from kiln.recipes.runs.read import EXPERTS_FILE, Run, open_run, pick, read_jsonl, series
+from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
 
 DEFAULT_METRICS = ("loss", "eval/loss", "lr", "grad_norm")
 # Diagnostics panels (RUN/plots/diagnostics.png): title -> (key prefix, key suffix); a line per

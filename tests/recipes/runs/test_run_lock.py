@@ -15,8 +15,8 @@ import time
 import pytest
 
 from kiln.components.errors import RunFolderInUse
-from kiln.recipes.runs import lock as run_lock
 from kiln.recipes.cli import main
+from kiln.recipes.runs import lock as run_lock
 from kiln.recipes.runs.lock import LOCK_FILE, RunLock
 from tests.conftest import CONFIGS, REPO
 
