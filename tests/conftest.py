@@ -14,6 +14,25 @@ CONFIGS = REPO / "train_configs"
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# What `pytest --fast` leaves out (docs/contributing.md, "Two tiers"): each runs in the full suite
+FULL_ONLY = ("slow", "docs", "matrix")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the inner-loop tier: leave out tests marked " + ", ".join(FULL_ONLY))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    keep, left = [], []
+    for item in items:
+        (left if any(item.get_closest_marker(m) for m in FULL_ONLY) else keep).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+
 
 @pytest.fixture
 def write(tmp_path):

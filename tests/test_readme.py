@@ -123,6 +123,7 @@ def tail(out: subprocess.CompletedProcess) -> str:
     return out.stdout[-3000:] + out.stderr[-3000:]
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize("page,kind,item", STEPS)
 def test_readme_step(page, kind, item, workdirs):
     workdir = workdirs(page)

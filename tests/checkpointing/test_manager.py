@@ -223,6 +223,7 @@ def _save_then_die(root: str, where: str) -> None:
     m.save(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["rank_file", "tensors", "manifest"])
 def test_a_save_killed_mid_write_leaves_the_last_checkpoint_loadable(tmp_path, where):
     ctx = mp.get_context("spawn")

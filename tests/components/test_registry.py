@@ -99,6 +99,7 @@ PLUGIN = """
 """
 
 
+@pytest.mark.slow
 def test_entry_point_plugin_is_listed_and_usable_in_a_recipe(tmp_path, write):
     _make_dist(tmp_path, "kiln-flat-plugin", "kiln_flat_plugin", PLUGIN)
     _make_dist(tmp_path, "kiln-broken-plugin", "kiln_broken_plugin", "raise ImportError('boom')")

@@ -83,6 +83,7 @@ def test_fsdp_float8_all_gather_only_for_tensorwise():
     assert not f8.float8_config(rowwise, fsdp=True).enable_fsdp_float8_all_gather
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_trains_on_cpu(recipe):
     if recipe != "tensorwise" and not f8.cpu_rowwise_scaled_mm():

@@ -93,6 +93,7 @@ def test_validate_checks_the_batch_plan_like_train(capsys, monkeypatch):
     assert "budget: 300 steps x 2,048 tokens/step" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "kiln.recipes.cli", "show",
                           str(CONFIGS / "debug.toml"), "--training.seed=5"],

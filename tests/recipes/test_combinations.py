@@ -170,6 +170,7 @@ def _run(tmp_path, family, step, float8, ac, eval_first, *extra: str) -> list[fl
     return losses
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family, step, float8, ac, eval_first", list(cases()))
 def test_every_combination_trains(tmp_path, family, step, float8, ac, eval_first):
     """2 optimizer steps, finite; and the same losses as the same recipe without activation
@@ -187,6 +188,7 @@ def test_every_combination_trains(tmp_path, family, step, float8, ac, eval_first
 DOC_MASK = ("--model.attention.document_mask=true", "--model.attention.positions=per_document")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family, step, ac", [
     pytest.param(f, s, ac, id=f"{f}-{s}-{ac}") for f in discovered() for s in steps_for(f)
     for ac in ("none", "full", "selective_ops")])
@@ -208,6 +210,7 @@ DIAGNOSTICS = ("--run.diagnostics.interval=1", "--run.diagnostics.histograms=tru
                "--run.tensorboard=true")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family, step", [(f, s) for f in discovered() for s in steps_for(f)])
 def test_diagnostics_change_no_loss_in_any_family(tmp_path, family, step):
     """Module diagnostics on every step, under full activation checkpointing (whose recompute
@@ -285,6 +288,7 @@ def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
 CHUNK = "--training.loss_chunk_tokens=24"  # 64 tokens per micro-batch: 3 chunks, one short
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", list(discovered()))
 def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
     plain, _ = train(recipe_for(family, tmp_path / "plain"))
@@ -293,6 +297,7 @@ def test_chunked_loss_equals_unchunked_in_every_family(family, tmp_path):
     assert chunked == pytest.approx(plain, rel=1e-5), family
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", list(discovered()))
 def test_downstream_tasks_leave_training_unchanged_in_every_family(family, tmp_path):
     """[evals.NAME] every step (multiple choice, exact match, bits per byte): the same losses."""

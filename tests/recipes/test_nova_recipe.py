@@ -93,6 +93,7 @@ def runs(tmp_path_factory):
     return _run(tmp / "full"), _run(tmp / "cut", signal_at=3), _run(tmp / "cut")
 
 
+@pytest.mark.slow
 def test_debug_recipe_trains_with_muon_adamw8bit_and_differential_attention(runs):
     (rec, trainer, out), _, _ = runs
     assert "muon" in out and "adamw8bit" in out  # the routing table is printed
@@ -103,6 +104,7 @@ def test_debug_recipe_trains_with_muon_adamw8bit_and_differential_attention(runs
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5  # from ~ln(258) = 5.55 down
 
 
+@pytest.mark.slow
 def test_debug_recipe_resumes_exactly(runs):
     (full, tf, _), (first, t1, _), (second, t2, _) = runs
     assert t1.stop_requested and max(first.losses) == 4 and min(second.losses) == 5

@@ -82,6 +82,7 @@ def test_the_table_is_markdown_with_date_cpu_command_and_every_row():
            "checkout yet |" in text
 
 
+@pytest.mark.slow
 def test_a_side_whose_peer_is_missing_reports_it_instead_of_failing(tmp_path):
     if _peer_has("torchtitan", sys.executable):
         pytest.skip("torchtitan is installed in this interpreter")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.components.tokenizers.tokenizer_files import trained_tokenizer
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_bench_prepare_small(tmp_path):
     tok = trained_tokenizer(tmp_path / "tok", vocab_size=300)
     work = tmp_path / "work"

@@ -40,6 +40,7 @@ def _train(model, opt, steps, lr_schedule=None):
         opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 def test_close_to_fp32_adamw_with_float_lrs_and_a_quarter_of_the_state():
     a, b = Emb(), Emb()
     opt8 = default_config("optimizer", "adamw8bit", lr=1e-2).build(_groups(a, 1e-2))
@@ -65,6 +66,7 @@ def test_close_to_fp32_adamw_with_float_lrs_and_a_quarter_of_the_state():
     assert optimizer_state_bytes(opt8) < 0.31 * optimizer_state_bytes(opt32)
 
 
+@pytest.mark.slow
 def test_dcp_round_trip(tmp_path):
     cfg = default_config("optimizer", "adamw8bit", lr=1e-2)
     assert dcp_round_trip(lambda m: cfg.build(_groups(m, cfg.lr)), tmp_path, make_model=Emb,
@@ -89,6 +91,7 @@ def test_blocks_never_cross_a_row_so_every_dim0_sharding_holds_the_same_blocks(s
     assert state_layout(torch.empty(shape), 256) == block
 
 
+@pytest.mark.slow
 def test_a_matrix_whose_rows_are_shorter_than_a_block_is_still_8bit():
     emb = torch.nn.Parameter(torch.randn(258, 128))  # torchao alone: 8-bit on 1 process only
     opt = default_config("optimizer", "adamw8bit", lr=1e-2).build(

@@ -47,6 +47,7 @@ def test_smooth_is_a_trailing_mean():
     assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png_with_a_heatmap_panel_for_moe_runs(tmp_path, capsys):
     a = make_run(tmp_path / "a", ("--optimizer.lr=1e-3",))
     b = make_run(tmp_path / "b", ("--optimizer.lr=3e-3",))

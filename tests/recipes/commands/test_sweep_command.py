@@ -79,6 +79,7 @@ exit ${{FAIL:-0}}
     return script
 
 
+@pytest.mark.slow
 def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
     _fake_run_train(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -107,6 +108,7 @@ def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatc
     assert "exit 3" in captured.err
 
 
+@pytest.mark.slow
 def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatch, capsys):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -154,6 +156,7 @@ def test_a_real_sweep_of_two_tiny_runs(tmp_path, monkeypatch, capsys):
     assert table[1].split()[:3] == ["lr=1e-3,steps=2", "0.001", "2"]
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_with_kill_9_takes_its_training_run_along(tmp_path):
     script = tmp_path / "run_train.sh"  # a stand-in training run: its PID, then it waits
     script.write_text(f"#!/bin/bash\necho $$ > {tmp_path}/child.pid\nexec sleep 600\n")
@@ -177,6 +180,7 @@ def test_a_sweep_killed_with_kill_9_takes_its_training_run_along(tmp_path):
             os.kill(child, 9)
 
 
+@pytest.mark.slow
 def test_two_sweeps_of_one_grid_share_its_points(tmp_path):
     """Each point trains once (a stand-in run holding kiln.lock until the test lets it end);
     neither sweep counts the other's points as failed, and both end with every point done."""

@@ -104,6 +104,7 @@ def _diag_lines(folder) -> list[dict]:
     return [x for x in lines if any(k.startswith("diag/") for k in x)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["standard", "segmented_bptt"])
 def test_looped_moe_losses_equal_without_diagnostics_and_figures_are_logged(tmp_path, step):
     args = ("--training.steps=3", "--model.carry=true", f"--training.step.type={step}",
@@ -143,6 +144,7 @@ def test_without_the_table_no_hook_is_registered(tmp_path):
     assert not _diag_lines(tmp_path / "r")
 
 
+@pytest.mark.slow
 def test_dense_run_gradients_match_autograd_and_plots_refresh(tmp_path):
     pytest.importorskip("matplotlib")
     out = io.StringIO()

@@ -165,6 +165,7 @@ def test_a_quiet_run_never_fires(tmp_path):
 
 
 # --------------------------------------------------------------------------- real runs
+@pytest.mark.slow
 def test_a_stalled_run_exits_3_with_its_stacks(tmp_path):
     out = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "run"), "0", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=600,

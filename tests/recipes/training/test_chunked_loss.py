@@ -54,6 +54,7 @@ def test_looped_moe_segmented_bptt_chunked_equals_unchunked(tmp_path):
         "--model.ffn.aux_loss_coeff=0.01", "--model.logit_softcap=10"])
 
 
+@pytest.mark.slow
 def test_float8_chunked_equals_unchunked(tmp_path):
     _compare(tmp_path, "debug.toml", [*DENSE, "--model.dim=64", "--model.ffn.hidden_dim=128",
                                       "--parallelism.float8=tensorwise",

@@ -22,6 +22,7 @@ def run(folder, *extra):
     Trainer(recipe, out=io.StringIO()).fit()
 
 
+@pytest.mark.slow
 def test_wandb_offline_receives_the_scalars(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: never online in a test

@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import CONFIGS, REPO
 
 
+@pytest.mark.slow
 def test_loading_a_recipe_imports_no_fsdp_or_dtensor():
     code = (
         "import sys\n"
