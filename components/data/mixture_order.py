@@ -59,8 +59,6 @@ def sources(positions: np.ndarray | Sequence[int], weights: Sequence[float],
 def counts(start: int, stop: int, weights: Sequence[float], seed: int = 0) -> np.ndarray:
     """How many of the positions ``[start, stop)`` each source gets (int64, one per source)."""
     n = len(weights)
-    if stop <= start:
-        return np.zeros(n, dtype=np.int64)
     out = np.zeros(n, dtype=np.int64)
     for lo in range(start, stop, 1 << 20):  # bounded memory for long spans
         chunk = sources(np.arange(lo, min(stop, lo + (1 << 20)), dtype=np.uint64), weights, seed)

@@ -167,7 +167,9 @@ def matmul_probe(dtype: str = "fp32", device_type: str = "cpu", seconds: float =
     mm = _square_mm(n, dtype, device_type)
     while device_type != "cuda" and n < 1024:
         # doubled while one matmul is quick: fp8 is emulated on CPUs at ~5e7 FLOP/s, where a
-        # 1024^2 product alone takes a minute and a half
+        # 1024^2 product alone takes a minute and a half; timed after a first call, so
+        # one-off start-up work (allocation, the thread pool) does not decide the size
+        mm()
         start = time.perf_counter()
         mm()
         if time.perf_counter() - start > seconds / 8:
