@@ -59,8 +59,10 @@ class StepContext(Protocol):
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of one micro-batch."""
 
-    def stage_loss(self, run: Any, labels: torch.Tensor) -> torch.Tensor:
-        """The loss of ``run(**kw)``: the model's forward, or the last pipeline stage's."""
+    def stage_loss(self, run: Any, labels: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of ``run(**kw)``: the model's forward, or the last pipeline stage's;
+        ``rows``, each row's data source (a mixture's per-source loss)."""
 
     def grad_sync(self, is_last_microbatch: bool) -> AbstractContextManager:
         """Around each micro-batch's backward: gradients are reduced on the last one only."""

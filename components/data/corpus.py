@@ -1,4 +1,5 @@
-"""Text sources for the packed-document cache builder: the Python standard library, or a folder.
+"""Text sources for the packed-document cache builder: the Python standard library (its code,
+its test suites only, or its docstrings only), or a folder.
 
 Each source yields documents (one per text file, one per JSONL line or parquet / Arrow row; see
 ``text_sources``) in a fixed order and has a ``description`` that changes whenever its content
@@ -8,8 +9,10 @@ Python) builds a new dataset instead of silently reusing a stale one.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from kiln.components.errors import DataError
 class Corpus:
     """An ordered list of files read as documents, capped at ``max_bytes`` of text."""
 
-    kind: str  # "stdlib" | "folder"
+    kind: str  # "stdlib" | "stdlib_tests" | "stdlib_docstrings" | "folder"
     root: Path
     sources: tuple[SourceFile, ...]  # every candidate file, in reading order
     max_bytes: int  # documents are taken in order while they fit this many UTF-8 bytes
@@ -45,7 +48,7 @@ class Corpus:
         for f in self.files:
             st = f.stat()
             h.update(f"{f.relative_to(self.root).as_posix()}\0{st.st_size}\0".encode())
-        python = f"python {sys.version.split()[0]}:" if self.kind == "stdlib" else ""
+        python = f"python {sys.version.split()[0]}:" if self.kind != "folder" else ""
         return f"{self.kind}:{python}{self.root}:{len(self.files)} files:{h.hexdigest()[:16]}"
 
     def documents(self) -> Iterator[str]:
@@ -54,6 +57,8 @@ class Corpus:
         left = self.max_bytes
         for src in self.sources:
             for _, _, text in read_documents(src, text_field=self.text_field):
+                if self.kind == "stdlib_docstrings" and not (text := docstrings(text)):
+                    continue
                 size = len(text.encode("utf-8"))
                 if size <= left:
                     left -= size
@@ -62,11 +67,30 @@ class Corpus:
                     return
 
 
-def stdlib_corpus(max_bytes: int, include_tests: bool = False) -> Corpus:
-    """The standard library's ``.py`` files on this machine, sorted by relative path."""
-    files = stdlib_files(include_tests)
-    return Corpus("stdlib", _stdlib_root(), tuple(SourceFile(str(p), "txt", 0, local=str(p))
-                                         for p in files), max_bytes)
+def stdlib_corpus(max_bytes: int, include_tests: bool = False, kind: str = "stdlib") -> Corpus:
+    """The standard library's ``.py`` files on this machine, sorted by relative path; ``kind``
+    "stdlib_tests": its test suites only; "stdlib_docstrings": every file's docstrings."""
+    files = stdlib_files(include_tests or kind == "stdlib_tests")
+    if kind == "stdlib_tests":
+        code = set(stdlib_files(False))
+        files = [f for f in files if f not in code]
+    return Corpus(kind, _stdlib_root(), tuple(SourceFile(str(p), "txt", 0, local=str(p))
+                                       for p in files), max_bytes)
+
+
+def docstrings(source: str) -> str:
+    """The module's, classes' and functions' docstrings of Python ``source``, in order, one
+    paragraph each ("" for a file that does not parse or has none): English prose from code."""
+    try:
+        with warnings.catch_warnings():  # old escapes in stdlib strings warn when parsed
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # stdlib test data holds deliberately broken files
+        return ""
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(
+        n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef))]
+    found = [ast.get_docstring(n) for n in nodes]
+    return "\n\n".join(d for d in found if d)
 
 
 def _stdlib_root() -> Path:
@@ -94,11 +118,12 @@ def folder_corpus(path: str | Path, max_bytes: int, text_field: str = "text") ->
 
 def open_corpus(source: str, source_path: str, max_bytes: int, include_tests: bool) -> Corpus:
     """The corpus a dataset config names."""
-    if source == "stdlib":
-        return stdlib_corpus(max_bytes, include_tests)
+    if source in ("stdlib", "stdlib_tests", "stdlib_docstrings"):
+        return stdlib_corpus(max_bytes, include_tests, kind=source)
     if source == "folder":
         if not source_path:
             raise DataError("source = \"folder\" needs source_path: a folder of .txt/.jsonl/"
                             ".parquet files")
         return folder_corpus(source_path, max_bytes)
-    raise DataError(f"unknown data source {source!r}; valid: stdlib, folder")
+    raise DataError(f"unknown data source {source!r}; valid: stdlib, stdlib_tests, "
+                    "stdlib_docstrings, folder")

@@ -40,37 +40,41 @@ def _bounds(weights: Sequence[float]) -> np.ndarray:
     return np.array([*ends, _ONE - 1], dtype=np.uint64)
 
 
-def phase(seed: int) -> np.uint64:
-    """The sequence's start in [0, 2**64): a fixed hash of the seed (Python's hash() is salted)."""
-    lo = zlib.crc32(f"mixture:{seed}".encode())
-    hi = zlib.crc32(f"mixture:{seed}:hi".encode())
+def phase(seed: int, stage: int = 0) -> np.uint64:
+    """The sequence's start in [0, 2**64): a fixed hash of the seed and the stage (each stage of
+    a mixture starts its own sequence; Python's hash() is salted, crc32 is not)."""
+    key = f"mixture:{seed}" + (f":stage{stage}" if stage else "")
+    lo = zlib.crc32(key.encode())
+    hi = zlib.crc32(f"{key}:hi".encode())
     return np.uint64((hi << 32) | lo)
 
 
 def sources(positions: np.ndarray | Sequence[int], weights: Sequence[float],
-            seed: int = 0) -> np.ndarray:
-    """Source index (int64) of each global sequence position."""
+            seed: int = 0, stage: int = 0) -> np.ndarray:
+    """Source index (int64) of each sequence position (counted from the stage's start)."""
     j = np.asarray(positions, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping modulo 2**64 is the point
-        u = phase(seed) + j * _PHI
+        u = phase(seed, stage) + j * _PHI
     return np.searchsorted(_bounds(weights), u, side="left").astype(np.int64)
 
 
-def counts(start: int, stop: int, weights: Sequence[float], seed: int = 0) -> np.ndarray:
+def counts(start: int, stop: int, weights: Sequence[float], seed: int = 0,
+           stage: int = 0) -> np.ndarray:
     """How many of the positions ``[start, stop)`` each source gets (int64, one per source)."""
     n = len(weights)
     out = np.zeros(n, dtype=np.int64)
     for lo in range(start, stop, 1 << 20):  # bounded memory for long spans
-        chunk = sources(np.arange(lo, min(stop, lo + (1 << 20)), dtype=np.uint64), weights, seed)
+        chunk = sources(np.arange(lo, min(stop, lo + (1 << 20)), dtype=np.uint64), weights, seed,
+                        stage)
         out += np.bincount(chunk, minlength=n)
     return out
 
 
 def rows_within(positions: np.ndarray, weights: Sequence[float], seed: int,
-                before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                before: np.ndarray, stage: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(source, row of that source) for consecutive ``positions``; ``before[i]`` is how many
     sequences source ``i`` gave before ``positions[0]`` (a loader carries it in its cursor)."""
-    src = sources(positions, weights, seed)
+    src = sources(positions, weights, seed, stage)
     rows = np.empty(len(src), dtype=np.int64)
     for i in range(len(weights)):
         mask = src == i

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.data.corpus import open_corpus
-from kiln.components.data.packed_loader import Loader
+from kiln.components.data.packed_loader import Loader, Windows
 from kiln.components.data.prepare.packed_layout import (
     PackedLayout,
     Tokenizer,
@@ -39,9 +39,10 @@ class PackedDocumentsConfig(ComponentConfig):
         "", description='prepared dataset folder (`kiln data prepare`); "" = build the source '
         "into the cache on first use"
     )
-    source: Literal["stdlib", "folder"] = Field(
-        "stdlib", description="text to build from: this machine's Python stdlib .py files, or "
-        "a folder of .txt/.jsonl(.gz/.zst)/.parquet files (source_path)"
+    source: Literal["stdlib", "stdlib_tests", "stdlib_docstrings", "folder"] = Field(
+        "stdlib", description="text to build from: this machine's Python stdlib .py files (or "
+        "only its test suites, or only its docstrings), or a folder of .txt/.jsonl(.gz/.zst)/"
+        ".parquet files (source_path)"
     )
     source_path: str = Field("", description='folder of .txt, .jsonl ({"text": ...}), '
                              ".jsonl.gz/.zst or .parquet files")
@@ -158,6 +159,11 @@ class PackedDocuments:
     def windows_per_epoch(self) -> int:
         """seq_len windows per train data epoch."""
         return (self.tokens_per_epoch - 1) // self.seq_len
+
+    def rows(self, split: str) -> Windows:
+        """Random access to ``split``'s seq_len windows by (data epoch, first window, count):
+        how a ``mixture`` reads this dataset as one of its sources."""
+        return Windows(self.layout, split, self.seq_len)
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
                world_size: int = 1) -> Loader:

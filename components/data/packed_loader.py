@@ -47,7 +47,7 @@ class PackedCursor(StepCursor):
 _ENDLESS = 1 << 62  # the train stream cycles data epochs forever; the trainer decides when to stop
 
 
-class _Windows:
+class Windows:
     """Reads windows of a split's stream; opens the memmap lazily so workers pickle cheaply."""
 
     def __init__(self, layout: PackedLayout, split: str, seq_len: int) -> None:
@@ -152,7 +152,7 @@ class Loader:
         self.micro_per_step = global_batch // world_size // micro_batch
         self.num_workers, self.prefetch = num_workers, prefetch
         self.pin_memory = pin_memory and devices.pin_memory_supported()
-        self._windows = _Windows(layout, split, seq_len)
+        self._windows = Windows(layout, split, seq_len)
         self.tokens_per_epoch = self._windows.stream_tokens()
         """tokens in one data epoch's stream (BOS/EOS included); a step trains on GB*L."""
         self.windows_per_epoch = (self.tokens_per_epoch - 1) // seq_len

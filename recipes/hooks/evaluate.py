@@ -26,18 +26,46 @@ class EvalHook(Hook):
             self.evaluate(trainer)
 
     def evaluate(self, trainer) -> float:
-        loss = evaluate(trainer, trainer.recipe.eval.tokens)
-        values = {"eval/loss": loss}
-        bpb = bits_per_byte(loss, trainer.dataset)
+        names = getattr(trainer.dataset, "source_names", None)
+        if names:
+            loss, bpb, values = evaluate_sources(trainer, names, trainer.recipe.eval.tokens)
+        else:
+            loss = evaluate(trainer, trainer.recipe.eval.tokens)
+            bpb, values = bits_per_byte(loss, trainer.dataset), {}
+        values["eval/loss"] = loss
         if bpb is not None:
             values["eval/bpb"] = bpb
         trainer.metrics.log(trainer.progress.step, values)
         trainer.last_eval_loss = loss
         if trainer.world.is_main:
             tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
+            per = "".join(f"  {k[10:]} {v:.4f}" for k, v in values.items()
+                          if k.startswith("eval/loss/"))
             trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
-                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}")
+                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}{per}")
         return loss
+
+
+def evaluate_sources(trainer, names: list[str], token_budget: int
+                     ) -> tuple[float, float | None, dict[str, float]]:
+    """A mixture's held-out loss per source (``token_budget`` tokens of each): (loss over all
+    the tokens evaluated, bits per byte over all their bytes or None, the per-source values
+    ``eval/loss/NAME`` and ``eval/bpb/NAME``)."""
+    values: dict[str, float] = {}
+    loss_sum = tokens = bits = text_bytes = 0.0
+    for name in names:
+        s, n = evaluate_sums(trainer, token_budget, source=name)
+        loss = s / n if n else float("nan")
+        values[f"eval/loss/{name}"] = loss
+        loss_sum, tokens = loss_sum + s, tokens + n
+        ratio = trainer.dataset.tokens_per_byte("eval", source=name)
+        if ratio:
+            values[f"eval/bpb/{name}"] = loss * ratio / math.log(2)
+            bits, text_bytes = bits + s / math.log(2), text_bytes + n / ratio
+        else:
+            text_bytes = float("nan")  # one source without byte counts: no overall bpb
+    bpb = bits / text_bytes if text_bytes and math.isfinite(text_bytes) else None
+    return (loss_sum / tokens if tokens else float("nan")), bpb, values
 
 
 def bits_per_byte(loss: float, dataset) -> float | None:
@@ -49,23 +77,36 @@ def bits_per_byte(loss: float, dataset) -> float | None:
     return loss * ratio / math.log(2) if ratio else None
 
 
-def eval_loader(trainer):
-    """The eval split's loader of this rank: micro_batch rows per data-parallel rank per batch
-    (tensor-parallel peers share batches). The trainer builds one at start-up too, so a split
-    too small for one batch stops the run before step 1, not after the last."""
+def eval_sources(dataset) -> list[str | None]:
+    """The eval splits to check and evaluate: a mixture's sources, or the one split (None)."""
+    return list(getattr(dataset, "source_names", None) or [None])
+
+
+def eval_loader(trainer, source: str | None = None):
+    """The eval split's loader of this rank (of one source of a mixture): micro_batch rows per
+    data-parallel rank per batch (tensor-parallel peers share batches). The trainer builds one
+    at start-up too, so a split too small for one batch stops the run before step 1, not after
+    the last."""
+    extra = {} if source is None else {"source": source}
     return trainer.dataset.loader(
         "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
-        * trainer.data_ranks, rank=trainer.data_rank, world_size=trainer.data_ranks,
+        * trainer.data_ranks, rank=trainer.data_rank, world_size=trainer.data_ranks, **extra,
     )
 
 
-@torch.no_grad()
 def evaluate(trainer, token_budget: int) -> float:
     """Mean loss over the eval split's first ``token_budget`` tokens (all ranks together)."""
+    s, n = evaluate_sums(trainer, token_budget)
+    return s / n if n > 0 else float("nan")
+
+
+@torch.no_grad()
+def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tuple[float, float]:
+    """(summed token loss, tokens) over the first ``token_budget`` eval tokens, all ranks."""
     model = trainer.model
     was_training = model.training
     model.eval()
-    loader = eval_loader(trainer)
+    loader = eval_loader(trainer, source)
     total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
     per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.data_ranks
     for i, batch in enumerate(loader):
@@ -77,4 +118,4 @@ def evaluate(trainer, token_budget: int) -> float:
         total[1] += batch["labels"].numel()
     dist_utils.all_reduce_(total)
     model.train(was_training)
-    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+    return float(total[0]), float(total[1])

@@ -16,13 +16,14 @@ from kiln.recipes.config.schema import Recipe
 from kiln.recipes.hooks.evaluate import EvalHook
 from kiln.recipes.hooks.log import LogHook
 from kiln.recipes.hooks.progress import ProgressHook
+from kiln.recipes.hooks.sources import SourceMetricsHook
 
 
 def standard_hooks(recipe: Recipe) -> list[Hook]:
     """Every hook the recipe turns on, kiln's and the plugins', in no particular order."""
     run = recipe.run
     hooks: list[Hook] = [run.watchdog.build(), run.routing.build(), LogHook(), EvalHook(),
-                         ProgressHook()]
+                         ProgressHook(), SourceMetricsHook()]
     if run.profile is not None:
         hooks.append(run.profile.build())
     if recipe.evals:  # [evals.NAME] downstream tasks

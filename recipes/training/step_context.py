@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kiln.components import distributed
 from kiln.components.errors import TrainingAborted
-from kiln.components.models.lm_head import LossHead, chunk_loss_sum
+from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, chunk_loss_sum
 from kiln.components.protocols import GuardDecision
 from kiln.components.steps.common import unguarded
 
@@ -32,6 +32,28 @@ class Progress:
 
     def load_state_dict(self, d: dict) -> None:
         self.step, self.tokens = int(d["step"]), int(d["tokens"])
+
+
+class SourceLosses:
+    """Per data source: the summed token losses and the token count of the training batches
+    since the last ``take`` (a mixture's ``source_ids`` say each row's source). On the device,
+    no host sync: the log hook reads them every log interval."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.sums = torch.zeros(n, 2, dtype=torch.float64, device=device)
+
+    def add(self, rows: torch.Tensor, per_token: torch.Tensor, labels: torch.Tensor) -> None:
+        """``per_token`` (B*T,) losses of ``labels`` (B, T); ``rows`` (B,) their sources."""
+        valid = labels != IGNORE_INDEX
+        loss = (per_token.view(labels.shape) * valid).sum(1, dtype=torch.float64)  # (B,)
+        count = valid.sum(1, dtype=torch.float64)
+        self.sums.index_add_(0, rows.to(self.sums.device), torch.stack([loss, count], 1))
+
+    def take(self) -> torch.Tensor:
+        """(sources, 2): [loss sum, tokens] since the last call, this rank's; then zero."""
+        out = self.sums.clone()
+        self.sums.zero_()
+        return out
 
 
 @dataclass
@@ -54,6 +76,8 @@ class TrainStepContext:
     # parallelisms.compile_loss may swap in compiled versions of both.
     cross_entropy: Any = F.cross_entropy
     chunk_loss: Any = chunk_loss_sum
+    # A mixture's per-source training loss (the trainer sets it where it can be measured).
+    source_losses: SourceLosses | None = None
 
     @property
     def device(self) -> torch.device:
@@ -80,11 +104,15 @@ class TrainStepContext:
         if self.parallel.pipeline is not None:
             return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
         ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
-        return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels)
+        rows = batch.get("source_ids") if self.source_losses is not None else None
+        return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels, rows=rows)
 
-    def stage_loss(self, run, labels: torch.Tensor) -> torch.Tensor:
+    def stage_loss(self, run, labels: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via
-        its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits)."""
+        its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits).
+        ``rows``: each row's data source; its token losses then go to ``source_losses`` too (on
+        plain logits only: the trainer sets ``source_losses`` only where that is the path)."""
         chunk = self.loss_chunk_tokens if self.parallel.tp is None else 0
         if chunk:
             with self.autocast:
@@ -93,8 +121,13 @@ class TrainStepContext:
             with self.autocast:
                 logits = run()  # (B, T, V)
             # Through the plan: with loss parallel the logits are sharded over the vocabulary.
-            loss = self.parallel.loss(self.cross_entropy, logits.flatten(0, 1).float(),
-                                      labels.flatten())
+            flat = logits.flatten(0, 1).float()
+            if rows is not None:  # one cross-entropy: per token, then the mean of the valid
+                per_token = self.cross_entropy(flat, labels.flatten(), reduction="none")
+                loss = per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+                self.source_losses.add(rows, per_token.detach(), labels)
+            else:
+                loss = self.parallel.loss(self.cross_entropy, flat, labels.flatten())
         aux = self.model.pop_aux_loss()  # e.g. MoE balance losses
         # The auxiliary loss adds its gradient, not its value: the reported loss stays the CE.
         return loss if aux is None else loss + (aux - aux.detach())

@@ -25,7 +25,7 @@ from kiln.parallelisms.layout.check import chunked_loss_note, raise_problems, tr
 from kiln.parallelisms.mesh import layout
 from kiln.recipes.config.files import render_recipe, to_dict
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.hooks.evaluate import eval_loader
+from kiln.recipes.hooks.evaluate import eval_loader, eval_sources
 from kiln.recipes.probes.flops import trainer_peak
 from kiln.recipes.probes.process_stats import Phases
 from kiln.recipes.training import batch_plan
@@ -91,8 +91,12 @@ class Trainer:
         )
         self.total_steps = batch_plan.total_steps(
             tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
+        if check_run := getattr(self.dataset, "check_run", None):  # e.g. a mixture's stages
+            for line in check_run(self.total_steps, self.plan.global_batch):
+                self.print(line)
         if recipe.eval.at_end or 0 < recipe.eval.interval <= self.total_steps:
-            getattr(eval_loader(self), "close", lambda: None)()  # fits one batch, or fails now
+            for source in eval_sources(self.dataset):  # each fits one batch, or fails now
+                getattr(eval_loader(self, source), "close", lambda: None)()
         phase("data")
         self.model = self._build_model()
         phase("model build")
@@ -113,7 +117,7 @@ class Trainer:
             progress=self.progress, total_steps=self.total_steps,
             global_batch=self.plan.global_batch, seq_len=self.seq_len, grad_clip=tr.grad_clip,
             loss_chunk_tokens=tr.loss_chunk_tokens, autocast=self.autocast,
-            **self.compiled_losses)
+            source_losses=self._source_losses(), **self.compiled_losses)
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))
@@ -151,6 +155,25 @@ class Trainer:
                 "training.loss_chunk_tokens = 0"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
+
+    def _source_losses(self):
+        """Per-source training loss for a dataset with ``source_names`` (a mixture), where the
+        loss is one cross-entropy over plain logits; elsewhere a line says why it is not logged
+        (``data/tokens/NAME`` and the per-source evaluations are logged on every path)."""
+        names = getattr(self.dataset, "source_names", None)
+        if not names:
+            return None
+        why = ("pipeline parallelism" if self.parallel.pipeline is not None
+               else "loss parallel (sharded logits)" if self.parallel.loss_parallel
+               else "training.loss_chunk_tokens > 0" if self.recipe.training.loss_chunk_tokens
+               else "")
+        if why:
+            self.print(f"data: train/loss/NAME per source is not logged under {why}; "
+                       "eval/loss/NAME and data/tokens/NAME are")
+            return None
+        from kiln.recipes.training.step_context import SourceLosses
+
+        return SourceLosses(len(names), self.device)
 
     def _parallelize(self) -> str:
         # Parallelism call site: pipeline split -> float8 -> activation checkpointing -> compile

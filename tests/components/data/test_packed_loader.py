@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.components.data.packed_loader import Loader, _check_batch_plan, _locate, _Windows
+from kiln.components.data.packed_loader import Loader, Windows, _check_batch_plan, _locate
 from kiln.components.errors import DataError, RecipeError
 
 from .conftest import epoch_stream
@@ -37,7 +37,7 @@ def test_bad_batch_plans_are_rejected(mb, gb, rank, world):
 
 def test_windows_read_the_epoch_stream_and_pickle_light(make_dataset):
     ds = make_dataset(seq_len=L)
-    win = _Windows(ds.layout, "train", L)
+    win = Windows(ds.layout, "train", L)
     for epoch in (0, 1):
         stream = epoch_stream(ds, "train", epoch)
         got = win.read(epoch, 3, 2)  # windows 3 and 4

@@ -1,0 +1,59 @@
+"""Per-source training figures of a mixture (``data.type = "mixture"``), every logged step.
+
+On the steps the log line is written (``run.log_interval``, step 1 and the last):
+
+- ``data/tokens/NAME``: tokens the source has given so far in the run (its sequences times
+  ``training.seq_len``; during a context warmup the trainer trains on a prefix of each);
+- ``data/share/NAME``: its share of the sequences since the previous logged step;
+- ``train/loss/NAME``: the mean loss over its tokens since the previous logged step, all ranks
+  (token-weighted: sums of token losses and counts, one all-reduce), where the trainer can
+  measure it (not under pipeline parallelism, loss parallel or a chunked loss: it says so).
+
+The evaluation per source (``eval/loss/NAME``, ``eval/bpb/NAME``) is the eval hook's.
+"""
+
+from __future__ import annotations
+
+from kiln.components import distributed
+from kiln.components.protocols import Hook
+
+
+class SourceMetricsHook(Hook):
+    """``data/tokens/NAME``, ``data/share/NAME`` and ``train/loss/NAME`` of a mixture."""
+
+    priority = 69  # just after the log line, on the same steps
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._before: dict[str, int] = {}
+
+    def on_train_start(self, trainer) -> None:
+        self.names = list(getattr(trainer.dataset, "source_names", None) or [])
+        if self.names:
+            self._before = trainer.train_loader.source_counts()  # after a resume: the cursor's
+
+    def on_step_end(self, trainer, result) -> None:
+        step = trainer.progress.step
+        if not self.names or (step % trainer.recipe.run.log_interval
+                              and step not in (1, trainer.total_steps)):
+            return
+        counts = trainer.train_loader.source_counts()
+        new = {n: counts[n] - self._before.get(n, 0) for n in self.names}
+        total = sum(new.values()) or 1
+        values: dict[str, float] = {}
+        for n in self.names:
+            values[f"data/tokens/{n}"] = counts[n] * trainer.plan.seq_len
+            values[f"data/share/{n}"] = new[n] / total
+        losses = trainer.step_context.source_losses
+        if losses is not None:
+            sums = distributed.all_reduce_(losses.take())  # every rank logs on the same steps
+            for n, (s, c) in zip(self.names, sums.tolist(), strict=True):
+                if c > 0:
+                    values[f"train/loss/{n}"] = s / c
+        trainer.metrics.log(step, values)
+        self._before = counts
+        if trainer.world.is_main:
+            parts = [f"{n} {values[f'train/loss/{n}']:.4f}" if f"train/loss/{n}" in values
+                     else n for n in self.names]
+            shares = "/".join(f"{values[f'data/share/{n}']:.0%}" for n in self.names)
+            trainer.print(f"      sources: {'  '.join(parts)}  (shares {shares})")
