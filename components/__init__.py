@@ -34,7 +34,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.data.packed_documents",
     "kiln.components.data.balanced_shards",
     "kiln.components.data.streaming_text",
-    "kiln.components.data.mixture",
+    "kiln.components.data.mixture.dataset",
     "kiln.components.tasks.multiple_choice",
     "kiln.components.tasks.exact_match",
     "kiln.components.tasks.bits_per_byte",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.components.data import mixture_order as mo
+from kiln.components.data.mixture import order as mo
 from kiln.components.errors import RecipeError
 
 WEIGHTS = [[0.5, 0.3, 0.2], [0.7, 0.2, 0.1], [1, 1, 1, 1], [0.9, 0.05, 0.05], [3, 1]]

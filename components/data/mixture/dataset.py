@@ -3,7 +3,7 @@
 Each source is a dataset kiln reads by row (today ``packed_documents``: a `kiln data prepare`
 folder, this machine's standard library, or a folder of text / JSONL / parquet files), built
 with the recipe's tokenizer and ``seq_len``. Which source global training sequence ``j`` comes
-from is ``mixture_order``'s pure function of (seed, the stage's weights, ``j`` counted from the
+from is ``mixture.order``'s pure function of (seed, the stage's weights, ``j`` counted from the
 stage's start), so every number of processes and every micro-batch split sees the same global
 batches, and every window of 1,000 sequences holds each source's share to within 1%. A source
 gives its rows in order (row ``k``: window ``k mod W`` of data epoch ``k div W``, its ``W``
@@ -27,7 +27,8 @@ from pydantic import Field
 
 from kiln.components import registry
 from kiln.components.base import ComponentConfig, Config, Sub
-from kiln.components.data import mixture_order
+from kiln.components.data.mixture import order as mixture_order
+from kiln.components.data.mixture.loader import MixtureLoader
 from kiln.components.errors import DataError, KilnError, RecipeError
 from kiln.components.registry import register
 
@@ -148,8 +149,6 @@ class Mixture:
                world_size: int = 1, source: str | None = None) -> Any:
         """Rank ``rank``'s micro-batches of ``split``; for "eval", of one source's held-out
         rows (``source``) or of every source's in turn (None). See ``MixtureLoader``."""
-        from kiln.components.data.mixture_loader import MixtureLoader
-
         if source is not None and source not in self.children:
             raise RecipeError(f"no mixture source {source!r}; sources: {', '.join(self.names)}")
         return MixtureLoader(self, split, micro_batch=micro_batch, global_batch=global_batch,

@@ -3,7 +3,7 @@
 As with ``packed_documents``, global step ``g`` uses global sequence positions
 ``[g*GB, (g+1)*GB)`` and rank ``r`` of ``W`` takes the contiguous slice
 ``[g*GB + r*GB/W, ...)`` in micro-batches, so every world size sees the same global batches.
-Position ``j``'s source comes from ``mixture_order`` (counted from its stage's start); its row
+Position ``j``'s source comes from ``mixture.order`` (counted from its stage's start); its row
 is the number of sequences that source gave before ``j``. Those per-source counts at the start
 of the current step are the cursor (``state_dict``): at a step boundary they are the same on
 every rank and for every world size, so an elastic resume continues exactly.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from pydantic import NonNegativeInt
 
-from kiln.components.data import mixture_order
+from kiln.components.data.mixture import order as mixture_order
 from kiln.components.data.cursor import StepCursor, check_cursor
 from kiln.components.errors import DataError, RecipeError
 

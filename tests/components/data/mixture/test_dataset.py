@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.components.data.mixture_loader import MixtureLoader
+from kiln.components.data.mixture.loader import MixtureLoader
 from kiln.components.errors import DataError, KilnError, RecipeError
 from kiln.recipes.config.files import load_recipe
 
