@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from pydantic import NonNegativeInt
 
-from kiln.components.data.mixture import order as mixture_order
 from kiln.components.data.cursor import StepCursor, check_cursor
+from kiln.components.data.mixture import order as mixture_order
 from kiln.components.errors import DataError, RecipeError
 
 
