@@ -3,12 +3,15 @@
     kiln data prepare --input PATH... --out DIR [--tokenizer TOK] [--domain NAME] ...
     kiln data prepare [RECIPE] [--source stdlib|folder] [--out DIR] ...
     kiln data info DIR
+    kiln data mix RECIPE [--key=value ...]
 
 With ``--input`` the real-corpus builder runs (``components/data/prepare/prepare.py``: parallel,
 resumable, a manifest; packed layout or ``--domain`` shards). Without it the recipe's
 ``packed_documents`` source is built; without ``--out`` it goes to the cache entry a training
 run with the same settings would use, so preparing ahead makes the first step start at once.
-Either way the last line is the exact recipe override that trains on the result.
+Either way the last line is the exact recipe override that trains on the result. ``mix`` is a
+dry run of a ``mixture`` recipe: it prepares the sources (as training would) and prints what
+each source gives per stage, the epochs that implies and what runs out first; nothing trains.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("--eval-fraction", type=float, help="share of documents held out")
     info = sub.add_parser("info", help="validate a dataset folder and print its metadata")
     info.add_argument("folder", help="a prepared dataset folder")
+    mix = sub.add_parser("mix", help="a mixture recipe's sources per stage: tokens, shares, "
+                         "epochs, what runs out first (dry run)")
+    mix.add_argument("recipe", help="a recipe with data.type = \"mixture\"")
 
 
 def _recipe(args: argparse.Namespace) -> Any:
@@ -279,6 +285,8 @@ def _check_shard_ids(domain: Path, vocab: int) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action == "info":
         return _info(args.folder)
+    if args.action == "mix":
+        return _mix(args)
     try:
         return _prepare_inputs(args) if args.input else _prepare_source(args)
     except KeyboardInterrupt:  # Ctrl-C: the workers ignore it, the partial build is kept
@@ -302,3 +310,43 @@ def _prepare_source(args: argparse.Namespace) -> int:
     print(_hint(args, [f"--data.path={folder}", *tok_overrides]))
     return 0
 
+
+
+def _mix(args: argparse.Namespace) -> int:
+    """The run plan of a mixture recipe (``Mixture.plan``) as a table, one process assumed
+    (the plan is the same on any number: it counts global sequences)."""
+    from kiln.recipes.training import batch_plan
+
+    recipe = _recipe(args)
+    if recipe.data.type != "mixture":
+        raise RecipeError(f"{args.recipe}: data.type = {recipe.data.type!r}; `kiln data mix` "
+                          "reads a recipe with data.type = \"mixture\" (docs/data.md)")
+    tr = recipe.training
+    dataset = recipe.data.build(tokenizer=recipe.tokenizer.build(), seq_len=tr.seq_len,
+                                seed=tr.seed)
+    dataset.prepare()
+    steps = batch_plan.total_steps(tr, batch_plan.plan(tr, 1), None)
+    for line in dataset.check_run(steps, tr.global_batch):
+        print(line)
+    lines = dataset.plan(steps, tr.global_batch)
+    print(f"mixture: {len(dataset.source_names)} sources, {len(dataset.stages)} stage(s); "
+          f"{steps} steps x {tr.global_batch} sequences of {tr.seq_len} tokens")
+    print(f"{'stage':<6} {'steps':<12} {'source':<16} {'share':>7} {'sequences':>11} "
+          f"{'tokens':>13} {'epochs to here':>15}")
+    for p in lines:
+        stage = "run" if p["stage"] is None else str(p["stage"])
+        span = f"{p['steps'][0]}-{p['steps'][1]}"
+        print(f"{stage:<6} {span:<12} {p['source']:<16} {p['share']:>7.1%} "
+              f"{p['sequences']:>11,} {p['tokens']:>13,} {p['epochs']:>15.2f}")
+    whole = [p for p in lines if p["stage"] is None]
+    first = max(whole, key=lambda p: p["epochs"])
+    cap = dataset.cfg.max_epochs.get(first["source"])
+    limit = f" (max_epochs {cap:g})" if cap is not None else ""
+    held = f"its train split holds {dataset.windows(first['source'], 'train'):,} sequences"
+    if first["epochs"] < 1:
+        print(f"no source repeats: the most read, {first['source']}, gives "
+              f"{first['epochs']:.0%} of its train split by step {steps}{limit}; {held}")
+    else:
+        print(f"runs out first: {first['source']}, read {first['epochs']:.2f} times by step "
+              f"{steps}{limit}; {held}")
+    return 0

@@ -346,3 +346,27 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path, texts, capsys):
     assert "\r" not in captured.err + captured.out  # tqdm's frames (warnings may be there)
     assert "prepare d:" not in captured.err
     assert captured.out.splitlines()[0].startswith("built in")
+
+
+def test_mix_prints_each_source_per_stage_and_what_runs_out_first(tmp_path, texts, capsys):
+    common = ["--training.steps=40", "--training.seq_len=16",
+              "--data.sources.code.max_bytes=100000", "--data.sources.tests.max_bytes=100000",
+              "--data.sources.docstrings.type=packed_documents",
+              "--data.sources.docstrings.source=folder",
+              f"--data.sources.docstrings.source_path={texts}",
+              "--data.stages=[{step = 30, weights = {docstrings = 1}}]"]
+    recipe = str(REPO / "train_configs" / "mixture_debug.toml")
+    assert main(["data", "mix", recipe, *common]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "mixture: 3 sources, 2 stage(s); 40 steps x 8 sequences of 16 tokens"
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in out[2:-1]}
+    assert rows[("0", "0-30", "code")][0] == "49.6%"  # 119 of the stage's 240 sequences
+    assert rows[("1", "30-40", "docstrings")][:3] == ["100.0%", "80", "1,280"]
+    assert rows[("run", "0-40", "tests")][1] == rows[("0", "0-30", "tests")][1]
+    assert sum(int(v[1].replace(",", "")) for k, v in rows.items() if k[0] == "run") == 320
+    assert out[-1].startswith("runs out first: docstrings, read ") and "(max_epochs 8)" in out[-1]
+    # past its max_epochs the recipe is refused as training would refuse it
+    assert main(["data", "mix", recipe, *common, "--data.max_epochs={docstrings = 1}"]) == 1
+    assert "above data.max_epochs.docstrings = 1" in capsys.readouterr().err
+    assert main(["data", "mix", str(REPO / "train_configs" / "debug.toml")]) == 2
+    assert "reads a recipe with data.type = \"mixture\"" in capsys.readouterr().err
