@@ -1,6 +1,7 @@
 """`kiln compare RUN... [--sort COLUMN] [--json | --markdown]`: one table of the recipe keys that
 differ between runs beside each run's results (final / best loss, final / best eval loss and bits
-per byte, each downstream task's headline score, tokens/s, MFU, wall-clock, steps done)."""
+per byte, a mixture's eval loss per source, each downstream task's headline score, tokens/s,
+MFU, wall-clock, steps done)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from kiln.components.errors import RecipeError
 from kiln.recipes.config.diff import ABSENT, differing, short_names
 from kiln.recipes.runs.read import Run, open_runs, summary
 
-# Result columns in table order: summary key -> header. Task columns (``task/<name>``, headed
+# Result columns in table order: summary key -> header. A mixture's per-source eval losses
+# (``source/<name>``, headed ``<name> eval``), then task columns (``task/<name>``, headed
 # ``<name> <metric>``) follow eval_bpb.
 RESULTS = {
     "steps": "steps", "final_loss": "final loss", "best_loss": "best loss",
@@ -46,7 +48,8 @@ def table(runs: list[Run]) -> tuple[list[str], list[dict[str, Any]]]:
             row["evals"] = _evals_cell(evals, i)
         row.update(summary(run))
         rows.append(row)
-    tasks = sorted({k for r in rows for k in r if k.startswith("task/")})
+    tasks = sorted({k for r in rows for k in r if k.startswith("source/")})
+    tasks += sorted({k for r in rows for k in r if k.startswith("task/")})
     results = [k for k in RESULTS if k in ALWAYS or any(r.get(k) is not None for r in rows)]
     speed = [k for k in results if k in SPEED]
     return ["run", *short.values(), *(["evals"] if evals else []),
@@ -74,7 +77,9 @@ def headers(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
     """Each column's header: a task's is ``<name> <metric>`` (its headline metric)."""
     out = []
     for c in columns:
-        if c.startswith("task/"):
+        if c.startswith("source/"):
+            out.append(f"{c[len('source/'):]} eval")
+        elif c.startswith("task/"):
             name = c[len("task/"):]
             metrics = sorted({r["task_metrics"][name] for r in rows
                               if name in r.get("task_metrics", {})})
@@ -120,7 +125,7 @@ def cell(key: str, value: Any) -> str:
 
 
 def _numeric(key: str) -> bool:
-    return key in RESULTS or key.startswith("task/")
+    return key in RESULTS or key.startswith(("task/", "source/"))
 
 
 def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = False) -> str:

@@ -17,7 +17,11 @@ from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, short_names
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
 
-DEFAULT_METRICS = ("loss", "eval/loss", "lr", "grad_norm")
+# train/loss, eval/loss/* and data/share: a mixture's per-source curves (drawn where logged)
+DEFAULT_METRICS = ("loss", "eval/loss", "train/loss", "eval/loss/*", "data/share", "lr",
+                   "grad_norm")
+LEGEND_CHARS = 60
+PER_SOURCE = ("train/loss", "eval/loss", "eval/bpb", "data/share", "data/tokens")
 # Diagnostics panels (RUN/plots/diagnostics.png): title -> (key prefix, key suffix); a line per
 # matching key (layer, loop).
 DIAGNOSTICS_PANELS = {
@@ -52,6 +56,9 @@ def legend_labels(runs: list[Run]) -> list[str]:
     short = short_names(list(diffs))
     labels = [", ".join(f"{short[k]}={_value(v[i])}" for k, v in diffs.items()) or r.label
               for i, r in enumerate(runs)]
+    # runs that differ in many keys: their names (a legend line must fit beside a panel)
+    labels = [lab if len(lab) <= LEGEND_CHARS else r.label
+              for r, lab in zip(runs, labels, strict=True)]
     return [f"{r.label}: {lab}" if labels.count(lab) > 1 and lab != r.label else lab
             for r, lab in zip(runs, labels, strict=True)]
 
@@ -80,6 +87,21 @@ def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
         if not any(all(series(r, key) == series(r, k) for r in runs) for k in drawn):
             drawn.append(key)
     return drawn
+
+
+def group_panels(keys: list[str]) -> list[tuple[str, list[str]]]:
+    """(title, keys) per panel: a key alone, except a mixture's per-source keys (``PER_SOURCE``
+    prefixes), which share one panel per prefix, a line per source."""
+    panels: list[tuple[str, list[str]]] = []
+    for key in keys:
+        head = next((p for p in PER_SOURCE if key.startswith(p + "/")), None)
+        if head is None:
+            panels.append((key, [key]))
+        elif panels and panels[-1][0] == head:
+            panels[-1][1].append(key)
+        else:
+            panels.append((head, [key]))
+    return panels
 
 
 def logged_keys(logged: list[str]) -> str:
@@ -146,17 +168,23 @@ def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
     labels = legend_labels(runs)
     heat = [(run, *expert_loads(run)) for run in runs] if experts else []
     heat = [h for h in heat if h[1]]
-    cols = 1 if len(keys) == 1 else 2
-    rows = math.ceil(len(keys) / cols)
+    panels = group_panels(keys)
+    cols = 1 if len(panels) == 1 else 2
+    rows = math.ceil(len(panels) / cols)
     fig = plt.figure(figsize=(6 * cols, 3.2 * rows + 3.4 * len(heat)), layout="constrained")
     grid = fig.add_gridspec(rows + len(heat), cols)
-    for i, key in enumerate(keys):
+    for i, (head, members) in enumerate(panels):
         ax = fig.add_subplot(grid[i // cols, i % cols])
-        for run, lab in zip(runs, labels, strict=True):
-            xs, ys = series(run, key, x)
-            if xs:
-                plot_series(ax, xs, smooth(ys, smooth_n), lab)
-        ax.set_title(key + (f" (smoothed over {smooth_n})" if smooth_n > 1 else ""))
+        for key in members:
+            for run, lab in zip(runs, labels, strict=True):
+                xs, ys = series(run, key, x)
+                if xs:
+                    line = lab if key == head else key[len(head) + 1:]
+                    if key != head and len(runs) > 1:
+                        line = f"{lab}: {line}"
+                    plot_series(ax, xs, smooth(ys, smooth_n), line)
+        ax.set_title(head + (" per source" if members != [head] else "")
+                     + (f" (smoothed over {smooth_n})" if smooth_n > 1 else ""))
         ax.set_xlabel(X_LABELS[x])
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -196,11 +196,14 @@ def _interpolate(known: list[tuple[int, float]], step: int) -> float:
 
 def pick(run: Run, names: list[str]) -> list[str]:
     """The run's keys a metric name selects: itself, or every ``name/...`` key (``lr`` ->
-    ``lr/main``, ``lr/main/no_decay``)."""
+    ``lr/main``, ``lr/main/no_decay``); ``name/*`` selects the ``name/...`` keys only
+    (``eval/loss/*``: a mixture's per-source evaluations, not the overall ``eval/loss``)."""
     keys = run.metric_keys()
     out = []
     for name in names:
-        if name in keys:
+        if name.endswith("/*"):
+            out += [k for k in keys if k.startswith(name[:-1])]
+        elif name in keys:
             out.append(name)
         else:
             out += [k for k in keys if k.startswith(name + "/")]
@@ -225,9 +228,20 @@ def summary(run: Run) -> dict[str, Any]:
         "mfu": _median([r.get("mfu") for r in train[1:] or train]),
         "wall_clock_s": sum(float(r.get("interval_s", 0.0)) for r in train) or _span(run),
     }
+    for name, value in source_evals(run).items():
+        out[f"source/{name}"] = value
     for name, (metric, points) in task_scores(run).items():
         out[f"task/{name}"] = points[-1][1]
         out.setdefault("task_metrics", {})[name] = metric
+    return out
+
+
+def source_evals(run: Run) -> dict[str, float]:
+    """A mixture run's last held-out loss per source (``eval/loss/NAME``), by source."""
+    out = {}
+    for key in sorted(k for k in run.metric_keys() if k.startswith("eval/loss/")):
+        if (value := _last(run, key)) is not None:
+            out[key[len("eval/loss/"):]] = value
     return out
 
 
@@ -239,6 +253,8 @@ def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
     for rec in run.records:
         for key, value in rec.items():
             head, _, metric = key.rpartition("/")
+            if head in ("eval/loss", "eval/bpb"):  # a mixture's per source, not a task
+                continue
             if head.startswith("eval/") and (number := _number(value)) is not None:
                 logged.setdefault(head[5:], {}).setdefault(metric, {})[rec["step"]] = number
     path = run.folder / DOWNSTREAM_FILE

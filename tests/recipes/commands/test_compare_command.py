@@ -191,3 +191,32 @@ def test_compare_with_different_evals_tables_stays_one_line_per_run(tmp_path, ca
     assert len(headers) == len(set(headers)) and "training.steps" in headers
     assert "evals" in headers and not any(h.startswith("evals.") for h in headers)
     assert "mc.num_fewshot=2" in lines[2] and "\\n##\\n" in lines[2] and "em" in lines[2]
+
+
+def test_a_mixtures_per_source_evals_are_columns_not_tasks(tmp_path, capsys):
+    """eval/loss/NAME (a mixture's per-source eval) is one column per source, never a task
+    named "loss"; plot's default panels draw the per-source keys a line each."""
+    from kiln.recipes.runs.plots import group_panels, resolve_metrics
+
+    runs = []
+    for name, code in (("a", 2.5), ("b", 2.0)):
+        run = make_run(tmp_path / name, (f"--optimizer.lr={code / 1000}",))
+        _log(run, {"step": 30, "eval/loss/code": code, "eval/loss/prose": 3.0,
+                   "eval/bpb/code": code / 2},
+             {"step": 30, "train/loss/code": code + 0.1, "data/share/code": 0.6,
+              "data/share/prose": 0.4})
+        runs.append(run)
+    assert main(["compare", *map(str, runs), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["source/code"] for r in rows] == [2.5, 2.0]
+    assert not any(k.startswith("task/") for r in rows for k in r)
+    assert main(["compare", *map(str, runs), "--sort=code eval"]) == 0
+    header, first, _ = capsys.readouterr().out.splitlines()
+    assert "code eval" in header and "prose eval" in header and first.startswith("b ")
+    keys = resolve_metrics([open_run(r) for r in runs], None)
+    assert group_panels(keys) == [
+        ("loss", ["loss"]), ("eval/loss", ["eval/loss"]),  # the overall eval: its own panel
+        ("train/loss", ["train/loss/code"]),
+        ("eval/loss", ["eval/loss/code", "eval/loss/prose"]),  # "eval/loss per source"
+        ("data/share", ["data/share/code", "data/share/prose"]),
+        ("lr/main", ["lr/main"]), ("grad_norm", ["grad_norm"])]
