@@ -44,6 +44,24 @@ def chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return F.cross_entropy(z, labels, reduction="sum")
 
 
+class TokenLosses:
+    """A chunk loss (``LossFn``) that also keeps every token's loss, detached, in ``per_token``
+    (N,): the chunks come in order, each right after the last. A mixture's per-source loss reads
+    them; the step's loss and gradients are those of ``chunk_loss_sum`` (uncompiled here)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.per_token = torch.zeros(n, dtype=torch.float32, device=device)
+        self.at = 0
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 cap: float) -> torch.Tensor:
+        z = soft_cap(F.linear(hidden, weight), cap).float()  # (n, V)
+        per = F.cross_entropy(z, labels, reduction="none")  # (n,)
+        self.per_token[self.at:self.at + per.shape[0]] = per.detach()
+        self.at += per.shape[0]
+        return per.sum()
+
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 HeadFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (hidden, weight, cap)
 

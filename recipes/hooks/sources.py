@@ -7,7 +7,7 @@ On the steps the log line is written (``run.log_interval``, step 1 and the last)
 - ``data/share/NAME``: its share of the sequences since the previous logged step;
 - ``train/loss/NAME``: the mean loss over its tokens since the previous logged step, all ranks
   (token-weighted: sums of token losses and counts, one all-reduce), where the trainer can
-  measure it (not under pipeline parallelism, loss parallel or a chunked loss: it says so).
+  measure it (not under pipeline parallelism or loss parallel: the start-up log says so).
 
 The evaluation per source (``eval/loss/NAME``, ``eval/bpb/NAME``) is the eval hook's.
 """

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kiln.components import distributed
 from kiln.components.errors import TrainingAborted
-from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, chunk_loss_sum
+from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, TokenLosses, chunk_loss_sum
 from kiln.components.protocols import GuardDecision
 from kiln.components.steps.common import unguarded
 
@@ -111,12 +111,16 @@ class TrainStepContext:
                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via
         its ``head=`` with ``training.loss_chunk_tokens`` (not under tp: sharded logits).
-        ``rows``: each row's data source; its token losses then go to ``source_losses`` too (on
-        plain logits only: the trainer sets ``source_losses`` only where that is the path)."""
+        ``rows``: each row's data source; its token losses then go to ``source_losses`` too
+        (not with vocabulary-sharded logits: the trainer sets ``source_losses`` only where
+        they are whole)."""
         chunk = self.loss_chunk_tokens if self.parallel.tp is None else 0
         if chunk:
+            fn = self.chunk_loss if rows is None else TokenLosses(labels.numel(), labels.device)
             with self.autocast:
-                loss = run(head=LossHead(labels, chunk, self.chunk_loss))
+                loss = run(head=LossHead(labels, chunk, fn))
+            if rows is not None:
+                self.source_losses.add(rows, fn.per_token, labels)
         else:
             with self.autocast:
                 logits = run()  # (B, T, V)

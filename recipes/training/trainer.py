@@ -158,15 +158,13 @@ class Trainer:
 
     def _source_losses(self):
         """Per-source training loss for a dataset with ``source_names`` (a mixture), where the
-        loss is one cross-entropy over plain logits; elsewhere a line says why it is not logged
+        loss sees whole logits (chunked or not); elsewhere a line says why it is not logged
         (``data/tokens/NAME`` and the per-source evaluations are logged on every path)."""
         names = getattr(self.dataset, "source_names", None)
         if not names:
             return None
         why = ("pipeline parallelism" if self.parallel.pipeline is not None
-               else "loss parallel (sharded logits)" if self.parallel.loss_parallel
-               else "training.loss_chunk_tokens > 0" if self.recipe.training.loss_chunk_tokens
-               else "")
+               else "loss parallel (sharded logits)" if self.parallel.loss_parallel else "")
         if why:
             self.print(f"data: train/loss/NAME per source is not logged under {why}; "
                        "eval/loss/NAME and data/tokens/NAME are")

@@ -144,3 +144,18 @@ def test_a_mixture_run_killed_with_sigkill_resumes_to_the_same_losses(full, tmp_
     assert {s: r["loss"] for s, r in got.items() if "loss" in r} == ref.losses
     for step in range(kill_at + 1, 11):
         assert got[step]["train/loss/docstrings"] == want[step]["train/loss/docstrings"]
+
+
+def test_the_chunked_loss_gives_the_same_per_source_losses(tmp_path):
+    rows = {}
+    for chunk in (0, 24):
+        folder = tmp_path / f"chunk{chunk}"
+        recipe = load_recipe(CONFIGS / "mixture_debug.toml", [
+            *TINY, "--training.steps=2", "--data.stages=[]", f"--run.folder={folder}",
+            f"--training.loss_chunk_tokens={chunk}", "--eval.interval=0", "--eval.at_end=false"])
+        Trainer(recipe, out=io.StringIO()).fit()
+        rows[chunk] = {s: {k: v for k, v in r.items() if k.startswith("train/loss/")}
+                       for s, r in _metrics(folder).items()}
+    assert rows[0][2] and rows[0][2].keys() == rows[24][2].keys()
+    for step in (1, 2):
+        assert rows[24][step] == pytest.approx(rows[0][step], rel=1e-5), step
