@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.components.base import Config
 
@@ -63,6 +63,11 @@ class CheckpointConfig(Config):
     from_ema: bool = Field(
         False, description="weights-only resume: use the optimizer's EMA weights when present"
     )
+    keep_optimizer: bool = Field(
+        False, description="weights-only resume: keep the optimizer's state (moments) too; the "
+        "step count, LR schedule, data and guard history still start fresh (a new training "
+        "stage from a finished run, docs/data.md)"
+    )
     skip_data_steps: int = Field(
         0, ge=0,
         description="when resuming from an explicit path, skip this many steps of data (so a "
@@ -82,3 +87,10 @@ class CheckpointConfig(Config):
     hub_token_env: str = Field(
         "HF_TOKEN", description="environment variable holding the Hub token (never logged)"
     )
+
+    @model_validator(mode="after")
+    def _keep_optimizer_needs_weights_only(self) -> CheckpointConfig:
+        if self.keep_optimizer and not self.weights_only:
+            raise ValueError("checkpoint.keep_optimizer = true needs checkpoint.weights_only = "
+                             "true (a full resume keeps the optimizer state anyway)")
+        return self

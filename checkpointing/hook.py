@@ -115,13 +115,17 @@ class CheckpointHook(Hook):
         distributed.barrier()
         started = time.monotonic()
         loaded = self.manager.load(trainer, source.folder, weights_only=weights_only,
-                                   from_ema=cfg.from_ema and weights_only, verified=verified)
+                                   from_ema=cfg.from_ema and weights_only,
+                                   keep_optimizer=cfg.keep_optimizer and weights_only,
+                                   verified=verified)
         self._load_s = time.monotonic() - started
         self.resumed_from = source.folder
         if weights_only:
+            fresh = ("kept optimizer state; fresh" if cfg.keep_optimizer
+                     else "fresh optimizer,")
             trainer.print(f"kiln: started from the weights of {source.folder} (step "
-                          f"{loaded.step}{', EMA' if cfg.from_ema else ''}); fresh optimizer, "
-                          "schedule, data and guard history")
+                          f"{loaded.step}{', EMA' if cfg.from_ema else ''}); {fresh} schedule, "
+                          "data and guard history")
         else:
             self.manager.last_saved_step = loaded.step
             trainer.print(f"kiln: resumed from {source.folder} at step {loaded.step}")

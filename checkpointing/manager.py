@@ -300,9 +300,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------ loading
     @_gc_paused()
     def load(self, state, folder: Path, *, weights_only: bool = False,
-             from_ema: bool = False, verified: bool = False) -> Loaded:
+             from_ema: bool = False, keep_optimizer: bool = False,
+             verified: bool = False) -> Loaded:
         """Restore ``state`` from a checkpoint folder; validates before changing anything.
-        ``verified``: the caller has just checked the folder's hashes (``verify``)."""
+        ``verified``: the caller has just checked the folder's hashes (``verify``);
+        ``keep_optimizer``: a weights-only load keeps the optimizer state it read."""
         folder = Path(folder)
         if not verified:
             error = self.verify(folder)
@@ -316,7 +318,7 @@ class CheckpointManager:
         if not weights_only:
             ranked, mapping = self._rank_state(folder, meta, state)
 
-        with_optim = not weights_only or from_ema
+        with_optim = not weights_only or from_ema or keep_optimizer
         current = app_state.collect(state, with_optim=with_optim)
         tensors, current_rest = storage.split_tree(current)
         storage.load_tensors(
@@ -337,8 +339,9 @@ class CheckpointManager:
                     )
                 for name in swapped:
                     optimizers[name].swap_ema()
-            for opt in optimizers.values():
-                opt.state.clear()  # fresh moments: a new run that starts from these weights
+            if not keep_optimizer:
+                for opt in optimizers.values():
+                    opt.state.clear()  # fresh moments: a new run that starts from these weights
             return Loaded(folder, step, True, saved_ws)
 
         rng_tensors, rng_info, pay, loader_state = ranked

@@ -159,3 +159,49 @@ def test_the_chunked_loss_gives_the_same_per_source_losses(tmp_path):
     assert rows[0][2] and rows[0][2].keys() == rows[24][2].keys()
     for step in (1, 2):
         assert rows[24][step] == pytest.approx(rows[0][step], rel=1e-5), step
+
+
+class _Moments:
+    """At train start (after the load): each optimizer's first-moment tensors, copied."""
+
+    def __init__(self):
+        self.moments: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer):
+        from kiln.checkpointing.app_state import optimizers_of
+
+        for opt in optimizers_of(trainer).values():
+            self.moments += [s["exp_avg"].clone() for s in opt.state.values() if "exp_avg" in s]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["fresh optimizer", "kept optimizer"])
+def test_a_new_stage_starts_from_a_finished_runs_checkpoint(full, tmp_path, keep):
+    """The mid-training pattern: a finished run's weights (and, kept, its optimizer moments)
+    start a new run on the anneal mix, whose data, step count and schedule begin afresh."""
+    from kiln.checkpointing.app_state import optimizers_of
+
+    folder, _, done = full
+    anneal = tmp_path / "anneal"
+    recipe = load_recipe(CONFIGS / "mixture_anneal.toml", [
+        *[o for o in TINY if not o.startswith("--data.stages")], f"--run.folder={anneal}",
+        "--training.steps=2", f"--checkpoint.resume={folder}/checkpoints/final",
+        f"--checkpoint.keep_optimizer={str(keep).lower()}"])
+    assert recipe.data.weights == {"docstrings": 0.7, "code": 0.3} and not recipe.data.stages
+    moments, out = _Moments(), io.StringIO()
+    trainer = Trainer(recipe, hooks=[moments], out=out)
+    trainer.fit()
+    assert "started from the weights of" in out.getvalue()
+    assert ("kept optimizer state" in out.getvalue()) == keep
+    saved = [s["exp_avg"] for o in optimizers_of(done).values() for s in o.state.values()]
+    if keep:
+        assert len(moments.moments) == len(saved) > 0
+        assert all(torch.equal(a, b) for a, b in zip(moments.moments, saved, strict=True))
+    else:
+        assert moments.moments == []
+    assert trainer.progress.step == 2  # its own steps, from 0
+    counts = trainer.train_loader.source_counts()  # the anneal mix from its first sequence
+    assert counts["tests"] == 0 and counts["code"] + counts["docstrings"] == 16
+    assert counts == dict(zip(trainer.dataset.source_names,
+                              trainer.dataset.counts_before(2, 8).tolist(), strict=True))
+    assert _metrics(anneal)[2]["lr/main"] == pytest.approx(
+        trainer.optimizers.lrs()["main"])  # its own schedule

@@ -181,13 +181,15 @@ class Mixture:
 
     def check_run(self, total_steps: int, global_batch: int) -> list[str]:
         """Before step 1: stage steps below ``total_steps`` and every source within its
-        ``max_epochs``; a DataError, or (``on_exhausted = "repeat"``) warning lines."""
+        ``max_epochs``; a DataError, or lines for the log: (``on_exhausted = "repeat"``) a
+        warning per source past its cap, a note per source no stage trains on (eval only)."""
         for s in self.stages[1:]:
             if s.step >= total_steps:
                 raise RecipeError(f"data.stages[{s.index - 1}].step = {s.step} is not below "
                                   f"training.steps = {total_steps}: that stage would never run; "
                                   "lower its step or raise training.steps")
-        warnings = []
+        warnings = [f"data: {n} is evaluated only (no weight in any stage)"
+                    for i, n in enumerate(self.names) if not any(s.weights[i] for s in self.stages)]
         for line in self.plan(total_steps, global_batch):
             cap = self.cfg.max_epochs.get(line["source"])
             if line["stage"] is None and cap is not None and line["epochs"] > cap:
@@ -261,10 +263,6 @@ def _stages(cfg: MixtureConfig, names: list[str]) -> list[Stage]:
             raise RecipeError(f"data.stages[{i}].weights is empty: give at least one source a "
                               "weight > 0")
         out.append(Stage(i + 1, s.step, _weights(s.weights, names, f"data.stages[{i}].weights")))
-    unused = [n for i, n in enumerate(names) if not any(s.weights[i] for s in out)]
-    if unused:
-        raise RecipeError(f"data.sources.{unused[0]} has no weight in any stage (data.weights, "
-                          "data.stages): give it one, or remove the source")
     for name in cfg.max_epochs:
         if name not in names:
             raise RecipeError(f"data.max_epochs names unknown source {name!r}; sources: "

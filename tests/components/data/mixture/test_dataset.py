@@ -194,7 +194,6 @@ def test_max_epochs_stops_the_run_before_step_one_or_warns_with_repeat(tmp_path)
 @pytest.mark.parametrize(("data", "message"), [
     ("weights = {a = 0, b = 1, c = 1}", "data.weights.a = 0.0: a weight must be .* > 0"),
     ("weights = {a = -1, b = 1, c = 1}", "data.weights.a = -1.0"),
-    ("weights = {a = 1, b = 1}", "data.sources.c has no weight in any stage"),
     ("weights = {a = 1, b = 1, c = 1, d = 1}", "data.weights names unknown source.* d"),
     ("[[data.stages]]\nstep = 5\nweights = {}", r"data.stages\[0\].weights is empty"),
     ("[[data.stages]]\nstep = 5\nweights = {x = 1}", r"data.stages\[0\].weights names unknown "
@@ -206,6 +205,14 @@ def test_max_epochs_stops_the_run_before_step_one_or_warns_with_repeat(tmp_path)
 def test_bad_mixture_settings_are_one_line_naming_the_key(tmp_path, data, message):
     with pytest.raises(RecipeError, match=message):
         _mixture(tmp_path, data + "\n")
+
+
+def test_a_source_without_weight_is_evaluated_only(tmp_path):
+    ds, _ = _mixture(tmp_path, "weights = {a = 1, b = 1}\n")
+    assert ds.check_run(10, 8) == ["data: c is evaluated only (no weight in any stage)"]
+    loader = ds.loader("train", micro_batch=8, global_batch=8)
+    assert 2 not in torch.cat([b["source_ids"] for b in _steps(loader, 10)]).tolist()
+    assert len(ds.loader("eval", micro_batch=2, global_batch=2, source="c")) > 0
 
 
 def test_a_stage_past_the_run_is_refused(tmp_path):
