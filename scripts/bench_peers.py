@@ -16,7 +16,9 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
 - ``checkpoint``: save and load MB/s of kiln's checkpoints vs bare DCP
   (``bench_rows/checkpoint.py``);
 - ``overhead``: per-step time of kiln's trainer vs a plain loop on the same tiny model
-  (``bench_rows/overhead.py``).
+  (``bench_rows/overhead.py``);
+- ``mixture-loader``: a 3-source mixture's data loader vs one source, time per global step
+  (``bench_rows/mixture.py``).
 
 Every side runs in a fresh process; each round runs every group's two sides, the order of the two
 alternating from round to round, so drift in the machine's load hits both. The table gives each
@@ -121,6 +123,11 @@ def groups(args) -> list[Group]:
                      [Row("step time, tiny model (host overhead)", "step_ms", "ms",
                           higher_is_better=False, goal=">= 0.95x")],
                      {**base, "steps": 5 if quick else 200, "warmup": 2 if quick else 20},
+                     third_party=False))
+    out.append(Group("mixture-loader", "mixture", "one packed_documents source (its code)",
+                     [Row("data loader, one global step, 3-source mixture", "step_us", "µs",
+                          higher_is_better=False, goal=">= 0.95x")],
+                     {**base, "steps": 20 if quick else 2000, "warmup": 5 if quick else 200},
                      third_party=False))
     return out
 

@@ -38,21 +38,27 @@ def table(runs: list[Run]) -> tuple[list[str], list[dict[str, Any]]]:
     one ``evals`` column), then the results."""
     diffs = differing([r.recipe for r in runs]) if len(runs) > 1 else {}
     evals = {k: v for k, v in diffs.items() if k.startswith("evals.")}
-    diffs = {k: v for k, v in diffs.items() if k not in evals}
-    taken = set(RESULTS) | set(RESULTS.values()) | {"evals"}
+    # a mixture source some runs lack: one "sources" cell, not a column per setting of it
+    lone = {k: v for k, v in diffs.items()
+            if k.startswith("data.sources.") and any(x is ABSENT for x in v)}
+    diffs = {k: v for k, v in diffs.items() if k not in evals and k not in lone}
+    taken = set(RESULTS) | set(RESULTS.values()) | {"evals", "sources"}
     short = {k: k if name in taken else name for k, name in short_names(list(diffs)).items()}
     rows = []
     for i, run in enumerate(runs):
         row = {"run": run.label, **{short[k]: values[i] for k, values in diffs.items()}}
         if evals:
             row["evals"] = _evals_cell(evals, i)
+        if lone:
+            row["sources"] = ", ".join(sorted({k.split(".")[2] for k, v in lone.items()
+                                               if v[i] is not ABSENT}))
         row.update(summary(run))
         rows.append(row)
     tasks = sorted({k for r in rows for k in r if k.startswith("source/")})
     tasks += sorted({k for r in rows for k in r if k.startswith("task/")})
     results = [k for k in RESULTS if k in ALWAYS or any(r.get(k) is not None for r in rows)]
     speed = [k for k in results if k in SPEED]
-    return ["run", *short.values(), *(["evals"] if evals else []),
+    return ["run", *short.values(), *(["evals"] if evals else []), *(["sources"] if lone else []),
             *[k for k in results if k not in SPEED], *tasks, *speed], rows
 
 

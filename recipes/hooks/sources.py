@@ -54,6 +54,6 @@ class SourceMetricsHook(Hook):
         self._before = counts
         if trainer.world.is_main:
             parts = [f"{n} {values[f'train/loss/{n}']:.4f}" if f"train/loss/{n}" in values
-                     else n for n in self.names]
+                     else f"{n} -" for n in self.names]  # "-": no token of it since the last
             shares = "/".join(f"{values[f'data/share/{n}']:.0%}" for n in self.names)
             trainer.print(f"      sources: {'  '.join(parts)}  (shares {shares})")

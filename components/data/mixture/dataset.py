@@ -36,10 +36,13 @@ _EXACT_LIMIT = 1 << 27  # sequences: beyond, the run plan estimates counts (see 
 
 
 class MixtureStage(Config):
-    """From global step ``step`` on, train on these weights."""
+    """From global step ``step`` (or ``fraction`` of the run) on, train on these weights."""
 
-    step: int = Field(ge=1, description="steps taken before this stage begins (0-based step of "
-                      "its first batch)")
+    step: int = Field(0, ge=0, description="steps taken before this stage begins (0-based step "
+                      "of its first batch); or give fraction")
+    fraction: float = Field(0.0, ge=0, lt=1, description="where the stage begins as a share "
+                            "of training.steps (floor(fraction x steps), at least 1): it moves "
+                            "with the run's length; or give step")
     weights: dict[str, float] = Field(
         description="share of each source in this stage (normalised); a source left out gives "
         "nothing in this stage")
@@ -86,7 +89,10 @@ class Mixture:
             raise RecipeError("data.type = \"mixture\" needs sources: [data.sources.NAME] "
                               "tables, each a dataset (type = \"packed_documents\", ...)")
         self.names = sorted(cfg.sources)
-        self.stages = _stages(cfg, self.names)
+        self._specs = _stages(cfg, self.names)
+        # stages placed by fraction need the run's length: ``check_run`` places them
+        self.stages: list[Stage] = [] if any(f for _, f, _ in self._specs) else \
+            _place(self._specs, 0)[0]
         self.children: dict[str, Any] = {}
         for name in self.names:
             sub = cfg.sources[name]
@@ -157,6 +163,9 @@ class Mixture:
     # ------------------------------------------------------------------------- the schedule
     def stage_of(self, step: int) -> Stage:
         """The stage global step ``step`` (0-based) trains in."""
+        if not self.stages:
+            raise RecipeError("data.stages placed by fraction need the run's length: call "
+                              "check_run(total_steps, global_batch) first (the trainer does)")
         current = self.stages[0]
         for s in self.stages:
             if s.step <= step:
@@ -183,12 +192,8 @@ class Mixture:
         """Before step 1: stage steps below ``total_steps`` and every source within its
         ``max_epochs``; a DataError, or lines for the log: (``on_exhausted = "repeat"``) a
         warning per source past its cap, a note per source no stage trains on (eval only)."""
-        for s in self.stages[1:]:
-            if s.step >= total_steps:
-                raise RecipeError(f"data.stages[{s.index - 1}].step = {s.step} is not below "
-                                  f"training.steps = {total_steps}: that stage would never run; "
-                                  "lower its step or raise training.steps")
-        warnings = [f"data: {n} is evaluated only (no weight in any stage)"
+        self.stages, warnings = _place(self._specs, total_steps)
+        warnings += [f"data: {n} is evaluated only (no weight in any stage)"
                     for i, n in enumerate(self.names) if not any(s.weights[i] for s in self.stages)]
         for line in self.plan(total_steps, global_batch):
             cap = self.cfg.max_epochs.get(line["source"])
@@ -251,18 +256,21 @@ def _weights(table: dict[str, float], names: list[str], where: str) -> tuple[flo
     return tuple(table.get(n, 0.0) / total for n in names)
 
 
-def _stages(cfg: MixtureConfig, names: list[str]) -> list[Stage]:
+_Spec = tuple[int, float, tuple[float, ...]]  # (step, fraction, weights) of one stage
+
+
+def _stages(cfg: MixtureConfig, names: list[str]) -> list[_Spec]:
     first = _weights(cfg.weights, names, "data.weights") if cfg.weights else \
         tuple(1.0 / len(names) for _ in names)  # no weights: equal shares
-    out = [Stage(0, 0, first)]
+    out: list[_Spec] = [(0, 0.0, first)]
     for i, s in enumerate(cfg.stages):
-        if s.step <= out[-1].step:
-            raise RecipeError(f"data.stages[{i}].step = {s.step} must be above the step before "
-                              f"it ({out[-1].step}): stages run in increasing step order")
+        if (s.step > 0) == (s.fraction > 0):
+            raise RecipeError(f"data.stages[{i}]: give step (>= 1) or fraction (0 < f < 1), "
+                              f"one of them; got step = {s.step}, fraction = {s.fraction}")
         if not s.weights:
             raise RecipeError(f"data.stages[{i}].weights is empty: give at least one source a "
                               "weight > 0")
-        out.append(Stage(i + 1, s.step, _weights(s.weights, names, f"data.stages[{i}].weights")))
+        out.append((s.step, s.fraction, _weights(s.weights, names, f"data.stages[{i}].weights")))
     for name in cfg.max_epochs:
         if name not in names:
             raise RecipeError(f"data.max_epochs names unknown source {name!r}; sources: "
@@ -270,3 +278,26 @@ def _stages(cfg: MixtureConfig, names: list[str]) -> list[Stage]:
         if not cfg.max_epochs[name] > 0:
             raise RecipeError(f"data.max_epochs.{name} = {cfg.max_epochs[name]} must be > 0")
     return out
+
+
+def _place(specs: list[_Spec], total_steps: int) -> tuple[list[Stage], list[str]]:
+    """The stages at their steps (``total_steps``: the run's length; 0 = not known, only steps
+    given), and warning lines for stages placed by fraction that fall outside a short run."""
+    out, notes = [Stage(0, 0, specs[0][2])], []
+    for i, (step, fraction, weights) in enumerate(specs[1:]):
+        where = f"data.stages[{i}]"
+        if fraction:
+            step = max(1, math.floor(fraction * total_steps))
+            if step >= total_steps or step <= out[-1].step:
+                notes.append(f"warning: {where} (fraction {fraction:g}) falls at step {step} of "
+                             f"a {total_steps}-step run: it does not run")
+                continue
+        elif total_steps and step >= total_steps:
+            raise RecipeError(f"{where}.step = {step} is not below training.steps = "
+                              f"{total_steps}: that stage would never run; lower its step, "
+                              "raise training.steps, or place it by fraction")
+        if step <= out[-1].step:
+            raise RecipeError(f"{where} begins at step {step}, not after the stage before it "
+                              f"(step {out[-1].step}): stages run in increasing step order")
+        out.append(Stage(len(out), step, weights))
+    return out, notes

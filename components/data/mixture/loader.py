@@ -53,6 +53,7 @@ class MixtureLoader:
         self.names = list(ds.names)
         self._pos = 0
         self._cached: tuple[int, np.ndarray] = (0, np.zeros(len(self.names), dtype=np.int64))
+        self._step: tuple | None = None  # the step being handed out (``_read_step``)
         self._caps = {n: ds.row_cap(n) for n in self.names} if split == "train" else {}
         self._wins = {n: ds.windows(n, split) for n in self.names}
         self.eval_sources = [source] if source is not None else self.names
@@ -69,7 +70,9 @@ class MixtureLoader:
     def counts_at(self, step: int) -> np.ndarray:
         """Sequences each source gave before global step ``step`` (cached: steps go in order)."""
         at, counts = self._cached
-        if step == at + 1:
+        if step == at + 1 and self._step is not None and self._step[0] == at:
+            counts = counts + self._step[4]  # the step just read counted its sources
+        elif step == at + 1:
             counts = counts + self.ds.step_counts(at, self.global_batch)
         elif step != at:
             counts = self.ds.counts_before(step, self.global_batch)
@@ -81,22 +84,32 @@ class MixtureLoader:
         step = -(-self._pos // self.micro_per_step)  # a step begun counts once it is done
         return dict(zip(self.names, self.counts_at(step).tolist(), strict=True))
 
+    def _read_step(self, step: int) -> tuple:
+        """This rank's rows of global step ``step``, read once per step (one gather per source
+        instead of one per source and micro-batch): (step, windows, doc_ids, sources, the
+        step's per-source counts over all ranks)."""
+        stage = self.ds.stage_of(step)
+        rel = (step - stage.step) * self.global_batch  # the step's start within its stage
+        positions = np.arange(rel, rel + self.global_batch, dtype=np.uint64)
+        src, rows = mixture_order.rows_within(positions, stage.weights, self.ds.seed,
+                                              self.counts_at(step), stage.index)
+        per_rank = self.global_batch // self.world_size
+        lo = self.rank * per_rank
+        mine, mine_rows = src[lo:lo + per_rank], rows[lo:lo + per_rank]
+        out = np.empty((per_rank, self.seq_len + 1), dtype=np.int64)
+        docs = np.empty((per_rank, self.seq_len), dtype=np.int32)
+        for i in np.unique(mine):
+            mask = mine == i
+            out[mask], docs[mask] = self._read(self.names[i], mine_rows[mask])
+        return step, out, docs, mine, np.bincount(src, minlength=len(self.names))
+
     def _train_batch(self, pos: int) -> dict[str, torch.Tensor]:
         step, micro = divmod(pos, self.micro_per_step)
-        stage = self.ds.stage_of(step)
-        offset = self.rank * (self.global_batch // self.world_size) + micro * self.micro_batch
-        rel = (step - stage.step) * self.global_batch  # the step's start within its stage
-        before = self.counts_at(step) + mixture_order.counts(
-            rel, rel + offset, stage.weights, self.ds.seed, stage.index)
-        positions = np.arange(rel + offset, rel + offset + self.micro_batch, dtype=np.uint64)
-        src, rows = mixture_order.rows_within(positions, stage.weights, self.ds.seed, before,
-                                              stage.index)
-        out = np.empty((self.micro_batch, self.seq_len + 1), dtype=np.int64)
-        docs = np.empty((self.micro_batch, self.seq_len), dtype=np.int32)
-        for i in np.unique(src):
-            mask = src == i
-            out[mask], docs[mask] = self._read(self.names[i], rows[mask])
-        return _batch(out, docs, torch.from_numpy(src))
+        if self._step is None or self._step[0] != step:
+            self._step = self._read_step(step)
+        _, out, docs, src, _ = self._step
+        part = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
+        return _batch(out[part], docs[part], torch.from_numpy(src[part].copy()))
 
     def _read(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Consecutive train ``rows`` of source ``name``, split where a data epoch ends."""
@@ -152,6 +165,7 @@ class MixtureLoader:
         if n < 0:
             raise ValueError(f"skip_steps needs n >= 0, got {n}")
         self._pos += n * self.micro_per_step
+        self._step = None
 
     def state_dict(self) -> dict[str, Any]:
         step, micro = divmod(self._pos, self.micro_per_step)
@@ -181,7 +195,7 @@ class MixtureLoader:
         self.check_state_dict(state)
         step = int(state["step"])
         counts = np.array([state["rows_before_step"][n] for n in self.names], dtype=np.int64)
-        self._cached = (step, counts)
+        self._cached, self._step = (step, counts), None
         self._pos = step * self.micro_per_step + int(state["micro"])
 
 

@@ -17,6 +17,7 @@ Arithmetic is in 64-bit fixed point (numpy's uint64 wraps modulo 2**64 exactly),
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 
@@ -30,6 +31,11 @@ _PHI = np.uint64(int((5 ** 0.5 - 1) / 2 * _ONE))  # frac(golden ratio) in 0.64 f
 
 def _bounds(weights: Sequence[float]) -> np.ndarray:
     """Upper ends of each source's slice of [0, 2**64), the last one 2**64 - 1 inclusive."""
+    return _cached_bounds(tuple(float(x) for x in weights))
+
+
+@functools.lru_cache(maxsize=64)  # a loader asks for the same stage's bounds every batch
+def _cached_bounds(weights: tuple[float, ...]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or not len(w) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise RecipeError(f"mixture weights {list(weights)}: give one finite weight >= 0 per "
@@ -40,6 +46,7 @@ def _bounds(weights: Sequence[float]) -> np.ndarray:
     return np.array([*ends, _ONE - 1], dtype=np.uint64)
 
 
+@functools.lru_cache(maxsize=64)
 def phase(seed: int, stage: int = 0) -> np.uint64:
     """The sequence's start in [0, 2**64): a fixed hash of the seed and the stage (each stage of
     a mixture starts its own sequence; Python's hash() is salted, crc32 is not)."""
@@ -75,8 +82,7 @@ def rows_within(positions: np.ndarray, weights: Sequence[float], seed: int,
     """(source, row of that source) for consecutive ``positions``; ``before[i]`` is how many
     sequences source ``i`` gave before ``positions[0]`` (a loader carries it in its cursor)."""
     src = sources(positions, weights, seed, stage)
-    rows = np.empty(len(src), dtype=np.int64)
-    for i in range(len(weights)):
-        mask = src == i
-        rows[mask] = before[i] + np.arange(int(mask.sum()))
+    # the k-th sequence of source i here is its row before[i] + k: a running count per source
+    seen = np.cumsum(src[:, None] == np.arange(len(weights)), axis=0)  # (n, sources)
+    rows = np.asarray(before, dtype=np.int64)[src] + seen[np.arange(len(src)), src] - 1
     return src, rows

@@ -199,12 +199,27 @@ def test_max_epochs_stops_the_run_before_step_one_or_warns_with_repeat(tmp_path)
     ("[[data.stages]]\nstep = 5\nweights = {x = 1}", r"data.stages\[0\].weights names unknown "
      "source.* x; sources: a, b, c"),
     ("[[data.stages]]\nstep = 5\nweights = {a = 1}\n[[data.stages]]\nstep = 5\n"
-     "weights = {b = 1}", r"data.stages\[1\].step = 5 must be above the step before it"),
+     "weights = {b = 1}", r"data.stages\[1\] begins at step 5, not after the stage before it"),
+    ("[[data.stages]]\nstep = 5\nfraction = 0.5\nweights = {a = 1}",
+     r"data.stages\[0\]: give step \(>= 1\) or fraction \(0 < f < 1\), one of them"),
+    ("[[data.stages]]\nweights = {a = 1}", r"data.stages\[0\]: give step"),
     ("max_epochs = {q = 2}", "data.max_epochs names unknown source 'q'"),
 ])
 def test_bad_mixture_settings_are_one_line_naming_the_key(tmp_path, data, message):
     with pytest.raises(RecipeError, match=message):
         _mixture(tmp_path, data + "\n")
+
+
+def test_a_stage_placed_by_fraction_moves_with_the_runs_length(tmp_path):
+    ds, _ = _mixture(tmp_path, "[[data.stages]]\nfraction = 0.75\nweights = {a = 1}\n")
+    with pytest.raises(RecipeError, match="call check_run"):
+        _steps(ds.loader("train", micro_batch=8, global_batch=8), 1)
+    assert ds.check_run(40, 8) == []
+    assert [s.step for s in ds.stages] == [0, 30]
+    assert ds.check_run(2, 8) == [] and [s.step for s in ds.stages] == [0, 1]
+    (line,) = ds.check_run(1, 8)  # a one-step smoke run: the stage cannot run, and says so
+    assert line == ("warning: data.stages[0] (fraction 0.75) falls at step 1 of a 1-step run: "
+                    "it does not run") and len(ds.stages) == 1
 
 
 def test_a_source_without_weight_is_evaluated_only(tmp_path):
