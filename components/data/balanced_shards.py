@@ -21,7 +21,6 @@ shards in stream order with their row counts, the pass queue and the shards seen
 
 from __future__ import annotations
 
-import zlib
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,16 @@ from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
 from kiln.components.data.cursor import Cursor, StepCursor, check_cursor
 from kiln.components.data.prefetch import Prefetcher
-from kiln.components.data.shard_source import FolderSource, HubSource, Shard, read_shards_json
+from kiln.components.data.shard_rows import ShardRows
+from kiln.components.data.shard_source import (
+    FolderSource,
+    HubSource,
+    Shard,
+    read_shards_json,
+)
+from kiln.components.data.shard_source import (
+    seeded_rng as _rng,
+)
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.registry import register
 
@@ -70,11 +78,6 @@ class BalancedShardsConfig(ComponentConfig):
         True, description="prefetched batches in page-locked memory when CUDA is available "
         "(asynchronous host-to-GPU copies)",
     )
-
-
-def _rng(seed: int, *keys: str | int) -> np.random.Generator:
-    ints = [k if isinstance(k, int) else zlib.crc32(k.encode()) for k in keys]
-    return np.random.default_rng([seed, *ints])
 
 
 class DomainStream:
@@ -246,6 +249,11 @@ class BalancedShards:
     def meta(self) -> dict[str, Any]:
         return {"domains": self.cfg.domains, "source": self.source.where,
                 "eval_shards": dict(self.eval_shard)}
+
+    def rows(self, split: str) -> ShardRows:
+        """Random access to ``split``'s rows by (data epoch, row): how a ``mixture`` reads
+        this dataset as one of its sources (the shard list taken once; ``shard_rows``)."""
+        return ShardRows(self, split)
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
                world_size: int = 1) -> BalancedLoader:

@@ -78,6 +78,10 @@ class Windows:
     def stream_tokens(self) -> int:
         return int(self._order(0)[1][-1])
 
+    def rows_per_epoch(self) -> int:
+        """Windows in one data epoch of the split."""
+        return (self.stream_tokens() - 1) // self.seq_len
+
     def read(self, epoch: int, first: int, rows: int) -> np.ndarray:
         """Windows ``first .. first+rows-1`` of ``epoch``: int64 (rows, seq_len + 1)."""
         return self.read_documents(epoch, first, rows)[0]
@@ -85,10 +89,14 @@ class Windows:
     def read_documents(self, epoch: int, first: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(windows int64 (rows, seq_len + 1), their inputs' ``doc_ids`` int32 (rows, seq_len)):
         the document of every stream position is known, so its boundaries come with it."""
+        return self.read_rows(epoch, first + np.arange(rows))
+
+    def read_rows(self, epoch: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``read_documents`` of any windows ``rows`` (int (n,)) of ``epoch``, in that order."""
         if self._tokens is None:
             self._tokens = np.memmap(self.folder / TOKENS, self.dtype, "r", shape=(self.total,))
         doc_start, cum = self._order(epoch)
-        pos = (first + np.arange(rows))[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        pos = rows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         doc = np.searchsorted(cum, pos, side="right") - 1  # (rows, L + 1)
         at = doc_start[doc] + (pos - cum[doc])  # (rows, L + 1) offsets into tokens.bin
         out = np.asarray(self._tokens[at], dtype=np.int64)

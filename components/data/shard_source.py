@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,12 @@ _INT_DTYPES = (np.uint16, np.int16, np.int32, np.uint32, np.int64, np.uint8)
 SHARDS_JSON = "shards.json"  # what `kiln data prepare --domain` records about a domain
 _SHARDS_KEYS = ("shards", "total_tokens", "num_docs", "token_dtype", "vocab_size", "tokenizer",
                 "tokenizer_source")
+
+
+def seeded_rng(seed: int, *keys: str | int) -> np.random.Generator:
+    """A generator fixed by the seed and names (crc32: Python's hash() is salted per process)."""
+    ints = [k if isinstance(k, int) else zlib.crc32(k.encode()) for k in keys]
+    return np.random.default_rng([seed, *ints])
 
 
 def read_shards_json(domain: Path) -> dict:

@@ -3,7 +3,7 @@
 On the steps the log line is written (``run.log_interval``, step 1 and the last):
 
 - ``data/tokens/NAME``: tokens the source has given so far in the run (its sequences times
-  ``training.seq_len``; during a context warmup the trainer trains on a prefix of each);
+  ``training.seq_len``, less the tokens a context warmup cut: the ones trained on);
 - ``data/share/NAME``: its share of the sequences since the previous logged step;
 - ``train/loss/NAME``: the mean loss over its tokens since the previous logged step, all ranks
   (token-weighted: sums of token losses and counts, one all-reduce), where the trainer can
@@ -13,6 +13,8 @@ The evaluation per source (``eval/loss/NAME``, ``eval/bpb/NAME``) is the eval ho
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kiln.components import distributed
 from kiln.components.protocols import Hook
@@ -26,11 +28,24 @@ class SourceMetricsHook(Hook):
     def __init__(self) -> None:
         self.names: list[str] = []
         self._before: dict[str, int] = {}
+        self._cut = None  # tokens a context warmup cut per source, in steps [0, _cut_to)
+        self._cut_to = 0
 
     def on_train_start(self, trainer) -> None:
         self.names = list(getattr(trainer.dataset, "source_names", None) or [])
         if self.names:
             self._before = trainer.train_loader.source_counts()  # after a resume: the cursor's
+            self._cut, self._cut_to = np.zeros(len(self.names), dtype=np.int64), 0
+
+    def _cut_tokens(self, trainer, step: int) -> np.ndarray:
+        """Tokens of each source a context warmup cut in steps ``[0, step)``: brought up to
+        date on logged steps only, from the data's pure order (so also after a resume)."""
+        full = trainer.plan.seq_len
+        while self._cut_to < step and trainer.sequence_length(self._cut_to) < full:
+            cut = full - trainer.sequence_length(self._cut_to)
+            self._cut += cut * trainer.dataset.step_counts(self._cut_to, trainer.plan.global_batch)
+            self._cut_to += 1
+        return self._cut
 
     def on_step_end(self, trainer, result) -> None:
         step = trainer.progress.step
@@ -41,8 +56,9 @@ class SourceMetricsHook(Hook):
         new = {n: counts[n] - self._before.get(n, 0) for n in self.names}
         total = sum(new.values()) or 1
         values: dict[str, float] = {}
-        for n in self.names:
-            values[f"data/tokens/{n}"] = counts[n] * trainer.plan.seq_len
+        cut = self._cut_tokens(trainer, step)
+        for i, n in enumerate(self.names):
+            values[f"data/tokens/{n}"] = counts[n] * trainer.plan.seq_len - int(cut[i])
             values[f"data/share/{n}"] = new[n] / total
         losses = trainer.step_context.source_losses
         if losses is not None:

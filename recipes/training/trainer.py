@@ -256,6 +256,11 @@ class Trainer:
         self.progress.tokens += result.tokens
         self.model.on_global_step(result.skipped)
 
+    def sequence_length(self, step: int) -> int:
+        """Tokens a sequence trains on at optimizer step ``step`` (0-based): ``seq_len``, less
+        during a context warmup."""
+        return context_length(step, self.plan.seq_len, self.recipe.training.context_warmup)
+
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return batch
@@ -291,7 +296,6 @@ class Trainer:
             self.metrics.begin_session(self.progress.step)  # after the resume set the step
             batches = iter(self.train_loader)
             self.model.train()
-            warmup = self.recipe.training.context_warmup
             started = False
             while self.progress.step < self.total_steps and not self.stop_requested:
                 for hook in self.hooks:
@@ -299,7 +303,7 @@ class Trainer:
                 waited = time.perf_counter()
                 micro = [self.to_device(next(batches)) for _ in range(self.plan.grad_accum)]
                 self.data_wait_s += time.perf_counter() - waited
-                self.seq_len = context_length(self.progress.step, self.plan.seq_len, warmup)
+                self.seq_len = self.sequence_length(self.progress.step)
                 if self.seq_len < self.plan.seq_len:
                     micro = [truncate(b, self.seq_len) for b in micro]
                 self.model.set_progress(self.progress.step, self.total_steps)

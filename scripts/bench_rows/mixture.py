@@ -3,6 +3,8 @@ stdlib's code, test suites and docstrings) against one ``packed_documents`` sour
 ``code`` source alone, the same settings): the time to hand out one global step's micro-batches
 (debug shape: 2 micro-batches of 4 x 257 tokens), after a warm-up that builds any cache entry and
 touches every page once. The trainer waits on this; it is the whole cost a mixture adds to it.
+The mixture reads up to 16 steps ahead in one gather per source, so both sides time a multiple
+of 16 steps (``--steps`` rounded up): the block reads are counted at their average rate.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _side(p: dict, one_source: bool) -> dict:
     dataset.prepare()
     loader = dataset.loader("train", micro_batch=t.micro_batch, global_batch=t.global_batch)
     per_step = t.global_batch // t.micro_batch
-    step = _time(iter(loader), per_step, p["steps"], p["warmup"])
+    steps = -(-p["steps"] // 16) * 16
+    step = _time(iter(loader), per_step, steps, p["warmup"])
     return {"step_us": step * 1e6, "sources": 1 if one_source else len(recipe.data.sources)}
 
 

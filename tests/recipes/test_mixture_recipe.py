@@ -72,6 +72,17 @@ def test_every_logged_step_has_each_sources_loss_tokens_and_share(full):
         assert min(evals) <= rows[step]["eval/loss"] <= max(evals)
 
 
+def test_source_tokens_count_what_a_context_warmup_trained_on(tmp_path):
+    warm = ["--training.context_warmup.steps=4", "--training.context_warmup.start=8",
+            "--training.context_warmup.multiple=8", "--eval.interval=0",
+            "--checkpoint.interval=0"]
+    _run(tmp_path / "warm", steps=8, extra=warm)
+    rows = _metrics(tmp_path / "warm")
+    for step in range(1, 9):
+        got = sum(v for k, v in rows[step].items() if k.startswith("data/tokens/"))
+        assert got == rows[step]["tokens_seen"] < step * 8 * 32, step
+
+
 def test_the_per_source_loss_is_the_mean_over_that_sources_tokens(tmp_path):
     recipe = load_recipe(CONFIGS / "mixture_debug.toml",
                          [*TINY, "--training.steps=1", "--data.stages=[]",

@@ -134,7 +134,7 @@ class Mixture:
         return {"sources": {n: getattr(self.children[n], "meta", {}) for n in self.names}}
 
     def reader(self, name: str, split: str) -> Any:
-        """Source ``name``'s row reader of ``split`` (``Windows``)."""
+        """Source ``name``'s row reader of ``split`` (``packed_loader.Windows``, ``ShardRows``)."""
         key = (name, split)
         if key not in self._readers:
             self._readers[key] = self.children[name].rows(split)
@@ -142,7 +142,7 @@ class Mixture:
 
     def windows(self, name: str, split: str) -> int:
         """seq_len windows in one data epoch of source ``name``'s ``split``."""
-        return (self.reader(name, split).stream_tokens() - 1) // self.seq_len
+        return self.reader(name, split).rows_per_epoch()
 
     def tokens_per_byte(self, split: str = "eval", source: str | None = None) -> float | None:
         """Of one source (``source``), or None: ``bits_per_byte`` of a mixture is per source."""

@@ -10,13 +10,13 @@ every rank and for every world size, so an elastic resume continues exactly.
 
 Train batches carry ``source_ids`` (int64 (micro_batch,): the source of each row, in the
 dataset's sorted source order) besides ``input_ids``, ``labels`` and ``doc_ids``; the trainer
-logs loss and tokens per source from them. Reads are memory-map gathers in the training thread:
-a step's few index computations cost microseconds (docs/benchmarks.md "mixture loader").
+logs loss and tokens per source from them. Reads are memory-map gathers in the training thread,
+a block of up to 16 steps at once (one gather per source; docs/benchmarks.md "mixture loader").
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,21 @@ from pydantic import NonNegativeInt
 from kiln.components.data.cursor import StepCursor, check_cursor
 from kiln.components.data.mixture import order as mixture_order
 from kiln.components.errors import DataError, RecipeError
+
+_AHEAD_STEPS = 16  # steps read ahead at most, and at most this many tokens of one rank:
+_AHEAD_TOKENS = 1 << 21  # 16 MiB of int64 windows
+
+
+class _Block(NamedTuple):
+    """Global steps ``[start, stop)`` of one rank, read at once (``_read_block``)."""
+
+    start: int
+    stop: int
+    before: np.ndarray  # (stop - start + 1, sources): counts before each step, all ranks
+    inputs: torch.Tensor  # (steps x rows per rank, seq_len) int64, as are labels
+    labels: torch.Tensor
+    docs: torch.Tensor  # int32 doc_ids
+    src: torch.Tensor  # int64 source of each row
 
 
 class MixtureCursor(StepCursor):
@@ -53,7 +68,9 @@ class MixtureLoader:
         self.names = list(ds.names)
         self._pos = 0
         self._cached: tuple[int, np.ndarray] = (0, np.zeros(len(self.names), dtype=np.int64))
-        self._step: tuple | None = None  # the step being handed out (``_read_step``)
+        self._block: _Block | None = None  # the steps being handed out (``_read_block``)
+        per_step = global_batch // world_size * (self.seq_len + 1)
+        self._ahead = max(1, min(_AHEAD_STEPS, _AHEAD_TOKENS // per_step))
         self._caps = {n: ds.row_cap(n) for n in self.names} if split == "train" else {}
         self._wins = {n: ds.windows(n, split) for n in self.names}
         self.eval_sources = [source] if source is not None else self.names
@@ -69,10 +86,11 @@ class MixtureLoader:
     # ------------------------------------------------------------------------------ train
     def counts_at(self, step: int) -> np.ndarray:
         """Sequences each source gave before global step ``step`` (cached: steps go in order)."""
+        b = self._block
+        if b is not None and b.start <= step <= b.stop:
+            return b.before[step - b.start]
         at, counts = self._cached
-        if step == at + 1 and self._step is not None and self._step[0] == at:
-            counts = counts + self._step[4]  # the step just read counted its sources
-        elif step == at + 1:
+        if step == at + 1:
             counts = counts + self.ds.step_counts(at, self.global_batch)
         elif step != at:
             counts = self.ds.counts_before(step, self.global_batch)
@@ -84,35 +102,48 @@ class MixtureLoader:
         step = -(-self._pos // self.micro_per_step)  # a step begun counts once it is done
         return dict(zip(self.names, self.counts_at(step).tolist(), strict=True))
 
-    def _read_step(self, step: int) -> tuple:
-        """This rank's rows of global step ``step``, read once per step (one gather per source
-        instead of one per source and micro-batch): (step, windows, doc_ids, sources, the
-        step's per-source counts over all ranks)."""
-        stage = self.ds.stage_of(step)
-        rel = (step - stage.step) * self.global_batch  # the step's start within its stage
-        positions = np.arange(rel, rel + self.global_batch, dtype=np.uint64)
-        src, rows = mixture_order.rows_within(positions, stage.weights, self.ds.seed,
-                                              self.counts_at(step), stage.index)
-        per_rank = self.global_batch // self.world_size
-        lo = self.rank * per_rank
-        mine, mine_rows = src[lo:lo + per_rank], rows[lo:lo + per_rank]
-        out = np.empty((per_rank, self.seq_len + 1), dtype=np.int64)
-        docs = np.empty((per_rank, self.seq_len), dtype=np.int32)
+    def _read_block(self, step: int, most: int) -> _Block:
+        """This rank's rows of global steps ``step ..`` (at most ``most``, within one stage),
+        one gather per source: per-call costs (index arithmetic, memmap gathers, tensor
+        copies) are paid once per block, not once per source and micro-batch."""
+        stage, gb = self.ds.stage_of(step), self.global_batch
+        later = [s.step for s in self.ds.stages if s.step > step]
+        k = min(most, (later[0] if later else step + most) - step)
+        before = self.counts_at(step)
+        rel = (step - stage.step) * gb  # the block's start within its stage
+        src, rows = mixture_order.rows_within(np.arange(rel, rel + k * gb, dtype=np.uint64),
+                                              stage.weights, self.ds.seed, before, stage.index)
+        n = len(self.names)
+        per_step = np.bincount(src + n * (np.arange(k * gb) // gb), minlength=k * n)
+        after = before + np.cumsum(per_step.reshape(k, n), axis=0)
+        if k > 1 and any(cap is not None and after[-1][i] > cap
+                         for i, cap in enumerate(self._caps.values())):
+            return self._read_block(step, 1)  # read ahead never raises for a step not trained
+        per_rank = gb // self.world_size
+        idx = (np.arange(k)[:, None] * gb + self.rank * per_rank + np.arange(per_rank)).ravel()
+        mine, mine_rows = src[idx], rows[idx]
+        out = np.empty((len(idx), self.seq_len + 1), dtype=np.int64)
+        docs = np.empty((len(idx), self.seq_len), dtype=np.int32)
         for i in np.unique(mine):
             mask = mine == i
             out[mask], docs[mask] = self._read(self.names[i], mine_rows[mask])
-        return step, out, docs, mine, np.bincount(src, minlength=len(self.names))
+        t = torch.from_numpy(out)
+        return _Block(step, step + k, np.concatenate([before[None], after]),
+                      t[:, :-1].contiguous(), t[:, 1:].contiguous(), torch.from_numpy(docs),
+                      torch.from_numpy(mine))
 
     def _train_batch(self, pos: int) -> dict[str, torch.Tensor]:
         step, micro = divmod(pos, self.micro_per_step)
-        if self._step is None or self._step[0] != step:
-            self._step = self._read_step(step)
-        _, out, docs, src, _ = self._step
-        part = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
-        return _batch(out[part], docs[part], torch.from_numpy(src[part].copy()))
+        b = self._block
+        if b is None or not b.start <= step < b.stop:
+            b = self._block = self._read_block(step, self._ahead)
+        first = ((step - b.start) * self.micro_per_step + micro) * self.micro_batch
+        part = slice(first, first + self.micro_batch)
+        return {"input_ids": b.inputs[part], "labels": b.labels[part], "doc_ids": b.docs[part],
+                "source_ids": b.src[part]}
 
     def _read(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Consecutive train ``rows`` of source ``name``, split where a data epoch ends."""
+        """Train ``rows`` (ascending) of source ``name``, grouped by data epoch."""
         cap = self._caps.get(name)
         if cap is not None and rows[-1] >= cap:
             raise DataError(
@@ -120,15 +151,10 @@ class MixtureLoader:
                 f"{self.ds.cfg.max_epochs[name]:g} epochs of {self._wins[name]} sequences; lower "
                 "its weight, raise the cap, or set data.on_exhausted = \"repeat\"")
         reader, per_epoch = self.ds.reader(name, "train"), self._wins[name]
-        parts, first = [], int(rows[0])
-        end = first + len(rows)
-        while first < end:
-            epoch, at = divmod(first, per_epoch)
-            n = min(end - first, per_epoch - at)
-            parts.append(reader.read_documents(epoch, at, n))
-            first += n
-        if len(parts) == 1:
-            return parts[0]
+        epochs, at = np.divmod(rows, per_epoch)
+        if epochs[0] == epochs[-1]:
+            return reader.read_rows(int(epochs[0]), at)
+        parts = [reader.read_rows(int(e), at[epochs == e]) for e in np.unique(epochs)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def __iter__(self) -> Any:
@@ -165,7 +191,7 @@ class MixtureLoader:
         if n < 0:
             raise ValueError(f"skip_steps needs n >= 0, got {n}")
         self._pos += n * self.micro_per_step
-        self._step = None
+        self._block = None
 
     def state_dict(self) -> dict[str, Any]:
         step, micro = divmod(self._pos, self.micro_per_step)
@@ -195,7 +221,7 @@ class MixtureLoader:
         self.check_state_dict(state)
         step = int(state["step"])
         counts = np.array([state["rows_before_step"][n] for n in self.names], dtype=np.int64)
-        self._cached, self._step = (step, counts), None
+        self._cached, self._block = (step, counts), None
         self._pos = step * self.micro_per_step + int(state["micro"])
 
 
