@@ -251,8 +251,7 @@ class BalancedShards:
                 "eval_shards": dict(self.eval_shard)}
 
     def rows(self, split: str) -> ShardRows:
-        """Random access to ``split``'s rows by (data epoch, row): how a ``mixture`` reads
-        this dataset as one of its sources (the shard list taken once; ``shard_rows``)."""
+        """``split``'s rows by number: how a ``mixture`` reads it as a source (``shard_rows``)."""
         return ShardRows(self, split)
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
