@@ -116,8 +116,8 @@ class MixtureLoader:
         n = len(self.names)
         per_step = np.bincount(src + n * (np.arange(k * gb) // gb), minlength=k * n)
         after = before + np.cumsum(per_step.reshape(k, n), axis=0)
-        if k > 1 and any(cap is not None and after[-1][i] > cap
-                         for i, cap in enumerate(self._caps.values())):
+        caps = [self._caps.get(name) for name in self.names]
+        if k > 1 and any(cap is not None and after[-1][i] > cap for i, cap in enumerate(caps)):
             return self._read_block(step, 1)  # read ahead never raises for a step not trained
         per_rank = gb // self.world_size
         idx = (np.arange(k)[:, None] * gb + self.rank * per_rank + np.arange(per_rank)).ravel()
