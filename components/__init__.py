@@ -35,6 +35,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.data.balanced_shards",
     "kiln.components.data.streaming_text",
     "kiln.components.data.mixture.dataset",
+    "kiln.components.data.chat.dataset",
     "kiln.components.tasks.multiple_choice",
     "kiln.components.tasks.exact_match",
     "kiln.components.tasks.bits_per_byte",

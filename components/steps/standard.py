@@ -24,6 +24,7 @@ class StandardStep:
     """Forward/backward every micro-batch, then one clipped, guarded optimizer step."""
 
     Config = StandardStepConfig
+    token_weighted = True  # weights micro-batches by their trained tokens for masked data
 
     def __init__(self, cfg: StandardStepConfig):
         self.cfg = cfg
@@ -32,10 +33,11 @@ class StandardStep:
                  micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         ctx.zero_grad()
         pipeline = ctx.pipeline
+        trained = None
         if pipeline is not None:
             total = pipeline.train(micro_batches, ctx.stage_loss, ctx.autocast)
         else:
-            total = self.accumulate(ctx, micro_batches)
+            total, trained = self.accumulate(ctx, micro_batches)
         ctx.sync_grads()
         grad_norm = ctx.clip_grads()
         stats = ctx.global_stats(loss=total, grad_norm=grad_norm)  # the one host sync
@@ -44,17 +46,22 @@ class StandardStep:
         return StepResult(
             loss=stats["loss"], tokens=ctx.tokens_per_step, grad_norm=stats.get("grad_norm"),
             skipped=decision.skip, reason=decision.reason,
+            metrics={} if trained is None else {"trained_tokens": float(trained)},
         )
 
     @staticmethod
     def accumulate(ctx: StepContext,
-                   micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Forward and backward of every micro-batch; this rank's mean loss."""
+                   micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int | None]:
+        """Forward and backward of every micro-batch: (this rank's share of the mean loss,
+        the global batch's trained tokens for masked data, else None)."""
         n = len(micro_batches)
         total = torch.zeros((), device=ctx.device)
+        weights, trained = ctx.micro_weights(micro_batches)
         for i, batch in enumerate(micro_batches):
             with ctx.grad_sync(i == n - 1):
-                loss = ctx.forward_loss(batch) / n  # mean over the step's tokens
+                # 1/n: a mean over the step's tokens; masked data: weighted by trained tokens
+                loss = ctx.forward_loss(batch) * weights[i] if ctx.token_weighted \
+                    else ctx.forward_loss(batch) / n
                 loss.backward()
             total += loss.detach()
-        return total
+        return total, trained if ctx.token_weighted else None

@@ -50,6 +50,13 @@ class ByteTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        """Bare ids of ``text`` and each byte's character span (chat masks)."""
+        data = text.encode("utf-8")
+        widths = [len(c.encode("utf-8")) for c in text]
+        start = np.repeat(np.arange(len(text)), widths)
+        return list(data), np.stack([start, start + 1], axis=1)
+
     def encode_array(self, text: str) -> np.ndarray:
         """The bare ids of ``text`` (no specials) as uint16: the data builder's fast path."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)

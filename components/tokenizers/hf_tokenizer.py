@@ -213,6 +213,11 @@ class TokenizerFile(TokenizerBase):
     def bare_ids(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Bare ids of ``text`` and each token's character span (chat masks)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Bare ids of each text (uint32), encoded as one batch (the data builder's path)."""
         out = self._tok.encode_batch_fast(texts, add_special_tokens=False)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from kiln.components import distributed as dist_utils
+from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.protocols import Hook
 
 
@@ -114,8 +115,9 @@ def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tupl
             break
         batch = trainer.to_device(batch)
         loss = trainer.forward_loss(batch)
-        total[0] += loss.double() * batch["labels"].numel()
-        total[1] += batch["labels"].numel()
+        count = (batch["labels"] != IGNORE_INDEX).sum()  # masked data: its trained tokens
+        total[0] += loss.double() * count
+        total[1] += count
     dist_utils.all_reduce_(total)
     model.train(was_training)
     return float(total[0]), float(total[1])

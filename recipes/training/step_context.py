@@ -78,6 +78,9 @@ class TrainStepContext:
     chunk_loss: Any = chunk_loss_sum
     # A mixture's per-source training loss (the trainer sets it where it can be measured).
     source_losses: SourceLosses | None = None
+    # Masked data (``chat``): the loss is the mean over the global batch's trained tokens.
+    token_weighted: bool = False
+    data_ranks: int = 1  # ranks with distinct batches (the others are tensor-parallel peers)
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +97,35 @@ class TrainStepContext:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    def micro_weights(self, micro_batches: list[dict[str, torch.Tensor]]
+                      ) -> tuple[list[float], int]:
+        """(each micro-batch's loss weight, the global batch's trained tokens). Without
+        ``token_weighted`` 1/n each: a mean of the micro-batches' means. With it ``count_i * W /
+        C``, ``C`` the trained tokens of all ``W`` ranks (one all-reduce of a count): the
+        gradient average over ranks then gives the sum over trained tokens divided by ``C``,
+        whatever the micro-batch count or world size. Tensor-parallel peers count the same
+        batch, which scales ``W`` and ``C`` alike."""
+        n = len(micro_batches)
+        if not self.token_weighted:
+            return [1.0 / n] * n, self.tokens_per_step
+        counts = [int(c) for c in torch.stack(  # one host sync for all micro-batches
+            [(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches]).tolist()]
+        total = torch.tensor([float(sum(counts))], dtype=torch.float64)
+        if self.world.distributed:
+            distributed.all_reduce_(total)
+        everyone = int(total.item())
+        if everyone == 0:
+            raise TrainingAborted(
+                f"step {self.progress.step + 1}: the global batch has no trained token (every "
+                "label is masked); check the data's train_on and its assistant turns")
+        if 0 in counts:
+            raise TrainingAborted(
+                f"step {self.progress.step + 1}: micro-batch {counts.index(0)} has no trained "
+                "token (every label is masked; a context warmup may have cut them off)")
+        world = self.world.world_size if self.world.distributed else 1
+        # Peers of a tensor-parallel group count the same rows: the distinct tokens are fewer.
+        return [c * world / everyone for c in counts], everyone * self.data_ranks // world
 
     def zero_grad(self) -> None:
         self.optimizers.zero_grad()

@@ -117,7 +117,8 @@ class Trainer:
             progress=self.progress, total_steps=self.total_steps,
             global_batch=self.plan.global_batch, seq_len=self.seq_len, grad_clip=tr.grad_clip,
             loss_chunk_tokens=tr.loss_chunk_tokens, autocast=self.autocast,
-            source_losses=self._source_losses(), **self.compiled_losses)
+            source_losses=self._source_losses(), token_weighted=self._token_weighted(),
+            data_ranks=self.data_ranks, **self.compiled_losses)
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))
@@ -155,6 +156,25 @@ class Trainer:
                 "training.loss_chunk_tokens = 0"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
+
+    def _token_weighted(self) -> bool:
+        """Masked data (``chat``) takes the mean over the global batch's trained tokens; only
+        a step that weights its micro-batches can train it, and not where a rank sees a part
+        of each row (context parallel) or the pipeline computes the loss."""
+        if not getattr(self.dataset, "token_weighted", False):
+            return False
+        if describe := getattr(self.dataset, "describe", None):
+            self.print(describe())
+        why = ("parallelism.cp > 1" if self.mesh_layout.cp > 1
+               else "pipeline parallelism" if self.parallel.pipeline is not None
+               else "" if getattr(self.step_fn, "token_weighted", False)
+               else f"training.step.type = {self.recipe.training.step.type!r}")
+        if why:
+            raise RecipeError(
+                f"{self.recipe.data.type} data masks its labels, so the loss is token-weighted "
+                f"over the global batch, which {why} does not do yet; use the standard step "
+                "without context or pipeline parallelism")
+        return True
 
     def _source_losses(self):
         """Per-source training loss for a dataset with ``source_names`` (a mixture), where the

@@ -1,0 +1,114 @@
+"""The loader of a ``chat`` folder: packed conversation rows, sharded by global step.
+
+The same plan and cursor as ``packed_documents`` (``packed_loader.Loader``): global step ``g``
+of a data epoch takes rows ``[g*GB, (g+1)*GB)`` of that epoch's order, rank ``r`` its
+contiguous share; the train order is a seeded permutation per data epoch, the eval split is read
+in order. A batch carries ``labels`` with ``IGNORE_INDEX`` where the loss is not taken.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from kiln.components.data.packed_loader import Loader, _check_batch_plan, _locate
+from kiln.components.errors import DataError
+
+SPLIT_FILES = ("tokens", "trained", "docs")
+
+
+class ChatRows:
+    """Random access to a split's rows; memmaps opened lazily so workers pickle cheaply."""
+
+    def __init__(self, folder: Path, split: str, seed: int) -> None:
+        self.folder, self.split, self.seed = folder, split, seed
+        self._arrays: tuple[np.ndarray, ...] | None = None
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its row order)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None, "_order": None}
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        if self._arrays is None:
+            try:
+                self._arrays = tuple(np.load(self.folder / f"{self.split}_{name}.npy",
+                                             mmap_mode="r", allow_pickle=False)
+                                     for name in SPLIT_FILES)
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{self.folder}: damaged chat data ({exc}); delete the folder "
+                                "to rebuild it") from None
+        return self._arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays()[0])
+
+    def batch(self, epoch: int, first: int, rows: int) -> dict[str, torch.Tensor]:
+        from kiln.components.data.chat.packing import labels_of
+
+        n = len(self)
+        at = np.arange(first, first + rows)
+        if self.split == "train":
+            if self._order is None or self._order[0] != epoch:
+                self._order = (epoch, np.random.default_rng([self.seed, 0x0D3, epoch])
+                               .permutation(n))
+            at = self._order[1][at]
+        tokens, trained, docs = (np.asarray(a[at]) for a in self.arrays())
+        labels, _ = labels_of(tokens, trained, docs)
+        return {"input_ids": torch.from_numpy(tokens[:, :-1].astype(np.int64)),
+                "labels": torch.from_numpy(labels),
+                "doc_ids": torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))}
+
+
+class _MicroBatches(Dataset):
+    def __init__(self, loader: ChatLoader, start: int, length: int) -> None:
+        self.rows, self.start, self.length = loader._rows, start, length
+        self.plan = loader._plan()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            return self.rows.batch(*_locate(self.start + i, *self.plan))
+        except DataError as exc:  # raised in the trainer, not wrapped in a worker traceback
+            return {"error": str(exc)}
+
+
+class ChatLoader(Loader):
+    """``packed_loader.Loader``'s plan and cursor over chat rows (``windows_per_epoch`` in the
+    cursor counts rows)."""
+
+    def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
+                 global_batch: int, rank: int, world_size: int, seed: int) -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        _check_batch_plan(micro_batch, global_batch, rank, world_size)
+        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.micro_per_step = global_batch // world_size // micro_batch
+        self.num_workers, self.prefetch, self.pin_memory = 0, 2, False
+        self._rows = ChatRows(folder, split, seed)
+        self.windows_per_epoch = len(self._rows)
+        self.tokens_per_epoch = self.windows_per_epoch * seq_len
+        self.steps_per_epoch = self.windows_per_epoch // global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"{folder}: the {split} split holds {self.windows_per_epoch} rows, fewer than "
+                f"one global batch of {global_batch}; add conversations, lower "
+                "training.global_batch" + (" or raise data.eval_fraction" if split == "eval"
+                                           else ""))
+        self._pos, self._it = 0, None
+
+    def _dataloader(self, start: int) -> StatefulDataLoader:
+        end = 1 << 62 if self.split == "train" else self.steps_per_epoch * self.micro_per_step
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            return StatefulDataLoader(_MicroBatches(self, start, max(end - start, 0)),
+                                      batch_size=None, num_workers=0,
+                                      snapshot_every_n_steps=1 << 30)

@@ -1,0 +1,178 @@
+"""The ``chat`` dataset: conversations rendered with a chat template, masked, packed, cached.
+
+``prepare()`` reads the rows (``path``, or the built-in arithmetic dialogues), renders each with
+the template, finds the assistant's tokens (``masks.py``), holds out ``eval_fraction`` of the
+conversations, packs both splits into rows (``packing.py``) and writes them once into
+``$KILN_CACHE/chat/<key>`` (the key hashes everything that changes the rows: files, fields,
+template, tokenizer, seq_len, policies, seed); a second run reuses the folder. The loader serves
+rows in a seeded order per data epoch, sharded by global step like ``packed_documents``, so 1 and
+2 processes see the same global batch and a resume is a seek.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from kiln.components.base import ComponentConfig
+from kiln.components.data.chat import builtin, conversations, masks, packing, templates
+from kiln.components.data.chat.chat_loader import SPLIT_FILES, ChatLoader
+from kiln.components.data.packed_documents import cache_root
+from kiln.components.data.prepare.packed_layout import file_lock
+from kiln.components.errors import DataError
+from kiln.components.registry import register
+
+FORMAT = "kiln-chat-v1"
+
+
+class ChatConfig(ComponentConfig):
+    """Where the conversations come from, how they are rendered, masked and packed."""
+
+    path: str = Field("", description='.jsonl(.gz/.zst) / .parquet / .arrow file, folder, glob, '
+                      'saved dataset or hf://datasets/OWNER/NAME; "" = the built-in arithmetic '
+                      "dialogues")
+    split: str = Field("train", description="split of a saved or Hub dataset")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="canonical name -> the row's field: messages, or "
+        'prompt / completion / system (a dotted path or a format string like "{instruction}'
+        '\\n\\n{input}")')
+    template: str = Field("", description='chat template: "" = the tokenizer\'s Hugging Face '
+                          'folder, "chatml", a .jinja file or a model folder')
+    train_on: masks.TrainOn = Field("assistant", description="tokens the loss is taken on: "
+                                    "every assistant turn, the last one, or all tokens")
+    pack: bool = Field(True, description="several conversations per row (false: one per row, "
+                       "padded)")
+    overlong: packing.Overlong = Field(
+        "truncate", description="a conversation longer than seq_len + 1: keep its first "
+        "tokens, drop it, or stop with an error")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of conversations held "
+                                 "out for evaluation")
+    builtin_rows: int = Field(4000, ge=2, description='conversations of the built-in set '
+                              '(path = "")')
+    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
+
+
+@register("dataset", "chat")
+class ChatDataset:
+    """Conversations with assistant-only loss masks; the loss is token-weighted."""
+
+    Config = ChatConfig
+    token_weighted = True  # the step averages over the global batch's trained tokens
+
+    def __init__(self, cfg: ChatConfig, *, tokenizer: Any, seq_len: int, seed: int = 0,
+                 **context: Any) -> None:
+        self.cfg, self.tokenizer, self.seq_len, self.seed = cfg, tokenizer, seq_len, seed
+        self.template = templates.resolve(cfg.template, tokenizer)
+        self._folder: Path | None = None
+        self.meta: dict[str, Any] = {}
+
+    def _files_key(self) -> list[Any]:
+        if not self.cfg.path:
+            return ["builtin", self.cfg.builtin_rows]
+        path = Path(self.cfg.path).expanduser()
+        if path.is_file():
+            st = path.stat()
+            return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+        return [self.cfg.path, [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+
+    @property
+    def folder(self) -> Path:
+        if self._folder is None:
+            c = self.cfg
+            parts = [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
+                     self.template.source, self.template.specials, self.tokenizer.fingerprint(),
+                     self.seq_len, c.train_on, c.pack, c.overlong, c.eval_fraction, self.seed]
+            key = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+            self._folder = cache_root(c.cache_dir) / "chat" / key
+        return self._folder
+
+    def prepare(self, *, create: bool = False) -> Path:
+        folder = self.folder
+        if not (folder / "meta.json").exists():
+            with file_lock(folder.parent / f".{folder.name}.lock"):
+                if not (folder / "meta.json").exists():
+                    self._build(folder)
+        try:
+            self.meta = json.loads((folder / "meta.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{folder}/meta.json: unreadable ({exc}); delete the folder to "
+                            "rebuild it") from None
+        return folder
+
+    def _rows(self):
+        if not self.cfg.path:
+            return ((f"built-in chat set: row {i}", r)
+                    for i, r in enumerate(builtin.conversations(self.cfg.builtin_rows, self.seed)))
+        return conversations.read_rows(self.cfg.path, split=self.cfg.split,
+                                       cache_dir=self.cfg.cache_dir)
+
+    def _build(self, folder: Path) -> None:
+        c, width = self.cfg, self.seq_len + 1
+        bos = self.template.name in templates.NAMED
+        encoded: list[tuple[str, tuple[np.ndarray, np.ndarray]]] = []
+        for where, row in self._rows():
+            messages = conversations.to_messages(row, c.fields, where)
+            encoded.append((where, masks.encode(self.template, self.tokenizer, messages,
+                                                c.train_on, where, bos=bos)))
+        if not encoded:
+            raise DataError(f"data.path = {c.path!r}: no conversations there")
+        order = np.random.default_rng([self.seed, 0xC4A7]).permutation(len(encoded))
+        n_eval = int(round(len(encoded) * c.eval_fraction))
+        split_of = {"eval": order[:n_eval], "train": order[n_eval:]}
+        pad = getattr(self.tokenizer, "pad_id", None)
+        pad = self.tokenizer.eos_id if pad is None else pad
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        meta: dict[str, Any] = {"format": FORMAT, "seq_len": self.seq_len, "splits": {},
+                                "template": {"name": self.template.name,
+                                             "sha256": self.template.fingerprint,
+                                             "source": self.template.source},
+                                "train_on": c.train_on, "pack": c.pack, "overlong": c.overlong,
+                                "tokenizer": self.tokenizer.fingerprint(),
+                                "vocab_size": int(self.tokenizer.vocab_size)}
+        for split, picked in split_of.items():
+            stats = packing.PackStats()
+            fitted = [f for i in sorted(picked) if (f := packing.fit(
+                *encoded[i][1], width, c.overlong, encoded[i][0], stats)) is not None]
+            arrays = packing.pack(fitted, width, packed=c.pack, pad_id=pad, stats=stats)
+            for name, array in zip(SPLIT_FILES, arrays, strict=True):
+                np.save(tmp / f"{split}_{name}.npy", array, allow_pickle=False)
+            meta["splits"][split] = stats.as_dict()
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process won the race with the same rows
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def describe(self) -> str:
+        """One line for the log: conversations, rows, truncated / dropped, trained tokens."""
+        t = self.meta["splits"]["train"]
+        return (f"chat data: {t['conversations']} train conversations in {t['rows']} rows of "
+                f"{self.seq_len + 1} tokens ({t['trained']} trained tokens, "
+                f"{t['trained'] / max(t['tokens'], 1):.0%} of the conversations' tokens); "
+                f"{t['truncated']} truncated, {t['dropped']} dropped (data.overlong = "
+                f"{self.cfg.overlong!r}); template {self.template.name}")
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return int(self.meta["splits"]["train"]["rows"]) * self.seq_len
+
+    def tokens_per_byte(self, split: str = "eval") -> float | None:
+        return None  # masked targets: bits per byte of what, is not defined
+
+    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
+               world_size: int = 1) -> ChatLoader:
+        if not self.meta:
+            self.prepare()
+        return ChatLoader(self.folder, split, seq_len=self.seq_len, micro_batch=micro_batch,
+                          global_batch=global_batch, rank=rank, world_size=world_size,
+                          seed=self.seed)
