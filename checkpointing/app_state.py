@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -31,13 +32,25 @@ def optimizers_of(state) -> dict[str, torch.optim.Optimizer]:
     return dict(opts.optimizers) if hasattr(opts, "optimizers") else dict(opts)
 
 
+def _kept(state, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The model entries a checkpoint holds: all, or those ``state.saved_params(name)`` keeps
+    (a LoRA run from ``init_from``: its adapters; the frozen base is read from init_from)."""
+    keep = getattr(state, "saved_params", None)
+    return model_sd if keep is None else {k: v for k, v in model_sd.items() if keep(k)}
+
+
+def _options(state) -> StateDictOptions | None:
+    """Loading a checkpoint of some entries leaves the others as they are."""
+    return StateDictOptions(strict=False) if getattr(state, "saved_params", None) else None
+
+
 def collect(state, *, with_optim: bool) -> dict[str, Any]:
     optimizers = optimizers_of(state) if with_optim else {}
     if len(optimizers) == 1:  # one call maps the parameter names once: 2-3 ms less per save
         (name, opt), = optimizers.items()
         model_sd, opt_sd = get_state_dict(state.model, opt)
-        return {"model": model_sd, "optimizer": {name: opt_sd}}
-    out: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+        return {"model": _kept(state, model_sd), "optimizer": {name: opt_sd}}
+    out: dict[str, Any] = {"model": _kept(state, get_model_state_dict(state.model))}
     if with_optim:
         out["optimizer"] = {name: get_optimizer_state_dict(state.model, opt)
                             for name, opt in optimizers.items()}
@@ -53,7 +66,7 @@ def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path
     mine = {k: v for k, v in saved_rest.get("model", {}).items() if k in model_rest}
     model_sd = storage.merge_tree(tensors["model"], mine)
     if not with_optim:
-        set_model_state_dict(state.model, model_sd)
+        set_model_state_dict(state.model, model_sd, options=_options(state))
         return
     saved_opt = saved_rest.get("optimizer", {})
     optims = {}
@@ -77,8 +90,9 @@ def apply(state, tensors: dict, saved_rest: dict, with_optim: bool, folder: Path
         optims[name] = (opt, sd)
     if len(optims) == 1:  # one call, as torch's recipe does: one parameter-name mapping
         (opt, sd), = optims.values()
-        set_state_dict(state.model, opt, model_state_dict=model_sd, optim_state_dict=sd)
+        set_state_dict(state.model, opt, model_state_dict=model_sd, optim_state_dict=sd,
+                       options=_options(state))
         return
-    set_model_state_dict(state.model, model_sd)
+    set_model_state_dict(state.model, model_sd, options=_options(state))
     for opt, sd in optims.values():
         set_optimizer_state_dict(state.model, opt, sd)

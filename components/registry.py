@@ -34,6 +34,7 @@ KINDS = (
     "logger",
     "task",
     "hook",
+    "adapter",
 )
 
 # The packages whose import registers kiln's built-in components, imported by name on first use

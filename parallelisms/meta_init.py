@@ -50,6 +50,9 @@ def _init_weights(model: nn.Module) -> None:
             "protocol, docs/design.md), or set parallelism.meta_init = false"
         )
     init()
+    for module in model.modules():  # adapters added to the built model (LoRA) after it
+        if callable(reset := getattr(module, "reset_adapter", None)):
+            reset()
 
 
 @torch.no_grad()

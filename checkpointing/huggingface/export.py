@@ -60,6 +60,10 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
             f"{out_dir}: folder exists and is not empty; export into a new or empty folder, or "
             "pass --force to overwrite only the export's files (weights, config.json, "
             "generation_config.json, tokenizer files, recipe.toml) in it")
+    if any(".lora." in n for n, _ in model.named_parameters()):
+        raise CheckpointError(
+            "export: the model has LoRA adapters; `kiln export CHECKPOINT OUT_DIR` merges them "
+            "into the weights (or --format peft writes them alone)")
     reason = hf_layout.hf_incompatibility(model)
     if fmt == "hf" and reason:
         raise CheckpointError(f"--format hf: this model has no Hugging Face layout: {reason}; "

@@ -168,7 +168,7 @@ def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
+        if id(t) in seen or ".lora." in name:  # adapters: merged or exported on their own
             continue
         seen.add(id(t))
         out[clean_name(name)] = t

@@ -10,6 +10,7 @@ few-shot examples show after their prompts.
 
 from __future__ import annotations
 
+import inspect
 import re
 import string
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, field_validator
 
+from kiln.components.data.chat import templates
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 from kiln.components.tasks import common, task_files
@@ -44,6 +46,10 @@ class ExactMatchConfig(common.TaskConfig):
     stop: list[str] = Field(default_factory=lambda: ["\n\n"],
                             description="stop strings: generation ends at the first")
     max_new_tokens: int = Field(128, ge=1, description="most tokens generated per example")
+    chat_template: str = Field(
+        "", description='render prompts as a conversation: "chatml", a .jinja file or a model '
+        'folder ("" = plain text); shots become earlier user / assistant turns and the '
+        "template's end of turn a stop string")
 
     @field_validator("answer_regex", "extract_regex")
     @classmethod
@@ -91,8 +97,28 @@ class ExactMatch(common.Task):
                             f"{self.cfg.answer_regex!r}")
         return _group(m).strip()
 
+    def _chat_ids(self, template, i: int, prompt: str) -> list[int]:
+        """The prompt as the last user turn after the shots' turns (lm-evaluation-harness's
+        ``--apply_chat_template --fewshot_as_multiturn``)."""
+        turns: list[dict[str, str]] = []
+
+        def shot(row: dict, where: str) -> str:
+            q, a = self._prompt(row, where)
+            turns.extend([{"role": "user", "content": q},
+                          {"role": "assistant", "content": self.gold(a, where)}])
+            return ""
+
+        self.shots(i, shot)
+        return templates.prompt_ids(template, self.tokenizer,
+                                    [*turns, {"role": "user", "content": prompt}])
+
     def plan(self, tokenizer, max_len: int) -> common.Plan:
         self.tokenizer = tokenizer
+        template = templates.resolve(self.cfg.chat_template, tokenizer) \
+            if self.cfg.chat_template else None
+        self.stops = list(self.cfg.stop)
+        if template is not None and (end := templates.end_of_turn(template)):
+            self.stops.append(end)
         room = max_len - self.cfg.max_new_tokens
         if room < 1:
             raise DataError(f"task {self.name!r}: max_new_tokens = {self.cfg.max_new_tokens} "
@@ -102,8 +128,9 @@ class ExactMatch(common.Task):
         for i, row in enumerate(rows):
             where = self.where(label, i)
             prompt, answer = self._prompt(row, where)
-            ids = tokenizer.encode(self.shots(i, self._shot) + prompt, bos=self.cfg.add_bos,
-                                   eos=False)
+            ids = self._chat_ids(template, i, prompt) if template is not None else \
+                tokenizer.encode(self.shots(i, self._shot) + prompt, bos=self.cfg.add_bos,
+                                 eos=False)
             ids, cut = common.left_truncate(ids, room)
             truncated += cut
             examples.append(Example(ids, self.gold(answer, where)))
@@ -116,15 +143,23 @@ class ExactMatch(common.Task):
     def generations(self, scorer, batch: common.Batch) -> list[str]:
         """The batch's outputs, cut at the first stop string."""
         outs = scorer.generate([e.prompt for e in batch.payload],
-                               max_new_tokens=self.cfg.max_new_tokens, stop=self.cfg.stop,
-                               decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id)
+                               max_new_tokens=self.cfg.max_new_tokens, stop=self.stops,
+                               decode=self._decode, eos_id=self.tokenizer.eos_id)
         texts = []
         for ids in outs:
-            text = self.tokenizer.decode(ids)
-            for s in self.cfg.stop:
+            text = self._decode(ids)
+            for s in self.stops:
                 text = text.split(s)[0]
             texts.append(text)
         return texts
+
+    def _decode(self, ids) -> str:
+        """Text of generated ids; with a chat template its special end-of-turn token kept, so
+        the stop string can cut there."""
+        if self.cfg.chat_template and "skip_special" in inspect.signature(
+                self.tokenizer.decode).parameters:
+            return self.tokenizer.decode(ids, skip_special=False)
+        return self.tokenizer.decode(ids)
 
     def extract(self, text: str) -> str:
         if not self.cfg.extract_regex:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.components.errors import DataError
+from kiln.components.fields import text, value  # noqa: F401  (task modules use task_files.text)
 
 HUB_PREFIX = "hf://datasets/"
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -112,27 +113,3 @@ def _json(file: Path, task: str, label: str) -> list[Any]:
     return rows
 
 
-def value(row: dict[str, Any], path: str, where: str) -> Any:
-    """The value at a dotted ``path`` of ``row``; ``where`` ("task 'x': FILE: example 3") starts
-    the error message."""
-    node: Any = row
-    for part in path.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.lstrip("-").isdigit() and \
-                -len(node) <= int(part) < len(node):
-            node = node[int(part)]
-        else:
-            keys = sorted(node) if isinstance(node, dict) else type(node).__name__
-            raise DataError(f"{where}: no field {path!r} (at {part!r}; there: {keys}); map it "
-                            "with fields.NAME = \"PATH\" or fix the file")
-    return node
-
-
-def text(row: dict[str, Any], path: str, where: str) -> str:
-    v = value(row, path, where)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return str(v)
-    if not isinstance(v, str):
-        raise DataError(f"{where}: field {path!r} must be text, got {type(v).__name__}")
-    return v

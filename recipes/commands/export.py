@@ -17,8 +17,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="export into a non-empty folder: overwrite the export's files "
                         "there (weights, configs, tokenizer files, recipe.toml), leave the rest")
-    parser.add_argument("--format", choices=("auto", "hf", "kiln"), default="auto",
-                        help="auto: Hugging Face layout when the model has one, else kiln")
+    parser.add_argument("--format", choices=("auto", "hf", "kiln", "peft"), default="auto",
+                        help="auto: Hugging Face layout when the model has one, else kiln; "
+                        "a LoRA run's adapters are merged into the weights, or written alone "
+                        "as a peft adapter folder with peft")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors file (e.g. 5GB, 500MB); more files get an index")
     parser.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"),
@@ -32,7 +34,8 @@ def run(args) -> int:
     folder = find_checkpoint(Path(args.checkpoint))
     summary = export_checkpoint(folder, Path(args.out_dir), args.format, force=args.force,
                                 max_shard_size=args.max_shard_size, dtype=args.dtype)
-    layout = (f"Hugging Face {summary['family']}" if summary["layout"] == "hf" else "kiln")
+    layout = {"hf": f"Hugging Face {summary['family']}", "peft": "peft LoRA adapter"}.get(
+        summary["layout"], "kiln")
     print(f"exported {folder} -> {args.out_dir} ({layout} layout, {summary['tensors']} "
           f"tensors): {', '.join(summary['files'])}")
     if summary["layout"] == "kiln" and summary["why_not_hf"]:

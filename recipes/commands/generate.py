@@ -21,6 +21,13 @@ def add_arguments(parser) -> None:
                         help="text to continue (repeat for a batch)")
     parser.add_argument("--prompts-file", default="",
                         help="one prompt per line (added to --prompt)")
+    parser.add_argument("--chat", action="store_true",
+                        help="each prompt is a user message, rendered with the run's chat "
+                        "template (its chat_template.jinja, data.template, or the tokenizer's "
+                        "folder); the answer stops at the template's end of turn")
+    parser.add_argument("--system", default="", help="with --chat: a system message first")
+    parser.add_argument("--template", default="",
+                        help='with --chat: another template ("chatml", a .jinja file, a folder)')
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0,
@@ -105,8 +112,14 @@ def run(args) -> int:
     except ValueError as exc:
         raise RecipeError(f"--temperature/--top-k/--top-p: {exc}") from None
     ckpt = find_checkpoint(Path(args.run))
-    tokenizer = load_recipe(ckpt).tokenizer.build()
-    encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    saved = load_recipe(ckpt)
+    tokenizer = saved.tokenizer.build()
+    until, chat = None, None
+    if args.chat:
+        chat = _Chat(args, saved, tokenizer, ckpt)
+        encoded, until = [chat.ids(p) for p in prompts], chat.until
+    else:
+        encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     needed = max(map(len, encoded)) + args.max_new_tokens
     recipe, tokenizer, model = load_model(ckpt, min_seq_len=needed)
     if model.max_seq_len < needed:
@@ -124,7 +137,9 @@ def run(args) -> int:
     dtype = {"auto": torch.bfloat16 if device.type in ("cuda", "npu", "xpu") else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
-    stream = Stream(tokenizer, encoded[0], sys.stdout) if len(prompts) == 1 else None
+    # --chat prints whole answers, cut at the end of turn (streamed, its marker would show)
+    stream = Stream(tokenizer, encoded[0], sys.stdout) if len(prompts) == 1 and not args.chat \
+        else None
     if stream is not None:
         sys.stdout.write(prompts[0])
     # Inference mode, not only no_grad: no version counters or view tracking on any tensor.
@@ -134,11 +149,52 @@ def run(args) -> int:
     with torch.inference_mode():
         outs = generate(model, encoded, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         eos_id=tokenizer.eos_id, use_cache=not args.no_cache, loops=loops,
-                        vocab_size=tokenizer.vocab_size, on_tokens=stream)
+                        vocab_size=tokenizer.vocab_size, on_tokens=stream, until=until)
     if stream is not None:
         rest = stream.text()[stream.shown:]  # whatever the stream held back
         sys.stdout.write(rest + "\n")
         return 0
     for i, (prompt, ids, new) in enumerate(zip(prompts, encoded, outs, strict=True)):
-        print(f"--- [{i}] ---\n{prompt}{continuation(tokenizer, ids, new)}")
+        text = continuation(tokenizer, ids, new)
+        if args.chat:
+            text = chat.answer(new)
+        print(f"--- [{i}] ---\n" + (f"user: {prompt}\nassistant: {text}" if args.chat
+                                     else f"{prompt}{text}"))
     return 0
+
+
+class _Chat:
+    """``--chat``: prompts rendered with the run's chat template, answers cut at its end of
+    turn."""
+
+    def __init__(self, args, recipe, tokenizer, ckpt: Path) -> None:
+        import inspect
+
+        from kiln.components.data.chat import templates
+        from kiln.components.data.chat.templates import TEMPLATE_FILE
+
+        saved = ckpt.parent.parent / TEMPLATE_FILE  # RUN/checkpoints/step_N -> RUN
+        if args.template:
+            self.template = templates.resolve(args.template, tokenizer)
+        elif saved.is_file():
+            self.template = templates.from_text(saved.read_text(encoding="utf-8"), str(saved))
+        else:
+            spec = recipe.data.template if recipe.data.type == "chat" else ""
+            self.template = templates.resolve(spec, tokenizer)
+        self.tokenizer, self.templates = tokenizer, templates
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.stop = templates.end_of_turn(self.template)
+        # the end of turn is often a special token, which decode drops by default
+        self.keep = {"skip_special": False} if "skip_special" in inspect.signature(
+            tokenizer.decode).parameters else {}
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.templates.prompt_ids(self.template, self.tokenizer,
+                                         [*self.system, {"role": "user", "content": prompt}])
+
+    def until(self, new: list[int]) -> bool:
+        return bool(self.stop) and self.stop in self.tokenizer.decode(new, **self.keep)
+
+    def answer(self, new: list[int]) -> str:
+        text = self.tokenizer.decode(new, **self.keep)
+        return (text.split(self.stop)[0] if self.stop else text).strip()

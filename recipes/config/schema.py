@@ -151,6 +151,10 @@ class Recipe(Config):
     model: Sub("model") = component("model", "transformer", "the network")
     tokenizer: Sub("tokenizer") = component("tokenizer", "byte", "text to token ids")
     data: Sub("dataset") = component("dataset", "packed_documents", "training data")
+    adapter: OptionalSub("adapter") = component(
+        "adapter", None, "trainable adapters on a frozen model (LoRA; docs/finetuning.md)",
+        implied="lora",
+    )
     optimizer: OptionalSub("optimizer") = component(
         "optimizer", None, "one optimizer for every parameter (or use [optimizers.NAME])",
         implied="adamw",

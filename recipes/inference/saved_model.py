@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from kiln.checkpointing import layout, storage
 from kiln.checkpointing.huggingface import export as export_lib
 from kiln.checkpointing.huggingface import files as hf_files
+from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.recipes.config.files import load_recipe, to_dict
 
@@ -28,8 +29,13 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
     with torch.device("meta"):
         model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
                                    seq_len=seq_len)
+        if recipe.adapter is not None:  # its tensors are in the checkpoint too
+            recipe.adapter.build().apply(model)
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)
+    if recipe.adapter is not None and recipe.checkpoint.init_from:
+        sd = {k: v for k, v in sd.items() if ".lora." in k}  # the base: from init_from
+        _load_base(model, recipe)
     tensors, _ = storage.split_tree({"model": sd})
     storage.load_tensors(tensors, checkpoint, no_dist=True,
                          hint=" -- cannot load the model's weights from the recipe it holds")
@@ -39,6 +45,15 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
         if reset is not None:
             reset()
     return recipe, tokenizer, model
+
+
+def _load_base(model, recipe) -> None:
+    """The frozen base weights of a LoRA run: its ``checkpoint.init_from``."""
+    from kiln.checkpointing.huggingface import importer as hf_import
+
+    cfg = recipe.checkpoint
+    folder = hf_import.source_folder(cfg.init_from, is_main=True, token_env=cfg.hub_token_env)
+    hf_import.load_weights(model, folder, hf_import.read_config(folder), label=cfg.init_from)
 
 
 def tokenizer_files(tokenizer):
@@ -52,13 +67,48 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "a
                       force: bool = False, max_shard_size: str | int = "5GB",
                       dtype: str = "") -> dict[str, Any]:
     """``kiln export``: load the checkpoint's model and write it (``checkpointing.export``;
-    a non-empty ``out_dir`` needs ``force``)."""
+    a non-empty ``out_dir`` needs ``force``). A LoRA run's adapters are merged into the
+    weights, or written alone with ``fmt = "peft"``; a chat run's template goes along as
+    ``chat_template.jinja`` (which transformers reads)."""
     checkpoint = Path(checkpoint)
     recipe, tokenizer, model = load_model(checkpoint)
-    return export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
-                             recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force,
-                             max_shard_size=max_shard_size, dtype=dtype,
-                             tokenizer_files=tokenizer_files(tokenizer))
+    if recipe.adapter is not None:
+        from kiln.checkpointing.huggingface.peft_export import export_peft
+        from kiln.components.adapters.lora import merge
+
+        if fmt == "peft":
+            summary = export_peft(model, out_dir, base=recipe.checkpoint.init_from,
+                                  dropout=getattr(recipe.adapter, "dropout", 0.0), force=force)
+            return _with_template(summary, checkpoint, recipe, tokenizer, Path(out_dir))
+        merge(model)  # the merged weights: the same function without adapters
+    elif fmt == "peft":
+        raise RecipeError(f"{checkpoint}: --format peft needs a run with an [adapter] table; "
+                          "this one fine-tuned every weight: use --format hf")
+    summary = export_lib.export(model, tokenizer, out_dir, model_table=to_dict(recipe)["model"],
+                                recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force,
+                                max_shard_size=max_shard_size, dtype=dtype,
+                                tokenizer_files=tokenizer_files(tokenizer))
+    return _with_template(summary, checkpoint, recipe, tokenizer, Path(out_dir))
+
+
+def _with_template(summary: dict[str, Any], checkpoint: Path, recipe, tokenizer,
+                   out_dir: Path) -> dict[str, Any]:
+    """Put the chat template a run trained with beside its export."""
+    from kiln.components.data.chat.templates import TEMPLATE_FILE
+
+    saved = checkpoint.parent.parent / TEMPLATE_FILE  # RUN/checkpoints/step_N -> RUN
+    if saved.is_file():
+        source = saved.read_text(encoding="utf-8")
+    elif recipe.data.type == "chat":
+        from kiln.components.data.chat.templates import resolve
+
+        source = resolve(recipe.data.template, tokenizer).source
+    else:
+        return summary
+    from kiln.recipes.config.files import write_text_atomic
+
+    write_text_atomic(out_dir / TEMPLATE_FILE, source)
+    return {**summary, "files": sorted({*summary["files"], TEMPLATE_FILE})}
 
 
 def export_trainer_model(trainer, out_dir: Path) -> dict[str, Any]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from kiln.components.data.chat.templates import TEMPLATE_FILE
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import write_text_atomic
 
 
 class WriteRecipe(Hook):
-    """``RUN/recipe.toml`` once the first step is done: a run that fails before it leaves no
-    folder behind, nor changes an earlier run's."""
+    """``RUN/recipe.toml`` (and a chat run's ``chat_template.jinja``) once the first step is
+    done: a run that fails before it leaves no folder behind, nor changes an earlier run's."""
 
     priority = 1000  # the folder exists before any other first-step work
 
@@ -16,6 +17,9 @@ class WriteRecipe(Hook):
         if trainer.world.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(trainer.run_dir / "recipe.toml", trainer.recipe_toml)
+            template = getattr(trainer.dataset, "template", None)  # chat data: what it used
+            if template is not None:
+                write_text_atomic(trainer.run_dir / TEMPLATE_FILE, template.source)
 
 
 class CloseLoader(Hook):

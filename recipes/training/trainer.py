@@ -39,6 +39,10 @@ from kiln.recipes.training.run_layout import run_layout
 from kiln.recipes.training.step_context import Progress, TrainStepContext
 
 
+def _is_adapter(name: str) -> bool:
+    return ".lora." in name
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
                  checkpoints: bool = True, out=None):
@@ -99,6 +103,13 @@ class Trainer:
                 getattr(eval_loader(self, source), "close", lambda: None)()
         phase("data")
         self.model = self._build_model()
+        # A LoRA run from init_from checkpoints its adapters only: the frozen base is the
+        # init_from weights, read again on resume.
+        self.saved_params = None
+        if recipe.adapter is not None:
+            self.print(self._add_adapter())
+            if recipe.checkpoint.init_from:
+                self.saved_params = _is_adapter
         phase("model build")
         self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))  # whole model
         self.num_params = self.model.num_params()  # (before a pipeline split)
@@ -156,6 +167,22 @@ class Trainer:
                 "training.loss_chunk_tokens = 0"
             )
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
+
+    def _add_adapter(self) -> str:
+        """``[adapter]``: freeze the model and add the adapters (before parallelize, so FSDP2
+        shards them with their blocks and the ranks start from rank 0's)."""
+        p = self.recipe.parallelism
+        why = ("parallelism.tp > 1" if p.tp > 1 else "parallelism.pp > 1" if p.pp > 1
+               else f"parallelism.float8 = {p.float8!r}" if p.float8 != "off" else "")
+        if why:
+            raise RecipeError(f"[adapter] {self.recipe.adapter.type}: not with {why} yet (the "
+                              "adapters hook plain nn.Linear layers on whole weights); turn it "
+                              "off or fine-tune all weights without [adapter]")
+        if self.recipe.checkpoint.export_at_end:
+            raise RecipeError("checkpoint.export_at_end with [adapter]: export the run's last "
+                              "checkpoint instead (`kiln export CHECKPOINT OUT_DIR` merges the "
+                              "adapters, --format peft writes them alone)")
+        return self.recipe.adapter.build().apply(self.model)
 
     def _token_weighted(self) -> bool:
         """Masked data (``chat``) takes the mean over the global batch's trained tokens; only
@@ -245,8 +272,9 @@ class Trainer:
 
     def _start_from_pretrained(self) -> None:
         """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
-        if not self.recipe.checkpoint.init_from or getattr(self.resumer, "resumed_from", None):
-            return
+        resumed = getattr(self.resumer, "resumed_from", None)
+        if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
+            return  # (an adapters-only checkpoint needs its base read again)
         from kiln.recipes.inference.pretrained import load_pretrained
 
         load_pretrained(self)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kiln.components.errors import RecipeError
+from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests.checkpointing.test_exact_resume import Record
@@ -82,6 +83,94 @@ def test_an_sft_run_killed_with_sigkill_resumes_to_the_same_losses(full, tmp_pat
     assert {s: r["loss"] for s, r in _metrics(cut).items() if "loss" in r} == ref.losses
 
 
+LORA = ["--adapter.rank=4", "--adapter.alpha=8", "--optimizer.lr=3e-2"]
+
+
+class Weights(Hook):
+    """The model's parameters when training starts and when it ends."""
+
+    def on_train_start(self, trainer):
+        self.start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    def on_train_end(self, trainer):
+        self.end = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sft_lora") / "full"
+    rec, weights = Record(), Weights()
+    Trainer(_recipe(folder, extra=LORA), hooks=[rec, weights], out=io.StringIO()).fit()
+    return folder, rec, weights
+
+
+def test_lora_trains_only_the_adapters(lora):
+    _, rec, weights = lora
+    changed = {n for n in weights.start if not torch.equal(weights.start[n], weights.end[n])}
+    assert changed and all(".lora." in n for n in changed)
+    assert {n for n in weights.start if n.endswith("lora.B")} <= changed
+    assert rec.losses[8] < rec.losses[1]
+
+
+def test_a_stopped_lora_run_resumes_to_the_same_losses(lora, tmp_path):
+    _, ref, _ = lora
+    first, _ = _run(tmp_path / "cut", signal_at=4, extra=LORA)
+    second, _ = _run(tmp_path / "cut", extra=LORA)
+    assert {**first.losses, **second.losses} == ref.losses
+
+
+def test_lora_with_activation_checkpointing_gives_the_same_losses(lora, tmp_path):
+    _, ref, _ = lora
+    rec, _ = _run(tmp_path / "ac", extra=[*LORA, "--parallelism.activation_checkpoint=full"])
+    assert rec.losses == ref.losses
+
+
+@pytest.mark.slow
+def test_lora_under_torch_compile_gives_the_same_losses(lora, tmp_path):
+    _, ref, _ = lora
+    rec, _ = _run(tmp_path / "compiled", steps=3, extra=[*LORA, "--parallelism.compile=true"])
+    assert [rec.losses[s] for s in (1, 2, 3)] == pytest.approx(
+        [ref.losses[s] for s in (1, 2, 3)], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def base(full, tmp_path_factory):
+    """The full fine-tune's last checkpoint as a Hugging Face folder: a base for LoRA."""
+    from kiln.recipes.inference.saved_model import export_checkpoint
+
+    folder = tmp_path_factory.mktemp("sft_base") / "hf"
+    export_checkpoint(full[0] / "checkpoints" / "step_0000008", folder)
+    return folder
+
+
+def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from kiln.recipes.inference.saved_model import export_checkpoint
+
+    extra = [*LORA, f"--checkpoint.init_from={base}"]
+    ref, _ = _run(tmp_path / "full", extra=extra)
+    first, _ = _run(tmp_path / "cut", signal_at=4, extra=extra)
+    second, _ = _run(tmp_path / "cut", extra=extra)
+    assert {**first.losses, **second.losses} == ref.losses
+    ck = tmp_path / "full" / "checkpoints" / "step_0000008"
+    saved = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
+    names = [k for k in saved if k.startswith("model.")]
+    assert names and all(".lora." in n for n in names)  # the base is init_from's
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    export_checkpoint(ck, tmp_path / "merged")
+    export_checkpoint(ck, tmp_path / "adapter", fmt="peft")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    ids = torch.randint(0, 258, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(ids)
+    torch.testing.assert_close(adapted.logits, merged.logits, rtol=1e-5, atol=1e-5)
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     from kiln.components import distributed
 
@@ -89,7 +178,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
     losses: dict = {}
     try:
         rec, _ = _run(f"{folder}/two", extra=["--parallelism.fsdp=on"])
-        losses = rec.losses
+        losses = {"full": rec.losses}
+        rec, _ = _run(f"{folder}/lora", extra=[*LORA, "--parallelism.fsdp=on"])
+        losses["lora"] = rec.losses
     finally:
         with open(f"{folder}/rank{rank}.json", "w") as f:
             json.dump(losses, f)
@@ -97,13 +188,14 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_one_process_losses(full, tmp_path):
-    _, ref, _ = full
+def test_two_processes_give_the_one_process_losses(full, lora, tmp_path):
+    """Full fine-tuning and LoRA under FSDP2 on 2 processes: the 1-process losses."""
     torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
-    assert [ranks[0][str(s)] for s in range(1, 9)] == pytest.approx(
-        [ref.losses[s] for s in range(1, 9)], rel=1e-5)
+    for key, (_, ref, _) in (("full", full), ("lora", lora)):
+        assert [ranks[0][key][str(s)] for s in range(1, 9)] == pytest.approx(
+            [ref.losses[s] for s in range(1, 9)], rel=1e-5), key
 
 
 def test_masked_data_with_a_step_that_cannot_weight_tokens_is_refused(tmp_path):
@@ -112,3 +204,26 @@ def test_masked_data_with_a_step_that_cannot_weight_tokens_is_refused(tmp_path):
         "--training.seq_len=96", f"--run.folder={tmp_path / 'x'}"])
     with pytest.raises(RecipeError, match="token-weighted.*segmented_bptt"):
         Trainer(recipe, out=io.StringIO())
+
+
+def test_the_run_and_its_export_keep_the_chat_template(full, base):
+    transformers = pytest.importorskip("transformers")
+    from kiln.components.data.chat.templates import CHATML, TEMPLATE_FILE
+
+    folder = full[0]
+    assert (folder / TEMPLATE_FILE).read_text() == CHATML
+    assert (base / TEMPLATE_FILE).read_text() == CHATML
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    conv = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generate_chat_answers_with_the_template_and_stops_at_the_end_of_turn(full, capsys):
+    from kiln.recipes.cli import main
+
+    assert main(["generate", str(full[0]), "--chat", "--prompt", "What is 2 plus 3?",
+                 "--prompt", "What is 4 times 5?", "--temperature", "0",
+                 "--max-new-tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant: ") == 2 and "<|im_end|>" not in out and "<|im_start|>" not in out

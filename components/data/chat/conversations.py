@@ -18,7 +18,7 @@ from typing import Any
 from kiln.components.data.sources.source_files import SourceFile
 from kiln.components.data.sources.text_sources import _open_compressed, expand_inputs
 from kiln.components.errors import DataError
-from kiln.components.tasks.task_files import value
+from kiln.components.fields import value
 
 ROLES = ("system", "user", "assistant")
 Message = dict[str, str]
@@ -39,8 +39,8 @@ def read_rows(path: str, *, split: str = "train",
 def _file_rows(src: SourceFile) -> Iterator[tuple[str, dict]]:
     path = src.path()
     if src.kind.startswith("jsonl"):
-        stream = open(path, "rb") if src.kind == "jsonl" else _open_compressed(path, src.kind)
-        with stream:
+        compressed = src.kind != "jsonl"
+        with _open_compressed(path, src.kind) if compressed else open(path, "rb") as stream:
             for n, line in enumerate(stream, 1):
                 if not line.strip():
                     continue

@@ -32,6 +32,7 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 NAMED = {"chatml": CHATML}
+TEMPLATE_FILE = "chat_template.jinja"  # beside a run and its export; transformers reads it
 STOP_TEXTS = {"chatml": "<|im_end|>"}
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -170,6 +171,14 @@ def from_folder(folder: Path) -> ChatTemplate:
     return ChatTemplate(source, str(config_file), specials)
 
 
+def from_text(source: str, name: str) -> ChatTemplate:
+    """A saved template (a run's ``chat_template.jinja``), under its name if it is a named one."""
+    for known, text in NAMED.items():
+        if text == source:
+            return ChatTemplate(text, known)
+    return ChatTemplate(source, name)
+
+
 def resolve(spec: str, tokenizer: Any) -> ChatTemplate:
     """``data.template``: "" = the tokenizer's Hugging Face folder, a name in ``NAMED``, a
     .jinja file, or a folder."""
@@ -189,3 +198,21 @@ def resolve(spec: str, tokenizer: Any) -> ChatTemplate:
             f"data.template = \"\" reads the tokenizer's Hugging Face folder, but the "
             f"{type(tokenizer).__name__} has none; set data.template = \"chatml\"")
     return from_folder(Path(file).parent)
+
+
+def end_of_turn(template: ChatTemplate) -> str:
+    """The text the template writes after an assistant message's content (``<|im_end|>``,
+    ``<|eot_id|>``, ``</s>``): where a generated answer stops."""
+    mark = "\x00kiln-answer\x00"
+    text, _ = template.render([{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": mark}])
+    return text[text.rindex(mark) + len(mark):].strip()
+
+
+def prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, str]]
+               ) -> list[int]:
+    """Token ids of ``messages`` rendered with the generation prompt, ready to sample the
+    assistant's answer (BOS first for a named template, as the chat data writes it)."""
+    text, _ = template.render(messages, add_generation_prompt=True)
+    ids = list(tokenizer.encode(text, bos=False, eos=False))
+    return [tokenizer.bos_id, *ids] if template.name in NAMED else ids

@@ -112,3 +112,22 @@ def test_bits_per_byte_equals_the_loss_of_one_forward(tmp_path):
     txt.write_text(texts[0])
     one = samples.task("bits_per_byte", txt)
     assert one.plan(tok, 128).examples == 1
+
+
+def test_a_chat_template_renders_shots_as_turns_and_stops_at_the_end_of_turn(tmp_path):
+    from kiln.components.data.chat import templates
+
+    rows = [{"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?", "answer": "6"}]
+    tok = samples.byte_tokenizer()
+    task = samples.task("exact_match", samples.write_jsonl(tmp_path / "c.jsonl", rows),
+                        chat_template="chatml", num_fewshot=1, batch_size=1)
+    plan = task.plan(tok, 256)
+    first = next(e for b in plan.batches for e in b.payload if e.gold == "4")
+    want = templates.prompt_ids(templates.resolve("chatml", tok), tok, [
+        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "2+2?"}])
+    assert first.prompt == want
+    assert tok.decode(want).endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    echo = Echo(["4<|im_end|>\n<|im_start|>user", "5"], tok)
+    assert runner.run(task, plan, echo) == {"exact_match": pytest.approx(1 / 2)}
+    assert echo.calls[0][2] == ["\n\n", "<|im_end|>"]

@@ -1,0 +1,110 @@
+"""A model's LoRA adapters as a ``peft`` adapter folder: ``adapter_config.json`` and
+``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, folder)`` on the
+Hugging Face export of the base model.
+
+Each adapted kiln layer maps to its Hugging Face module through the export layout
+(``layout.parts``): ``layers.N.attention.wq`` is ``model.layers.N.self_attn.q_proj``, saved as
+``base_model.model.<module>.lora_A.weight`` (rank, in) and ``.lora_B.weight`` (out, rank), the
+names peft writes. ``B``'s rows follow the base weight's rows, so those of ``wq`` / ``wk`` get
+the same RoPE permutation (``to_hf``); ``A`` acts on the layer's input, whose order both layouts
+share. ``target_modules`` is a regular expression naming exactly the adapted modules, so peft
+adds no adapter where kiln had none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.checkpointing.huggingface import layout as hf_layout
+from kiln.checkpointing.storage import save_safetensors
+from kiln.components.errors import CheckpointError
+from kiln.parallelisms.blocks import clean_name
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+
+
+def adapters(model: nn.Module) -> dict[str, nn.Module]:
+    """Clean module name -> its adapter (a child ``lora`` with ``A``, ``B`` and ``scale``)."""
+    return {clean_name(n): m.lora for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and hasattr(getattr(m, "lora", None), "A")}
+
+
+def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str], float, int]:
+    """(peft's tensors by name, the Hugging Face modules adapted, lora_alpha, r)."""
+    found = adapters(model)
+    if not found:
+        raise CheckpointError("--format peft: the model has no adapters ([adapter] table); "
+                              "export its weights with --format hf")
+    reason = hf_layout.hf_incompatibility(model)
+    if reason:
+        raise CheckpointError(f"--format peft: the model has no Hugging Face layout ({reason})")
+    parts = hf_layout.parts(model)
+    out: dict[str, torch.Tensor] = {}
+    modules, scales, ranks = [], set(), set()
+    for name, pair in found.items():
+        got = parts.get(f"{name}.weight", [])
+        if len(got) != 1:
+            raise CheckpointError(
+                f"--format peft: {name} is made of {len(got)} Hugging Face tensors (a fused "
+                "wqkv); peft adapts one module at a time: export merged weights instead")
+        part = got[0]
+        module = part.hf_name.removesuffix(".weight")
+        a, b = pair.A.detach().float().cpu(), pair.B.detach().float().cpu()
+        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{module}.lora_B.weight"] = hf_layout.to_hf(b, part.heads) \
+            .contiguous()
+        modules.append(module)
+        scales.add(pair.scale)
+        ranks.add(a.shape[0])
+    if len(ranks) != 1 or len(scales) != 1:
+        raise CheckpointError("--format peft: the adapters differ in rank or scale")
+    r = ranks.pop()
+    return out, modules, scales.pop() * r, r
+
+
+def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, dropout: float = 0.0,
+                force: bool = False) -> dict[str, Any]:
+    """Write the adapter folder; ``base`` names the base model (``checkpoint.init_from``)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(f"{out_dir}: folder exists and is not empty; export into a new "
+                              "or empty folder, or pass --force")
+    tensors, modules, alpha, r = peft_tensors(model)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+        "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": "(" + "|".join(re.escape(m) for m in modules) + ")",
+        "base_model_name_or_path": base, "inference_mode": True, "modules_to_save": None,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.{secrets.token_hex(6)}.kiln-export"
+    tmp.mkdir()
+    try:
+        save_safetensors(tensors, tmp / WEIGHTS, {"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        if out_dir.exists():  # --force: replace the two files
+            for path in tmp.iterdir():
+                os.replace(path, out_dir / path.name)
+        else:
+            tmp.rename(out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{out_dir}: cannot write the adapter ({exc})") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return {"layout": "peft", "family": "lora", "tensors": len(tensors), "why_not_hf": "",
+            "files": [CONFIG, WEIGHTS]}

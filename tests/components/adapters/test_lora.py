@@ -1,0 +1,134 @@
+"""LoRA: the same forward as peft's on the exported model, merged weights equal to the adapter
+model, a peft-loadable adapter folder, frozen base weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kiln.checkpointing.manager import CheckpointManager
+from kiln.components.adapters.lora import LoRA, LoRAConfig, merge
+from kiln.components.distributed import World
+from kiln.components.errors import CheckpointError, RecipeError
+from kiln.components.models.block import padded_vocab
+from kiln.recipes.cli import main
+from kiln.recipes.config.files import load_recipe, render_recipe
+from kiln.recipes.inference.saved_model import export_checkpoint
+from tests.checkpointing.toy import ToyState
+from tests.conftest import CONFIGS
+
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=4",
+        "--model.attention.n_kv_heads=2", "--model.ffn.hidden_dim=48",
+        "--training.seq_len=16", "--model.tie_embeddings=false"]
+ADAPTER = ["--adapter.rank=4", "--adapter.alpha=12",
+           '--adapter.targets=["*.attention.wq", "*.attention.wk", "*.attention.wv", '
+           '"*.attention.wo", "*.feed_forward.w2"]']
+
+
+def _save(folder, model, recipe):
+    state = ToyState(model=model, optimizers={"main": torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad])}, recipe_toml=render_recipe(recipe))
+    state.train_loader = None
+    state.progress.step = 1
+    CheckpointManager(folder, World(0, 1, 0, torch.device("cpu")), log=lambda s: None).save(state)
+    return folder / "step_0000001"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(base checkpoint, LoRA checkpoint, the kiln model with adapters) of one base model; the
+    adapters' B is random, so they change the function."""
+    root = tmp_path_factory.mktemp("lora")
+    base_recipe = load_recipe(CONFIGS / "debug.toml", TINY)
+    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *ADAPTER])
+    torch.manual_seed(0)
+    model = base_recipe.model.build(vocab_size=padded_vocab(base_recipe.model, 258), seq_len=16)
+    base = _save(root / "base", model, base_recipe)
+    recipe.adapter.build().apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.copy_(torch.randn_like(p) * 0.2)
+    return base, _save(root / "lora", model, recipe), model
+
+
+def _ids():
+    return torch.randint(0, 258, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _kiln_logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(_ids())
+
+
+def test_only_the_adapters_train_and_b_starts_at_zero():
+    recipe = load_recipe(CONFIGS / "debug.toml", TINY)
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    before = _kiln_logits(model)
+    line = LoRA(LoRAConfig(type="lora", rank=2)).apply(model)
+    assert "lora rank 2" in line and "on 8 layers" in line
+    assert torch.equal(_kiln_logits(model), before)  # B = 0: the base model exactly
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora." in n for n in trainable)
+
+
+def test_targets_that_match_nothing_name_the_layers():
+    model = load_recipe(CONFIGS / "debug.toml", TINY).model.build(vocab_size=264, seq_len=16)
+    with pytest.raises(RecipeError, match=r"match no linear layer.*layers\.0\.attention\.wq"):
+        LoRA(LoRAConfig(type="lora", targets=["*.q_proj"])).targets(model)
+
+
+def test_peft_on_the_exported_base_equals_the_kiln_adapter_model(saved, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    base, lora, model = saved
+    export_checkpoint(base, tmp_path / "base")
+    assert main(["export", str(lora), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 12
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base",
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        plain = hf(_ids()).logits
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = with_adapter(_ids()).logits
+    ours = _kiln_logits(model)
+    assert (ours - plain).abs().max() > 1e-2  # the adapters matter, so the check can fail
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_merged_export_equals_the_adapter_model(saved, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _, lora, model = saved
+    summary = export_checkpoint(lora, tmp_path / "merged")
+    assert summary["layout"] == "hf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(_ids()).logits
+    torch.testing.assert_close(theirs, _kiln_logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_keeps_the_function_and_removes_the_adapters(saved):
+    _, _, model = saved
+    import copy
+
+    twin = copy.deepcopy(model)
+    want = _kiln_logits(twin)
+    assert merge(twin) == 10
+    assert not any(".lora." in n for n, _ in twin.named_parameters())
+    torch.testing.assert_close(_kiln_logits(twin), want, rtol=1e-5, atol=1e-6)
+
+
+def test_peft_export_of_a_full_fine_tune_is_refused(saved, tmp_path):
+    base, _, _ = saved
+    with pytest.raises(RecipeError, match="--format peft needs a run with an \\[adapter\\]"):
+        export_checkpoint(base, tmp_path / "x", fmt="peft")
+    with pytest.raises(CheckpointError, match="has LoRA adapters"):
+        from kiln.checkpointing.huggingface.export import export
+
+        export(saved[2], None, tmp_path / "y", model_table={}, recipe_file=None)
