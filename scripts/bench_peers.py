@@ -18,7 +18,11 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
 - ``overhead``: per-step time of kiln's trainer vs a plain loop on the same tiny model
   (``bench_rows/overhead.py``);
 - ``mixture-loader``: a 3-source mixture's data loader vs one source, time per global step
-  (``bench_rows/mixture.py``).
+  (``bench_rows/mixture.py``);
+- ``sft-data``: chat rendering + assistant masks + tokenizing vs ``transformers``'
+  ``apply_chat_template`` (``bench_rows/sft_data.py``);
+- ``lora-step``, ``lora-memory``: a LoRA training step vs ``peft`` on ``transformers``, and its
+  optimizer state vs full fine-tuning (``bench_rows/lora.py``, ``lora_memory.py``).
 
 Every side runs in a fresh process; each round runs every group's two sides, the order of the two
 alternating from round to round, so drift in the machine's load hits both. The table gives each
@@ -129,6 +133,20 @@ def groups(args) -> list[Group]:
                           higher_is_better=False, goal=">= 0.95x")],
                      {**base, "steps": 20 if quick else 2000, "warmup": 5 if quick else 200},
                      third_party=False))
+    out.append(Group("sft-data", "sft_data", "transformers apply_chat_template + tokenizers",
+                     [Row("SFT data: render, assistant mask, tokenize", "conversations_per_second",
+                          "conv/s", goal=">= 1x")],
+                     {**base, "conversations": 200 if quick else 2000,
+                      "repeats": 1 if quick else 3}, third_party=False))
+    out.append(Group("lora-step", "lora", "peft LoRA on transformers (same model)",
+                     [Row("LoRA training step, rank 8 on q/k/v/o, fp32", "tokens_per_second",
+                          "tok/s", goal=">= 1.3x")],
+                     {**base, "steps": 2 if quick else 10, "warmup": 1 if quick else 2},
+                     third_party=False))
+    out.append(Group("lora-memory", "lora_memory", "full fine-tuning, same model and AdamW",
+                     [Row("optimizer state, LoRA vs full fine-tuning", "optimizer_mb", "MiB",
+                          higher_is_better=False, goal="report")],
+                     {**base, "steps": 1, "warmup": 0}, third_party=False))
     return out
 
 

@@ -64,7 +64,12 @@ class LoRAPair(nn.Module):
 
 
 def _add_update(module: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    return out + module.lora(args[0])
+    pair = module.lora
+    down = pair.dropout(args[0]) @ pair.A.t()  # (..., rank)
+    # One addmm: out + scale * down @ B.T without a separate product and sum over (N, out).
+    flat = torch.addmm(out.reshape(-1, out.shape[-1]), down.reshape(-1, down.shape[-1]),
+                       pair.B.t(), alpha=pair.scale)
+    return flat.view(out.shape)
 
 
 @register("adapter", "lora")

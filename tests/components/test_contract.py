@@ -84,6 +84,20 @@ def test_component_contract(entry, tmp_path):
         _roundtrip(build, ids)
         assert module.num_params() > 0 and module.flops_per_token(T) > 0
         assert module.blocks()
+    elif kind == "adapter":  # on the dense model: trains only itself, round-trips its state
+        model_cfg = registry.get("model", "transformer").config(type="transformer", dim=DIM,
+                                                                 n_layers=2)
+        model_cfg.attention = registry.get("attention", "causal").config(type="causal", n_heads=4)
+
+        def build():
+            model = model_cfg.build(vocab_size=V, seq_len=T)
+            _default(entry).build().apply(model)
+            return model
+
+        module, ids = build(), torch.randint(0, V, (B, T))
+        _finite_backward(module(ids), module)
+        assert all(p.grad is None for p in module.parameters() if not p.requires_grad)
+        _roundtrip(build, ids)
     elif kind == "schedule":
         sched = _default(entry).build(total_steps=100)
         values = [sched(s) for s in range(100)]

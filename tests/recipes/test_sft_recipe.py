@@ -171,6 +171,18 @@ def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, 
     torch.testing.assert_close(adapted.logits, merged.logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_lora_run_from_init_from_killed_with_sigkill_resumes_exactly(base, tmp_path):
+    args = [*TINY, *LORA, f"--checkpoint.init_from={base}", "--training.steps=8"]
+    ref, _ = _run(tmp_path / "full", extra=[*LORA, f"--checkpoint.init_from={base}"])
+    cut = tmp_path / "cut"
+    done = subprocess.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "sft_debug.toml"),
+                           *args, f"--run.folder={cut}"], timeout=300)
+    assert done.returncode == -9 and max(_metrics(cut)) == 5
+    _run(cut, extra=[*LORA, f"--checkpoint.init_from={base}"])
+    assert {s: r["loss"] for s, r in _metrics(cut).items() if "loss" in r} == ref.losses
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     from kiln.components import distributed
 
