@@ -62,3 +62,11 @@ def test_jsonl_and_parquet_rows_name_their_lines(tmp_path):
     assert got[1][1] == good
     with pytest.raises(DataError, match="no such file"):
         list(read_rows(str(tmp_path / "missing.jsonl")))
+
+
+def test_a_saved_hugging_face_dataset_is_read_row_by_row(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(3)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    got = [to_messages(row, {}, where) for where, row in read_rows(str(tmp_path / "saved"))]
+    assert [m[1]["content"] for m in got] == ["a0", "a1", "a2"]
