@@ -193,6 +193,9 @@ def _components(args: argparse.Namespace) -> tuple[Any, Any, Any, int, int]:
         except ValidationError as exc:
             raise RecipeError(f"invalid data option: {exc.errors()[0]['msg']} "
                               f"({', '.join(f'{k}={v!r}' for k, v in updates.items())})") from None
+    if data.type == "chat":
+        raise RecipeError("chat data is rendered, masked and packed by the run itself on first "
+                          "use, and cached (docs/finetuning.md); train the recipe")
     if not hasattr(data, "source"):
         raise RecipeError(f"data type {data.type!r} has no source to prepare; use --input "
                           "(and --domain for balanced_shards)")

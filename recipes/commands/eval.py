@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kiln.components.devices import DEVICES
 from kiln.components.errors import RecipeError
+from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.recipes.hooks.evaluate import bits_per_byte
 from kiln.recipes.training.model_inputs import ModelInputs
 
@@ -92,7 +93,7 @@ def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
             logits = model(ids, **extra)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         total += float(loss)
-        count += labels.numel()
+        count += int((labels != IGNORE_INDEX).sum())  # masked (chat) data: its trained tokens
     return (total / count if count else float("nan")), count
 
 

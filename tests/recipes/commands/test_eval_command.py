@@ -60,3 +60,24 @@ def test_a_document_masked_run_is_evaluated_with_its_mask():
     assert n == 32 and got == pytest.approx(float(want), rel=1e-6)
     plain, _ = eval_loss(model, [batch], 10**6, None, "cpu", contextlib.nullcontext())
     assert plain != pytest.approx(got, rel=1e-6)  # the untrained model: a small difference
+
+
+def test_eval_loss_of_masked_labels_is_the_mean_over_the_trained_tokens():
+    """Chat data: `kiln eval` averages over the labels the loss is taken on, as training does."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from kiln.components.models.lm_head import IGNORE_INDEX
+    from kiln.recipes.commands.eval import eval_loss
+    from tests.parallelisms.tiny import VOCAB, tiny_model
+
+    model = tiny_model().eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    labels[:, :10] = IGNORE_INDEX
+    got, n = eval_loss(model, [{"input_ids": ids, "labels": labels}], 10**6, None, "cpu",
+                       contextlib.nullcontext())
+    with torch.no_grad():
+        want = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())  # mean over valid
+    assert n == 12 and got == pytest.approx(float(want), rel=1e-6)
