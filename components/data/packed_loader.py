@@ -106,6 +106,13 @@ class Windows:
                            f"{DAMAGED} (`kiln data info {self.folder}` checks every token)")
         return out, documents.relative(doc[:, :-1])
 
+    def batch(self, epoch: int, first: int, rows: int) -> dict[str, torch.Tensor]:
+        """Windows ``first .. first+rows-1`` of ``epoch`` as a micro-batch."""
+        w, docs = self.read_documents(epoch, first, rows)  # (mb, L + 1), (mb, L)
+        return {"input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),  # (mb, L)
+                "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:])),  # (mb, L)
+                "doc_ids": torch.from_numpy(docs)}  # (mb, L) int32, see data/documents.py
+
 
 class _MicroBatches(Dataset):
     """Map-style: item ``i`` is this rank's micro-batch number ``start + i`` of the stream."""
@@ -118,14 +125,10 @@ class _MicroBatches(Dataset):
         return self.length
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        epoch, first, rows = _locate(self.start + i, *self.loader_plan)
-        try:
-            w, docs = self.windows.read_documents(epoch, first, rows)  # (mb, L + 1), (mb, L)
+        try:  # the loader's rows: ``Windows`` here, ``chat_loader.ChatRows`` for chat data
+            return self.windows.batch(*_locate(self.start + i, *self.loader_plan))
         except DataError as exc:  # handed over as data: raised by a worker, torch would wrap
             return {"error": str(exc)}  # it in its traceback text; `_raise_errors` raises it
-        return {"input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),  # (mb, L)
-                "labels": torch.from_numpy(np.ascontiguousarray(w[:, 1:])),  # (mb, L)
-                "doc_ids": torch.from_numpy(docs)}  # (mb, L) int32, see data/documents.py
 
 
 def _locate(pos: int, per_step: int, steps: int, gb: int, per_rank: int, rank: int,

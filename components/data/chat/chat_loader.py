@@ -8,16 +8,13 @@ in order. A batch carries ``labels`` with ``IGNORE_INDEX`` where the loss is not
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kiln.components.data.packed_loader import Loader, _check_batch_plan, _locate
+from kiln.components.data.packed_loader import Loader, _check_batch_plan
 from kiln.components.errors import DataError
 
 SPLIT_FILES = ("tokens", "trained", "docs")
@@ -65,21 +62,6 @@ class ChatRows:
                 "doc_ids": torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))}
 
 
-class _MicroBatches(Dataset):
-    def __init__(self, loader: ChatLoader, start: int, length: int) -> None:
-        self.rows, self.start, self.length = loader._rows, start, length
-        self.plan = loader._plan()
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        try:
-            return self.rows.batch(*_locate(self.start + i, *self.plan))
-        except DataError as exc:  # raised in the trainer, not wrapped in a worker traceback
-            return {"error": str(exc)}
-
-
 class ChatLoader(Loader):
     """``packed_loader.Loader``'s plan and cursor over chat rows (``windows_per_epoch`` in the
     cursor counts rows)."""
@@ -93,8 +75,8 @@ class ChatLoader(Loader):
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.micro_per_step = global_batch // world_size // micro_batch
         self.num_workers, self.prefetch, self.pin_memory = 0, 2, False
-        self._rows = ChatRows(folder, split, seed)
-        self.windows_per_epoch = len(self._rows)
+        self._windows = ChatRows(folder, split, seed)  # read by Loader's micro-batch dataset
+        self.windows_per_epoch = len(self._windows)
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
@@ -104,11 +86,3 @@ class ChatLoader(Loader):
                 "training.global_batch" + (" or raise data.eval_fraction" if split == "eval"
                                            else ""))
         self._pos, self._it = 0, None
-
-    def _dataloader(self, start: int) -> StatefulDataLoader:
-        end = 1 << 62 if self.split == "train" else self.steps_per_epoch * self.micro_per_step
-        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
-            warnings.filterwarnings("ignore", message=".*set_vital.*")
-            return StatefulDataLoader(_MicroBatches(self, start, max(end - start, 0)),
-                                      batch_size=None, num_workers=0,
-                                      snapshot_every_n_steps=1 << 30)

@@ -26,6 +26,7 @@ from kiln.components.data.chat import builtin, conversations, masks, packing, te
 from kiln.components.data.chat.chat_loader import SPLIT_FILES, ChatLoader
 from kiln.components.data.packed_documents import cache_root
 from kiln.components.data.prepare.packed_layout import file_lock
+from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 
@@ -76,12 +77,10 @@ class ChatDataset:
     def _files_key(self) -> list[Any]:
         if not self.cfg.path:
             return ["builtin", self.cfg.builtin_rows]
-        path = Path(self.cfg.path).expanduser()
-        if path.is_file():
-            st = path.stat()
-            return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-        return [self.cfg.path, [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+        files = expand_inputs([self.cfg.path], split=self.cfg.split, cache_dir=self.cfg.cache_dir)
+        local = [Path(f.name) for f in files if Path(f.name).is_file()]  # Hub files: by name
+        return [self.cfg.path, [f.name for f in files],
+                [(p.stat().st_size, p.stat().st_mtime_ns) for p in local]]
 
     @property
     def folder(self) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.components.errors import DataError
+from kiln.components.tokenizers.hf_tokenizer import configured_specials
 
 CHATML = (
     "{% for message in messages %}"
@@ -137,12 +138,6 @@ def _compile(source: str, name: str) -> Any:
                         f"{exc.message}); fix the template or name another") from None
 
 
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
 def from_folder(folder: Path) -> ChatTemplate:
     """The template of a Hugging Face model or tokenizer folder: ``chat_template.jinja``, or
     ``tokenizer_config.json``'s ``chat_template`` (the default one if it lists several)."""
@@ -153,9 +148,8 @@ def from_folder(folder: Path) -> ChatTemplate:
             config = json.loads(config_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise DataError(f"{config_file}: unreadable ({exc}); fix or remove it") from None
-    specials = {k: _token_text(config.get(k)) for k in
-                ("bos_token", "eos_token", "pad_token", "unk_token")}
-    specials = {k: v for k, v in specials.items() if v}
+    # the texts templates see as bos_token / eos_token / pad_token, read as the tokenizer does
+    specials = {f"{k}_token": v for k, v in configured_specials(folder).items()}
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), specials)
