@@ -43,6 +43,11 @@ def _is_adapter(name: str) -> bool:
     return ".lora." in name
 
 
+def _place(spec: str) -> str:
+    """An ``init_from`` as a comparable place: a Hub path as written, a folder resolved."""
+    return spec if spec.startswith("hf://") else str(Path(spec).expanduser().resolve())
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, *, hooks: list[Hook] | None = None,
                  checkpoints: bool = True, out=None):
@@ -276,6 +281,16 @@ class Trainer:
         if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
             return  # (an adapters-only checkpoint needs its base read again)
         from kiln.recipes.inference.pretrained import load_pretrained
+
+        if resumed:  # the adapters were trained on the base their checkpoint names
+            from kiln.recipes.config.files import load_recipe
+
+            base = load_recipe(Path(resumed)).checkpoint.init_from
+            if _place(base) != _place(self.recipe.checkpoint.init_from):
+                raise RecipeError(
+                    f"{resumed} holds LoRA adapters trained on checkpoint.init_from = {base!r}, "
+                    f"this recipe names {self.recipe.checkpoint.init_from!r}; resume with that "
+                    "base (the adapters alone mean nothing on another)")
 
         load_pretrained(self)
 

@@ -153,6 +153,12 @@ def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, 
     first, _ = _run(tmp_path / "cut", signal_at=4, extra=extra)
     second, _ = _run(tmp_path / "cut", extra=extra)
     assert {**first.losses, **second.losses} == ref.losses
+    _run(tmp_path / "cut", steps=9, extra=[*LORA, f"--checkpoint.init_from={base}/"])  # same
+    import shutil
+
+    other = shutil.copytree(base, tmp_path / "other")
+    with pytest.raises(RecipeError, match="adapters trained on checkpoint.init_from"):
+        _run(tmp_path / "cut", steps=10, extra=[*LORA, f"--checkpoint.init_from={other}"])
     ck = tmp_path / "full" / "checkpoints" / "step_0000008"
     saved = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
     names = [k for k in saved if k.startswith("model.")]
