@@ -53,8 +53,13 @@ class StepContext(Protocol):
     step: int  # optimizer steps taken before this one
     total_steps: int
     tokens_per_step: int  # all ranks; shorter during a context warmup
+    token_weighted: bool  # masked data: the loss is the mean over the global trained tokens
 
     def zero_grad(self) -> None: ...
+
+    def micro_weights(self, micro_batches: list[dict[str, torch.Tensor]]
+                      ) -> tuple[list[float], int]:
+        """With ``token_weighted``: each micro-batch's loss weight and the trained tokens."""
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of one micro-batch."""

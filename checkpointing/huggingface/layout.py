@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln.components.adapters.lora import is_adapter
 from kiln.parallelisms.blocks import clean_name
 
 
@@ -168,7 +169,7 @@ def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen or ".lora." in name:  # adapters: merged or exported on their own
+        if id(t) in seen or is_adapter(name):  # adapters: merged or exported on their own
             continue
         seen.add(id(t))
         out[clean_name(name)] = t

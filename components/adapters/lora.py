@@ -23,6 +23,12 @@ from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
 from kiln.components.registry import register
 
+
+def is_adapter(name: str) -> bool:
+    """A parameter or state-dict name of an adapter (``layers.0.attention.wq.lora.A``)."""
+    return ".lora." in name
+
+
 DEFAULT_TARGETS = ["*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo"]
 
 
@@ -123,8 +129,3 @@ def merge(model: nn.Module) -> int:
                     del module._forward_hooks[key]
             merged += 1
     return merged
-
-
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors by parameter name (``...wq.lora.A``, ``...wq.lora.B``)."""
-    return {n: p.detach() for n, p in model.named_parameters() if ".lora." in n}

@@ -155,12 +155,7 @@ class Loader:
     def __init__(self, layout: PackedLayout, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, num_workers: int = 0,
                  pin_memory: bool = False, prefetch: int = 2, prepared: bool = True) -> None:
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        _check_batch_plan(micro_batch, global_batch, rank, world_size)
-        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
-        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
-        self.micro_per_step = global_batch // world_size // micro_batch
+        self._set_plan(split, seq_len, micro_batch, global_batch, rank, world_size)
         self.num_workers, self.prefetch = num_workers, prefetch
         self.pin_memory = pin_memory and devices.pin_memory_supported()
         self._windows = Windows(layout, split, seq_len)
@@ -174,6 +169,16 @@ class Loader:
                 world_size=world_size, prepared=prepared))
         self._pos = 0  # micro-batches served on this rank since data epoch 0, step 0
         self._it: Any = None
+
+    def _set_plan(self, split: str, seq_len: int, micro_batch: int, global_batch: int,
+                  rank: int, world_size: int) -> None:
+        """The split and batch plan, checked (shared with the loaders built on this one)."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        _check_batch_plan(micro_batch, global_batch, rank, world_size)
+        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.micro_per_step = global_batch // world_size // micro_batch
 
     def _plan(self) -> tuple[int, ...]:
         return (self.micro_per_step, self.steps_per_epoch, self.global_batch,

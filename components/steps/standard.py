@@ -56,12 +56,13 @@ class StandardStep:
         the global batch's trained tokens for masked data, else None)."""
         n = len(micro_batches)
         total = torch.zeros((), device=ctx.device)
-        weights, trained = ctx.micro_weights(micro_batches)
+        weights, trained = ctx.micro_weights(micro_batches) if ctx.token_weighted \
+            else (None, None)
         for i, batch in enumerate(micro_batches):
             with ctx.grad_sync(i == n - 1):
+                loss = ctx.forward_loss(batch)
                 # 1/n: a mean over the step's tokens; masked data: weighted by trained tokens
-                loss = ctx.forward_loss(batch) * weights[i] if ctx.token_weighted \
-                    else ctx.forward_loss(batch) / n
+                loss = loss / n if weights is None else loss * weights[i]
                 loss.backward()
             total += loss.detach()
-        return total, trained if ctx.token_weighted else None
+        return total, trained

@@ -34,7 +34,9 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
     model = model.to_empty(device="cpu")
     sd = get_model_state_dict(model)
     if recipe.adapter is not None and recipe.checkpoint.init_from:
-        sd = {k: v for k, v in sd.items() if ".lora." in k}  # the base: from init_from
+        from kiln.components.adapters.lora import is_adapter
+
+        sd = {k: v for k, v in sd.items() if is_adapter(k)}  # the base: from init_from
         _load_base(model, recipe)
     tensors, _ = storage.split_tree({"model": sd})
     storage.load_tensors(tensors, checkpoint, no_dist=True,

@@ -100,15 +100,12 @@ class TrainStepContext:
 
     def micro_weights(self, micro_batches: list[dict[str, torch.Tensor]]
                       ) -> tuple[list[float], int]:
-        """(each micro-batch's loss weight, the global batch's trained tokens). Without
-        ``token_weighted`` 1/n each: a mean of the micro-batches' means. With it ``count_i * W /
-        C``, ``C`` the trained tokens of all ``W`` ranks (one all-reduce of a count): the
+        """For ``token_weighted`` (masked) data: (each micro-batch's loss weight ``count_i * W /
+        C``, the global batch's trained tokens), ``C`` the trained tokens of all ``W`` ranks
+        (one all-reduce of a count): the
         gradient average over ranks then gives the sum over trained tokens divided by ``C``,
         whatever the micro-batch count or world size. Tensor-parallel peers count the same
         batch, which scales ``W`` and ``C`` alike."""
-        n = len(micro_batches)
-        if not self.token_weighted:
-            return [1.0 / n] * n, self.tokens_per_step
         counts = [int(c) for c in torch.stack(  # one host sync for all micro-batches
             [(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches]).tolist()]
         total = torch.tensor([float(sum(counts))], dtype=torch.float64)

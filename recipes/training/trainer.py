@@ -18,6 +18,7 @@ import torch
 
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
+from kiln.components.adapters.lora import is_adapter
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook, complete_model
 from kiln.parallelisms.health.check import run_health_check
@@ -37,10 +38,6 @@ from kiln.recipes.training.optimizer_set import OptimizerSet
 from kiln.recipes.training.run_hooks import CloseLoader, WriteRecipe
 from kiln.recipes.training.run_layout import run_layout
 from kiln.recipes.training.step_context import Progress, TrainStepContext
-
-
-def _is_adapter(name: str) -> bool:
-    return ".lora." in name
 
 
 def _place(spec: str) -> str:
@@ -114,7 +111,7 @@ class Trainer:
         if recipe.adapter is not None:
             self.print(self._add_adapter())
             if recipe.checkpoint.init_from:
-                self.saved_params = _is_adapter
+                self.saved_params = is_adapter
         phase("model build")
         self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))  # whole model
         self.num_params = self.model.num_params()  # (before a pipeline split)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.components.data.packed_loader import Loader, _check_batch_plan
+from kiln.components.data.packed_loader import Loader
 from kiln.components.errors import DataError
 
 SPLIT_FILES = ("tokens", "trained", "docs")
@@ -68,12 +68,7 @@ class ChatLoader(Loader):
 
     def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, seed: int) -> None:
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        _check_batch_plan(micro_batch, global_batch, rank, world_size)
-        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
-        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
-        self.micro_per_step = global_batch // world_size // micro_batch
+        self._set_plan(split, seq_len, micro_batch, global_batch, rank, world_size)
         self.num_workers, self.prefetch, self.pin_memory = 0, 2, False
         self._windows = ChatRows(folder, split, seed)  # read by Loader's micro-batch dataset
         self.windows_per_epoch = len(self._windows)

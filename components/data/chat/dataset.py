@@ -115,12 +115,11 @@ class ChatDataset:
 
     def _build(self, folder: Path) -> None:
         c, width = self.cfg, self.seq_len + 1
-        bos = self.template.name in templates.NAMED
         encoded: list[tuple[str, tuple[np.ndarray, np.ndarray]]] = []
         for where, row in self._rows():
             messages = conversations.to_messages(row, c.fields, where)
             encoded.append((where, masks.encode(self.template, self.tokenizer, messages,
-                                                c.train_on, where, bos=bos)))
+                                                c.train_on, where, bos=self.template.adds_bos)))
         if not encoded:
             raise DataError(f"data.path = {c.path!r}: no conversations there")
         order = np.random.default_rng([self.seed, 0xC4A7]).permutation(len(encoded))

@@ -53,6 +53,12 @@ class ChatTemplate:
         return bool(_GENERATION.search(self.source))
 
     @property
+    def adds_bos(self) -> bool:
+        """A named template for kiln's tokenizers: the conversation starts with the tokenizer's
+        BOS (a Hugging Face template writes its own ``bos_token``)."""
+        return self.name in NAMED
+
+    @property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()[:16]
 
@@ -209,4 +215,4 @@ def prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, 
     assistant's answer (BOS first for a named template, as the chat data writes it)."""
     text, _ = template.render(messages, add_generation_prompt=True)
     ids = list(tokenizer.encode(text, bos=False, eos=False))
-    return [tokenizer.bos_id, *ids] if template.name in NAMED else ids
+    return [tokenizer.bos_id, *ids] if template.adds_bos else ids
