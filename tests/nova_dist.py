@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from kiln.components import distributed
+from tests import forked
 from tests.parallelisms.tiny import free_port, init_gloo
 
 WORLD = 2
@@ -305,7 +306,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def results() -> dict:
     """Run the spawn once; rank 0's results, plus ``rank1`` for rank 1's."""
     out = tempfile.mkdtemp(prefix="kiln-nova-dist-")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
+    forked.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
     res = json.loads(Path(out, "rank0.json").read_text())
     res["rank1"] = json.loads(Path(out, "rank1.json").read_text())
     return res

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tests.readme_blocks import (
     MARKERS,
@@ -112,10 +113,14 @@ def _own_texts(folder: Path) -> None:
 
 def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess:
+    """Run a page's command: a one-process kiln command forked from the session's server
+    (tests/forked.py: no torch import per command), anything else as its own process."""
     bin_dir = str(Path(sys.executable).parent)  # this environment's `kiln` and `python`
     full = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             **(env or {})}
     full.pop("KILN_ERROR_DIR", None)
+    if forked.is_forkable(argv, env):
+        return forked.kiln(argv, cwd, full, timeout=1800)
     return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=1800)
 
 

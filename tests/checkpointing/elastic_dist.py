@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.checkpointing import storage
 from kiln.components import distributed
+from tests import forked
 from tests.parallelisms.tiny import free_port, init_gloo
 
 WORLD = 2
@@ -150,4 +151,4 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 def run(tmp: Path) -> None:
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp)), nprocs=WORLD)
+    forked.spawn(_worker, args=(free_port(), str(tmp)), nprocs=WORLD)

@@ -19,6 +19,7 @@ from kiln.components.errors import RecipeError
 from kiln.parallelisms.context_parallel import ContextParallel, chunk_positions
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.model_inputs import ModelInputs
+from tests import forked
 from tests.checkpointing.elastic import StopAfter
 from tests.components.data.conftest import write_corpus
 from tests.conftest import CONFIGS
@@ -131,8 +132,8 @@ def _worker(rank: int, world: int, port: int, folder: str, parts: dict) -> None:
 
 
 def _spawn(world: int, folder, parts: dict) -> list[dict]:
-    torch.multiprocessing.spawn(_worker, args=(world, free_port(), str(folder), parts),
-                                nprocs=world)
+    forked.spawn(_worker, args=(world, free_port(), str(folder), parts),
+                 nprocs=world)
     return [json.loads((folder / f"{world}_rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from kiln.components import distributed
 from kiln.parallelisms import ParallelismConfig, grad_norm, materialize, parallelize
+from tests import forked
 from tests.parallelisms.tiny import batches, free_port, init_gloo, loss_fn, tiny_model
 
 STEPS, GLOBAL_BATCH, SEED, CLIP = 5, 4, 7, 0.5
@@ -118,7 +119,7 @@ def reference(cfg: ParallelismConfig, accum: int = 1) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     res = ranks[0]
     assert res["summary"] == "FSDP2 over 2 ranks (shard 2 x replicate 1)"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tests import forked
 from tests.parallelisms import scale_out
 from tests.parallelisms.tiny import free_port
 
@@ -40,8 +40,8 @@ FOUR = {
 
 
 def _spawn(cases: dict, world_size: int, tmp_path) -> list[dict]:
-    torch.multiprocessing.spawn(scale_out.worker, nprocs=world_size,
-                                args=(world_size, free_port(), cases, str(tmp_path)))
+    forked.spawn(scale_out.worker, nprocs=world_size,
+                 args=(world_size, free_port(), cases, str(tmp_path)))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

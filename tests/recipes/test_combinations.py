@@ -30,6 +30,7 @@ import torch
 from kiln.components import registry
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.recipes.config.files import load_recipe
+from tests import forked
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port, rank_env
 
@@ -371,7 +372,7 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
 
     families = list(discovered())
     samples.write_jsonl(tmp_path / "tasks.jsonl", samples.rows(6))
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path), families), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path), families), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for family in families:
         losses = ranks[0][family]
@@ -519,7 +520,7 @@ def _diag_line(folder) -> dict:
 def test_two_processes_diagnostics_are_of_the_full_tensors(tmp_path):
     """FSDP2 (looped MoE) and tensor parallel (dense) on 2 gloo ranks log the figures one
     process logs for the same global batch: reduced over ranks, not one rank's shard or rows."""
-    torch.multiprocessing.spawn(_diag_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_diag_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, family, _ in DIAG_CELLS:
         assert ranks[0][name] == ranks[1][name], name

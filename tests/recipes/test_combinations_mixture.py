@@ -12,9 +12,9 @@ import math
 import sys
 
 import pytest
-import torch
 
 from kiln.recipes.config.files import load_recipe
+from tests import forked
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port, rank_env
 from tests.recipes.test_combinations import (
@@ -103,7 +103,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_train_a_mixture_and_resume_it_on_one_through_the_stage_switch(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for family in ("dense", "looped_moe"):
         assert ranks[0][family] == ranks[1][family], family

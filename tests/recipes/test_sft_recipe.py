@@ -16,6 +16,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
+from tests import forked
 from tests.checkpointing.test_exact_resume import Record
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port, rank_env
@@ -208,7 +209,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 @pytest.mark.slow
 def test_two_processes_give_the_one_process_losses(full, lora, tmp_path):
     """Full fine-tuning and LoRA under FSDP2 on 2 processes: the 1-process losses."""
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     for key, (_, ref, _) in (("full", full), ("lora", lora)):

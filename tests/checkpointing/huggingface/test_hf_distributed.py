@@ -18,6 +18,7 @@ from kiln.checkpointing.huggingface import importer as hf_import
 from kiln.checkpointing.huggingface.export import export
 from kiln.components import distributed
 from kiln.parallelisms import ParallelismConfig, materialize, parallelize
+from tests import forked
 from tests.checkpointing.huggingface.hf_tiny import LLAMA3, kiln_from_hf, kiln_model, save_tiny
 from tests.parallelisms.test_distributed import full_params
 from tests.parallelisms.tiny import free_port, init_gloo
@@ -68,7 +69,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_import_and_export_on_two_processes_equal_one(tmp_path):
     save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3, vocab_size=301)  # uneven shards
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     one = kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
     full = torch.load(tmp_path / "full.pt", weights_only=True)

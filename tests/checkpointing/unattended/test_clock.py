@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +18,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
+from tests import forked
 from tests.conftest import CONFIGS, REPO
 from tests.parallelisms.tiny import free_port, init_gloo
 
@@ -184,9 +182,8 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_every_rank_follows_the_same_decision(tmp_path):
-    import torch
 
-    torch.multiprocessing.spawn(_agree_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_agree_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1] == [[True, True, True], [False, False, False]]
 
@@ -197,21 +194,17 @@ def test_a_budget_of_seconds_stops_the_command_and_the_same_command_continues(tm
     """``kiln train --training.max_hours=...``: exit 0 with a checkpoint before the end, then the
     same command continues; the losses equal an uninterrupted run's (a constant schedule, so the
     total does not matter to the LR)."""
-    args = [sys.executable, "-m", "kiln.recipes.cli", "train", str(CONFIGS / "debug.toml"),
-            *TINY, "--optimizer.schedule.type=constant", f"--run.folder={tmp_path / 'cut'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cut = subprocess.run([*args, "--training.steps=100000", "--training.max_hours=0.002"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    args = ["kiln", "train", str(CONFIGS / "debug.toml"), *TINY, "--training.threads=1",
+            "--optimizer.schedule.type=constant", f"--run.folder={tmp_path / 'cut'}"]
+    cut = forked.kiln([*args, "--training.steps=100000", "--training.max_hours=0.002"], REPO)
     assert cut.returncode == 0, cut.stderr[-3000:]
     found = re.search(r"stopped at step (\d+) of 100000", cut.stdout)
     assert found, cut.stdout[-3000:]
     k = int(found.group(1))
-    more = subprocess.run([*args, f"--training.steps={k + 2}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    more = forked.kiln([*args, f"--training.steps={k + 2}"], REPO)
     assert more.returncode == 0 and "resumed from" in more.stdout, more.stderr[-3000:]
-    full = subprocess.run([*args[:-1], f"--run.folder={tmp_path / 'full'}",
-                           f"--training.steps={k + 2}"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    full = forked.kiln([*args[:-1], f"--run.folder={tmp_path / 'full'}",
+                        f"--training.steps={k + 2}"], REPO)
     assert full.returncode == 0, full.stderr[-3000:]
 
     def losses(folder):

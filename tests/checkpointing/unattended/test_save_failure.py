@@ -18,6 +18,7 @@ from kiln.checkpointing.unattended import save_failure
 from kiln.components import distributed
 from kiln.components.distributed import World
 from kiln.components.errors import CheckpointError
+from tests import forked
 
 
 def test_the_cause_is_found_inside_dcps_wrapper(tmp_path):
@@ -76,7 +77,7 @@ def _one_rank_fails(rank: int, port: int, root: str) -> None:
 def test_one_ranks_failure_stops_every_rank_with_one_message(tmp_path):
     from tests.parallelisms.tiny import free_port
 
-    torch.multiprocessing.spawn(_one_rank_fails, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_one_rank_fails, args=(free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1
     assert r0[0].startswith("checkpoint step 1 FAILED (rank 1: no space left on device: ")

@@ -12,6 +12,7 @@ import torch
 from kiln.components import distributed
 from kiln.components.base import default_config
 from kiln.components.errors import CheckpointError
+from tests import forked
 
 
 def make(tmp_path=None, **values):
@@ -227,7 +228,7 @@ def test_two_ranks_agree_when_only_one_sees_a_nan(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_agreement_worker, args=(port, str(tmp_path)), nprocs=2)
+    forked.spawn(_agreement_worker, args=(port, str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     expected = [(False, ""), (False, ""), (True, "nonfinite_grad_norm"), (False, "")]
     assert r0["skipped"] == r1["skipped"] == expected

@@ -14,6 +14,7 @@ from kiln.components.errors import HealthCheckFailed
 from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.health import check as health
 from kiln.parallelisms.health.check import HealthCheckConfig, run_health_check
+from tests import forked
 from tests.parallelisms.tiny import free_port, rank_env
 
 ONE = SimpleNamespace(rank=0, world_size=1, local_rank=0, distributed=False,
@@ -115,7 +116,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_pass_and_a_wrong_rank_is_named_by_every_rank(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     clean = ranks[0]["clean"]["ok"]
     assert clean[0].startswith("health check: 2 processes on 1 host, cpu: all-reduce, "

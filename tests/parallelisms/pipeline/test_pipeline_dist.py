@@ -11,8 +11,8 @@ import os
 import sys
 
 import pytest
-import torch
 
+from tests import forked
 from tests.parallelisms.tiny import free_port, rank_env
 from tests.recipes.test_combinations import STEPS, recipe_for
 
@@ -109,8 +109,8 @@ def _worker(rank: int, world: int, port: int, folder: str, names: list[str],
 
 
 def _spawn(tmp_path, world: int, names: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
-    torch.multiprocessing.spawn(_worker, args=(world, free_port(), str(tmp_path), names, extra),
-                                nprocs=world)
+    forked.spawn(_worker, args=(world, free_port(), str(tmp_path), names, extra),
+                 nprocs=world)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
