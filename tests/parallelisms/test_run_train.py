@@ -10,9 +10,12 @@ import pytest
 
 from tests.conftest import REPO
 
+# The launch is under test, not the model: debug.toml at a quarter of its width.
+NARROW = ("--model.dim=64", "--model.ffn.hidden_dim=128")
+
 
 def _train(tmp_path, ngpu: int, *extra: str) -> str:
-    cmd = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=5",
+    cmd = ["./run_train.sh", "train_configs/debug.toml", *NARROW, "--training.steps=5",
            "--training.micro_batch=4", f"--run.folder={tmp_path / str(ngpu)}",
            "--run.log_interval=1", "--run.progress_bar=false", "--checkpoint.enable=false",
            "--eval.interval=0", "--eval.at_end=false", *extra]
@@ -47,7 +50,7 @@ def test_two_nodes_on_localhost_train_like_one_process(tmp_path):
     across the "nodes"), with the single-process losses."""
     from tests.parallelisms.tiny import free_port
 
-    args = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=5",
+    args = ["./run_train.sh", "train_configs/debug.toml", *NARROW, "--training.steps=5",
             "--training.micro_batch=4", f"--run.folder={tmp_path / 'nodes'}",
             "--run.log_interval=1", "--run.progress_bar=false", "--checkpoint.enable=false",
             "--eval.interval=0", "--eval.at_end=false", "--parallelism.tp=2"]

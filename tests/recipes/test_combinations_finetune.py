@@ -16,13 +16,15 @@ from tests.conftest import CONFIGS
 from tests.recipes.test_combinations import STEPS, TINY, ac_modes, discovered, train
 
 CHAT = ("--data.type=chat", "--data.template=chatml", "--data.builtin_rows=200",
-        "--training.seq_len=128")
+        "--training.seq_len=128", "--training.global_batch=2", "--training.micro_batch=1")
 MODES = {"full": (), "lora": ("--adapter.rank=4",)}
 
 
 def chat_recipe(family: str, folder, *extra: str):
     file, overrides = discovered()[family]
-    keep = [o for o in TINY if not o.startswith(("--data.", "--training.seq_len"))]
+    keep = [o for o in TINY if not o.startswith(("--data.", "--training.seq_len",
+                                                 "--training.global_batch",
+                                                 "--training.micro_batch"))]
     return load_recipe(CONFIGS / file, [*keep, *overrides, *CHAT, "--training.step.type=standard",
                                         f"--run.folder={folder}", *extra])
 
