@@ -18,6 +18,7 @@ the installed ``kiln`` script itself, a fresh environment.
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import os
 import subprocess
@@ -33,15 +34,12 @@ import torch.multiprocessing
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.utils.tensorboard", "numpy", "pydantic"]
 
-_CONTEXT: list = []
 
-
+@functools.cache
 def _context():
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # before the server starts, on first use
+    return ctx
 
 
 def _in_env(index: int, env: dict[str, str], fn, args: tuple) -> None:
