@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.components.data.packed_documents import cache_root
-from tests.conftest import ISOLATED
+from tests.conftest import ISOLATED, session_root
 
 HOME_CACHE = Path("~/.cache/kiln").expanduser()
 
@@ -21,7 +21,7 @@ def module_scoped_cache() -> Path:
 
 
 def test_caches_point_into_the_session_temp_folder(tmp_path_factory, module_scoped_cache):
-    base = tmp_path_factory.getbasetemp().resolve()
+    base = session_root(tmp_path_factory).resolve()
     for var in ISOLATED:
         assert Path(os.environ[var]).resolve().is_relative_to(base), var
     assert module_scoped_cache.resolve().is_relative_to(base)
