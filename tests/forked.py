@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch.multiprocessing
 
-# Imported once by the server. Only libraries that read no test setting at import: kiln itself
-# and anything reading HF_HOME or KILN_CACHE at import stay out (each child imports those).
+# Imported once by the server. Only modules that read no test setting at import: anything
+# reading HF_HOME or KILN_CACHE at import (huggingface_hub, transformers) stays out, and each
+# child imports it with the test's environment. tests/test_forked.py checks the list.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "torch.utils.tensorboard", "numpy", "pydantic"]
+           "torch.utils.tensorboard", "numpy", "pydantic", "tests.forked_preload"]
 
 
 @functools.cache

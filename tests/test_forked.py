@@ -46,3 +46,16 @@ def test_spawned_workers_see_this_processs_environment_and_folder(tmp_path, monk
     forked.spawn(_write_env, args=(str(tmp_path),), nprocs=2)
     for index in (0, 1):
         assert (tmp_path / f"{index}.txt").read_text() == f"set-by-the-test {tmp_path}"
+
+
+@pytest.mark.slow
+def test_the_preloaded_modules_read_no_hub_or_cache_setting_at_import():
+    """The server imports them once, with the environment of its start; a module that reads
+    HF_HOME, HF_HUB_OFFLINE or KILN_CACHE at import would keep that value in every child."""
+    code = ("import sys; import " + ", ".join(forked.PRELOAD) + "; print(' '.join(sorted("
+            "m for m in ('huggingface_hub', 'transformers', 'datasets', 'lm_eval', 'peft') "
+            "if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ""
