@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from kiln.components import distributed
+from kiln.components.data.prepare.packed_layout import file_lock
 from tests import forked
 from tests.parallelisms.tiny import free_port, init_gloo
 
@@ -297,16 +298,24 @@ def _worker(rank: int, port: int, out: str) -> None:
         res = {"muon": case_muon(tmp[0]), "adamw8bit": case_adamw8bit(tmp[0]),
                "tied": case_tied_transformer(rank), "init_check": case_init_check(rank),
                "timing": case_timing()}
-        Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+        tmp_file = Path(out, f"rank{rank}.json.tmp")  # whole or absent: results() checks it
+        tmp_file.write_text(json.dumps(res))
+        tmp_file.replace(Path(out, f"rank{rank}.json"))
     finally:
         distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 @functools.cache
 def results() -> dict:
-    """Run the spawn once; rank 0's results, plus ``rank1`` for rank 1's."""
-    out = tempfile.mkdtemp(prefix="kiln-nova-dist-")
-    forked.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
+    """Run the spawn once per test session; rank 0's results, plus ``rank1`` for rank 1's.
+
+    The answers are kept in the session's temp folder (the parent of its ``KILN_CACHE``,
+    tests/conftest.py), so under pytest-xdist the first worker to ask runs the spawn and the
+    others wait on the lock and read them."""
+    out = Path(os.environ["KILN_CACHE"]).parent / "nova_dist"
+    with file_lock(out / ".lock"):
+        if not all(Path(out, f"rank{r}.json").exists() for r in range(WORLD)):
+            forked.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD)
     res = json.loads(Path(out, "rank0.json").read_text())
     res["rank1"] = json.loads(Path(out, "rank1.json").read_text())
     return res
