@@ -19,9 +19,9 @@ from kiln.components import registry
 class Config(BaseModel):
     """Base of every kiln config: strict, closed, described."""
 
-    model_config = ConfigDict(
-        extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True
-    )
+    # Fields are described with Field(description=...). Attribute docstrings are not read:
+    # pydantic finds them by parsing each class's source file, ~0.3 s of every kiln start.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
 class ComponentConfig(Config):
