@@ -1,11 +1,19 @@
 """Elastic resume runs shared by the in-process (1 rank) and the spawned (2 gloo ranks) halves of
-``test_elastic_resume``: the three recipe families at tiny sizes, N steps, stopped after k."""
+``test_elastic_resume``: the three recipe families at tiny sizes, N steps, stopped after k.
+
+Everything here runs with torch.compile off (``eager``): what is under test is where state goes
+on another layout, and the compiled step of torchao's 8-bit AdamW (one compile per parameter
+shape and process) was most of this test's time. tests/components/optimizers/test_adamw8bit.py
+tests that step compiled."""
 
 from __future__ import annotations
 
 import io
 import json
 from pathlib import Path
+from unittest import mock
+
+import torch
 
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
@@ -33,6 +41,13 @@ RECIPES = {
                                  "--optimizers.muon.schedule.warmup_steps=2",
                                  "--optimizers.adamw.schedule.warmup_steps=2"]),
 }
+
+
+def eager():
+    """``torch.compile(fn, ...)`` returns ``fn`` for the block: torchao's 8-bit AdamW calls it
+    on its update at every step (``torch._dynamo.config.disable`` would make that call fail:
+    a fullgraph compile that compiles nothing is an error)."""
+    return mock.patch.object(torch, "compile", lambda fn, **_: fn)
 
 
 class StopAfter(Hook):

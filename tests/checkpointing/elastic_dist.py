@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln.checkpointing import storage
 from kiln.components import distributed
 from tests import forked
+from tests.checkpointing.elastic import eager
 from tests.parallelisms.tiny import free_port, init_gloo
 
 WORLD = 2
@@ -144,8 +145,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     faulthandler.enable()
     init_gloo(rank, WORLD, port)
     try:
-        case_optimizers(Path(tmp), rank)
-        case_runs(Path(tmp), rank)
+        with eager():
+            case_optimizers(Path(tmp), rank)
+            case_runs(Path(tmp), rank)
     finally:
         distributed.shutdown(together=sys.exc_info()[0] is None)
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.checkpointing import elastic_dist
-from tests.checkpointing.elastic import K, N, losses, train
+from tests.checkpointing.elastic import K, N, eager, losses, train
 
 FAMILIES = ("dense", "looped", "nova")
 R21_EXTRA = {"dense": [], "looped": ["--training.micro_batch=1"], "nova": []}
@@ -25,7 +25,11 @@ R21_EXTRA = {"dense": [], "looped": ["--training.micro_batch=1"], "nova": []}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("elastic")
+    with eager():
+        return _runs(tmp_path_factory.mktemp("elastic"))
+
+
+def _runs(tmp):
     for name in elastic_dist.OPTIMIZERS:  # the optimizer cases, one-process side
         model, opt = elastic_dist.optimizer(name, shard=False)
         elastic_dist.train_steps(model, opt, 2)
