@@ -17,6 +17,8 @@ attention.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +43,19 @@ class ContextParallel:
         (the head chunk, then the tail chunk)."""
         return chunk_positions(length, self.size, self.rank, device)
 
-    def gather_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """Keys or values (B, T / size, H, D) of every rank -> (B, T, H, D) in sequence order."""
+    def gather_kv(self, t: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys or values (B, T / size, H, D) of every rank -> (B, T, H, D) in sequence order
+        (``order``: ``_sequence_order(T)``, looked up here when not given)."""
         gathered = distributed.all_gather_autograd(t, dim=1, group=self.group)  # rank order
-        return gathered.index_select(1, self._sequence_order(gathered.shape[1], t.device))
+        if order is None:
+            order = self._sequence_order(gathered.shape[1], t.device)
+        return gathered.index_select(1, order)
+
+    def gatherer(self, length: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``gather_kv`` for rows of ``length`` tokens, its order looked up now, outside the
+        model: in a compiled block the cache lookup would be a guard, and the first fill of the
+        cache would compile every block twice."""
+        return functools.partial(self.gather_kv, order=self._sequence_order(length, device))
 
     def _sequence_order(self, length: int, device: torch.device) -> torch.Tensor:
         """Where each sequence position sits in the rank-order gather (cached per length)."""

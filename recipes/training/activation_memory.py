@@ -45,7 +45,8 @@ def measure(recipe, model_builder: Callable[[], torch.nn.Module], cp: int,
     if cp > 1:
         fake_cp = SimpleNamespace(
             size=cp, positions=lambda n, d: chunk_positions(n, cp, 0, d),
-            gather_kv=lambda t: t.repeat(1, cp, 1, 1),  # the whole sequence's keys / values
+            # the whole sequence's keys / values
+            gatherer=lambda n, d: lambda t: t.repeat(1, cp, 1, 1),
             describe=lambda: f"context parallel {cp}")
     inputs = ModelInputs(getattr(recipe.model, "attention", None), torch.device(device),
                          cp=fake_cp)

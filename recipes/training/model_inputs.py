@@ -79,11 +79,12 @@ class ModelInputs:
                     "streaming_text, balanced_shards with a tokenizer) or set document_mask = "
                     "false")
         length = ids.shape[1]
-        positions = None
+        positions = gather_kv = None
         if self.cp is not None:
             positions = self.cp.positions(length, ids.device)  # (T / cp,) this rank's share
             ids, labels = ids[:, positions], labels[:, positions]
+            gather_kv = self.cp.gatherer(length, ids.device)
         context = build_context(
             length, doc_ids=doc_ids, query_positions=positions, per_document=self.per_document,
-            kernel=self.kernel, gather_kv=None if self.cp is None else self.cp.gather_kv)
+            kernel=self.kernel, gather_kv=gather_kv)
         return ids, labels, {"context": context}

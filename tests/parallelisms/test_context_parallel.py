@@ -47,7 +47,8 @@ def test_each_rank_holds_a_head_and_a_tail_chunk():
 
 def test_model_inputs_keep_this_ranks_tokens_and_the_whole_rows_documents():
     cp = SimpleNamespace(size=2, positions=lambda n, d: chunk_positions(n, 2, 1, d),
-                         gather_kv=lambda t: t, describe=lambda: "context parallel 2")
+                         gatherer=lambda n, d: lambda t: t,
+                         describe=lambda: "context parallel 2")
     attention = SimpleNamespace(document_mask=True, positions="sequence", mask_kernel="auto")
     inputs = ModelInputs(attention, torch.device("cpu"), cp=cp)
     ids = torch.arange(16).view(2, 8)
