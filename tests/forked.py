@@ -10,6 +10,8 @@ like any other: its own memory, signals, exit status; only the import work is sh
 - ``spawn(fn, args, nprocs)``: ``torch.multiprocessing.spawn`` for the gloo rank workers.
 - ``kiln(argv, cwd, env)``: one kiln command line (``kiln ...`` or ``./run_train.sh ...`` on
   one process), run as ``kiln``'s console script runs it, returned like ``subprocess.run``.
+- ``train_ranks(args, nprocs, logs)``: ``kiln train ARGS`` on ``nprocs`` gloo ranks with the
+  rank variables torchrun sets, for a reference run that a test compares a real launch with.
 
 What needs a real launch stays on ``subprocess``: torchrun (``NGPU=2``), signals and kill -9,
 the installed ``kiln`` script itself, a fresh environment.
@@ -119,6 +121,33 @@ def kiln(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None,
             raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
         # Like subprocess: -N when signal N ended the child.
         return subprocess.CompletedProcess(argv, child.exitcode, _text(out), _text(err))
+
+
+def _train_rank(index: int, nprocs: int, port: int, args: list[str], logs: str) -> None:
+    from tests.parallelisms.tiny import rank_env
+
+    rank_env(index, nprocs, port)
+    log = Path(logs, f"rank{index}.txt")
+    with log.open("w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    from kiln.recipes.cli import main
+
+    code = main(["train", *args])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise RuntimeError(f"rank {index}: kiln train exited {code}:\n{_text(log)[-3000:]}")
+
+
+def train_ranks(args: list[str], nprocs: int, logs: Path) -> list[str]:
+    """``kiln train ARGS`` on ``nprocs`` ranks over gloo, forked (no torchrun launcher, no
+    fresh interpreters); each rank's output (also returned) in ``logs/rank{i}.txt``."""
+    from tests.parallelisms.tiny import free_port
+
+    logs.mkdir(parents=True, exist_ok=True)
+    spawn(_train_rank, args=(nprocs, free_port(), list(args), str(logs)), nprocs=nprocs)
+    return [_text(logs / f"rank{i}.txt") for i in range(nprocs)]
 
 
 def _text(path: Path) -> str:

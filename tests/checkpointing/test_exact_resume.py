@@ -19,6 +19,7 @@ import pytest
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
+from tests import forked
 from tests.conftest import CONFIGS, REPO
 
 TINY = [
@@ -97,9 +98,9 @@ def test_two_processes_resume_exactly_after_one_rank_is_signalled(tmp_path):
     from tests.recipes.training.test_trainer import _free_port
 
     steps = 40
-    full = _torchrun(tmp_path / "full", steps, _free_port())
-    out, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, out[-3000:]
+    # the uninterrupted reference: the same two ranks, forked (the launch is tested below)
+    forked.train_ranks([str(CONFIGS / "debug.toml"), *TINY, f"--training.steps={steps}",
+                        f"--run.folder={tmp_path / 'full'}"], 2, tmp_path / "full_logs")
     # The interrupted run saves in the background (dcp.async_save on its own gloo group); the
     # resumed one synchronously: an allowed recipe change, reported on resume.
     cut = _torchrun(tmp_path / "cut", steps, _free_port(), "--checkpoint.async=true")

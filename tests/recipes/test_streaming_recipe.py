@@ -7,6 +7,7 @@ import pytest
 
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
+from tests import forked
 from tests.checkpointing.test_exact_resume import TINY, Record, _workers, losses
 from tests.components.data.corpora import write_jsonl, write_parquet
 from tests.components.tokenizers.tokenizer_files import stdlib_texts
@@ -72,9 +73,10 @@ def test_two_process_streaming_run_resumes_exactly(tmp_path):
 
     corpus = _corpus(tmp_path / "corpus")
     steps = 30
-    full = _torchrun(tmp_path / "full", corpus, steps, _free_port())
-    out, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, out[-3000:]
+    # the uninterrupted reference: the same two ranks, forked (the launch is tested below)
+    forked.train_ranks([str(CONFIGS / "debug.toml"), *_streaming(corpus),
+                        f"--training.steps={steps}", f"--run.folder={tmp_path / 'full'}"],
+                       2, tmp_path / "full_logs")
     cut = _torchrun(tmp_path / "cut", corpus, steps, _free_port())
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
