@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -270,34 +269,13 @@ def _mats_no_seed() -> Mats:
     return model
 
 
-def case_timing() -> dict:
-    """Step time of Muon under FSDP2, owner layout vs torch.optim.Muon (evidence, no assert)."""
-    times = {}
-    for impl in ("owner", "torch"):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
-        for m in model:
-            fully_shard(m)
-        fully_shard(model)
-        opt = _muon(model, impl)
-        _train(model, [opt], 1, dim=256)
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            opt.step()
-        times[impl] = (time.perf_counter() - t0) / 5
-    return times
-
-
 def _worker(rank: int, port: int, out: str) -> None:
     init_gloo(rank, WORLD, port)
     try:
         tmp = [out if rank == 0 else ""]
         dist.broadcast_object_list(tmp)
         res = {"muon": case_muon(tmp[0]), "adamw8bit": case_adamw8bit(tmp[0]),
-               "tied": case_tied_transformer(rank), "init_check": case_init_check(rank),
-               "timing": case_timing()}
+               "tied": case_tied_transformer(rank), "init_check": case_init_check(rank)}
         tmp_file = Path(out, f"rank{rank}.json.tmp")  # whole or absent: results() checks it
         tmp_file.write_text(json.dumps(res))
         tmp_file.replace(Path(out, f"rank{rank}.json"))
