@@ -34,7 +34,9 @@ def pytest_addoption(parser):
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core this process may use (xdist counts physical cores)."""
-    return len(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process is allowed
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS, Windows
 
 
 def pytest_xdist_make_scheduler(config, log):
