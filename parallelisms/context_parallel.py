@@ -43,12 +43,10 @@ class ContextParallel:
         (the head chunk, then the tail chunk)."""
         return chunk_positions(length, self.size, self.rank, device)
 
-    def gather_kv(self, t: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    def gather_kv(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """Keys or values (B, T / size, H, D) of every rank -> (B, T, H, D) in sequence order
-        (``order``: ``_sequence_order(T)``, looked up here when not given)."""
+        (``order``: ``_sequence_order(T)``; ``gatherer`` binds it)."""
         gathered = distributed.all_gather_autograd(t, dim=1, group=self.group)  # rank order
-        if order is None:
-            order = self._sequence_order(gathered.shape[1], t.device)
         return gathered.index_select(1, order)
 
     def gatherer(self, length: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
