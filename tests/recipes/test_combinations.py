@@ -56,7 +56,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "looped_moe": ("looped_moe_debug.toml", (
         "--model.dim=32", "--model.attention.n_heads=2", "--model.ffn.n_experts=4",
         "--model.ffn.hidden_dim=32", "--model.ffn.aux_loss_coeff=0.01",
-        "--model.layerscale_init=0.1")),
+        "--model.layerscale_init=0.1", "--model.loops=2")),  # 2 loops: 2 segments of 1
 }
 
 
@@ -167,7 +167,7 @@ def _run(tmp_path, family, step, float8, ac, eval_first, *extra: str) -> list[fl
     args = [*CELL, *ac_modes()[ac], f"--parallelism.float8={float8}",
             f"--training.step.type={step}", *extra]
     if step == "segmented_bptt":
-        args.append("--training.step.segment_loops=2")
+        args.append("--training.step.segment_loops=1")
     losses, trainer = train(recipe_for(family, tmp_path / "run", *args), eval_first=eval_first)
     if float8 != "off":
         assert trainer.parallel.float8_modules, "float8 converted no layer: the case is vacuous"
@@ -201,7 +201,7 @@ def test_document_mask_in_every_family_step_and_checkpointing_mode(tmp_path, fam
     activation checkpointing recomputes the masked attention exactly."""
     args = [*CELL, *DOC_MASK, "--parallelism.float8=rowwise", f"--training.step.type={step}"]
     if step == "segmented_bptt":
-        args.append("--training.step.segment_loops=2")
+        args.append("--training.step.segment_loops=1")
     losses, trainer = train(recipe_for(family, tmp_path / "run", *args, *ac_modes()[ac]))
     assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
     assert trainer.model_inputs.document_mask
