@@ -289,6 +289,10 @@ def test_a_damaged_shards_json_is_one_message(tmp_path, texts, capsys):
         assert "kiln data prepare --domain" in err
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_says_rerun_and_the_rerun_continues(tmp_path, capsys):
     files = [write_jsonl(tmp_path / "in" / f"{i:02d}.jsonl", DOCS) for i in range(40)]
     out = tmp_path / "out"
@@ -300,9 +304,11 @@ def test_ctrl_c_says_rerun_and_the_rerun_continues(tmp_path, capsys):
             "from tests.components.tokenizers.slow_tokenizer import SlowByteTokenizer;"
             "b.ByteTokenizer = SlowByteTokenizer; from kiln.recipes.cli import main;"
             "sys.exit(main(sys.argv[1:]))")
+    # SIGINT handled as in a terminal, even where this suite was started in the background
+    # (`pytest &` in a script: SIGINT ignored, and that survives exec)
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
                             start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     progress = tmp_path / ".out.partial" / "progress.json"
     try:
         while proc.poll() is None and not (
