@@ -8,13 +8,14 @@ an op, so no OpenMP pool is copied) and forks a child per request. A child is a 
 like any other: its own memory, signals, exit status; only the import work is shared.
 
 - ``spawn(fn, args, nprocs)``: ``torch.multiprocessing.spawn`` for the gloo rank workers.
-- ``kiln(argv, cwd, env)``: one kiln command line (``kiln ...`` or ``./run_train.sh ...`` on
-  one process), run as ``kiln``'s console script runs it, returned like ``subprocess.run``.
+- ``kiln(argv, cwd, env)``: one kiln command line (``kiln ...``, or ``./run_train.sh ...`` with
+  ``NGPU`` ranks on one node), run as ``kiln``'s console script runs it, returned like
+  ``subprocess.run``.
 - ``train_ranks(args, nprocs, logs)``: ``kiln train ARGS`` on ``nprocs`` gloo ranks with the
   rank variables torchrun sets, for a reference run that a test compares a real launch with.
 
-What needs a real launch stays on ``subprocess``: torchrun (``NGPU=2``), signals and kill -9,
-the installed ``kiln`` script itself, a fresh environment.
+What needs a real launch stays on ``subprocess``: a test of torchrun or kiln's launcher, signals
+and kill -9, the installed ``kiln`` script itself, a fresh environment.
 """
 
 from __future__ import annotations
@@ -22,14 +23,23 @@ from __future__ import annotations
 import atexit
 import functools
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
+import multiprocessing.util
 import os
+import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch.multiprocessing
+
+from tests.parallelisms.tiny import free_port
 
 # Imported once by the server. Only modules that read no test setting at import: anything
 # reading HF_HOME or KILN_CACHE at import (huggingface_hub, transformers) stays out, and each
@@ -60,24 +70,59 @@ def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
                                           nprocs=nprocs, start_method="forkserver")
 
 
-def _run_command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
-    """In the child: what ``kiln ARGS`` or ``./run_train.sh ARGS`` does, with the exit status a
-    process would have (an uncaught exception: its traceback and 1)."""
+def python_target(argv: list[str], env: dict[str, str] | None = None) -> list[str] | None:
+    """``[script, *args]`` or ``["-m", module, *args]`` when ``argv`` runs this environment's
+    Python (``sys.executable``, or ``python`` found first on PATH in this environment's bin
+    folder) on a file or a module; None for anything else (``-c``, another interpreter)."""
+    if not argv:
+        return None
+    path = (env or os.environ).get("PATH")
+    found = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=path)
+    if not found or Path(found).parent != Path(sys.executable).parent:
+        return None
+    if len(argv) > 2 and argv[1] == "-m" or len(argv) > 1 and argv[1].endswith(".py"):
+        return argv[1:]
+    return None
+
+
+def _main(argv: list[str]) -> int | str | None:
+    """Run the command line in this process, as its own process would (``kiln``'s console
+    script, run_train.sh on one process, or Python on a script or ``-m`` module)."""
+    target = python_target(argv)
+    if target is None:  # kiln ARGS, or run_train.sh ARGS: `exec python -m kiln.recipes.cli train`
+        args = argv[1:] if argv[0] == "kiln" else ["train", *argv[1:]]
+        sys.argv = ["kiln", *args]
+        from kiln.recipes.cli import main
+
+        return main(args)
+    if target[0] == "-m":
+        sys.argv = ["-m", *target[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = target
+        sys.path.insert(0, str(Path(target[0]).resolve().parent))
+        runpy.run_path(target[0], run_name="__main__")
+    return 0
+
+
+def _run_command(argv: list[str], cwd: str, env: dict[str, str], out: str | None,
+                 err: str | None) -> None:
+    """In the child: what the command line does (``_main``), with the exit status a process
+    would have (an uncaught exception: its traceback and 1). Output to the files ``out`` and
+    ``err`` (None: the inherited stream)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
-    args = argv[1:]
-    if Path(argv[0]).name == "run_train.sh":  # one process: `exec python -m kiln.recipes.cli train`
-        args = ["train", *args]
-    sys.argv = ["kiln", *args]
+        if path is not None:
+            os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+    # Python commands this one starts are forked too (kiln sweep's runs, a benchmark's sides)
+    subprocess.run, subprocess.call = _forking_run, _forking_call
     try:
-        from kiln.recipes.cli import main
-
-        code = main(args)
+        code = _main(argv)
     except SystemExit as exc:
         code = exc.code
     except BaseException:
@@ -93,34 +138,156 @@ def _run_command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: 
     os._exit(code)
 
 
-def is_forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
-    """Whether ``kiln`` runs this command line in a forked child: a kiln command, or
-    run_train.sh on one process with no launch variables."""
-    env = env or {}
-    if any(key in env for key in ("NGPU", "NNODES", "OMP_NUM_THREADS")):
-        return False
-    return argv[0] == "kiln" or Path(argv[0]).name == "run_train.sh"
+_REAL_RUN, _REAL_CALL = subprocess.run, subprocess.call
+_PLAIN = {"capture_output", "text", "cwd", "env", "timeout", "check", "preexec_fn"}
 
 
-def kiln(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None,
-         timeout: float = 1800) -> subprocess.CompletedProcess:
-    """Run a kiln command line (``is_forkable``) in a child forked from the server with the
-    environment ``env`` (default: this process's); its output and exit status."""
-    assert is_forkable(argv), argv
+def _forking_run(args, **kw):
+    """``subprocess.run`` in a forked command: a Python command line with plain options runs
+    in a child forked from this process (which has done no parallel work: one thread, no
+    OpenMP pool), anything else as a process."""
+    if isinstance(args, str) or set(kw) - _PLAIN or python_target(list(args), kw.get("env")) \
+            is None:
+        return _REAL_RUN(args, **kw)
+    argv, timeout = list(args), kw.get("timeout")
+    env = dict(os.environ if kw.get("env") is None else kw["env"])
     with tempfile.TemporaryDirectory(prefix="kiln-forked-") as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch()
-        err.touch()
-        child = _context().Process(target=_run_command, args=(
-            list(argv), str(cwd), dict(os.environ if env is None else env), str(out), str(err)))
-        child.start()
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
+        out = err = None
+        if kw.get("capture_output"):
+            out, err = str(Path(tmp, "stdout")), str(Path(tmp, "stderr"))
+            Path(out).touch()
+            Path(err).touch()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _forget_the_parent()
+                if kw.get("preexec_fn"):
+                    kw["preexec_fn"]()
+                _run_command(argv, str(kw.get("cwd") or os.getcwd()), env, out, err)
+            finally:
+                os._exit(1)
+        code = _reap(pid, timeout, argv)
+        text = kw.get("text")
+        stdout, stderr = ((_text(Path(f)) if text else Path(f).read_bytes()) if f else None
+                          for f in (out, err))
+    if kw.get("check") and code:
+        raise subprocess.CalledProcessError(code, argv, stdout, stderr)
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+
+def _forget_the_parent() -> None:
+    """In a child forked by ``_forking_run``, what multiprocessing does in the children it
+    forks: the parent's finalizers and child processes are not this process's (its exit would
+    otherwise remove the parent's temporary folders)."""
+    weakref.finalize._registry.clear()
+    multiprocessing.util._finalizer_registry.clear()
+    multiprocessing.process._children.clear()
+
+
+def _forking_call(args, **kw) -> int:
+    if set(kw) - (_PLAIN - {"capture_output", "text", "check"}):
+        return _REAL_CALL(args, **kw)
+    return _forking_run(args, **kw).returncode
+
+
+def _reap(pid: int, timeout: float | None, argv: list[str]) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if deadline is not None and time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        time.sleep(0.02)
+
+
+def processes(argv: list[str], env: dict[str, str] | None = None) -> int:
+    """How many processes the command line starts: ``NGPU`` for run_train.sh, else 1; 0 where
+    ``kiln`` cannot fork it (several nodes, a thread setting, an unknown program)."""
+    env = env or {}
+    if any(key in env for key in ("NNODES", "OMP_NUM_THREADS")):
+        return 0
+    if argv[0] == "kiln":
+        return 0 if "NGPU" in env else 1
+    if python_target(argv) is not None:
+        return 1
+    if Path(argv[0]).name != "run_train.sh":
+        return 0
+    ngpu = env.get("NGPU", "1")
+    return int(ngpu) if ngpu.isdigit() and int(ngpu) >= 1 else 0
+
+
+def is_forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
+    """Whether ``run`` runs this command line in forked children: a kiln command, Python on a
+    script or module, or run_train.sh on one node (``NGPU=N``: N gloo ranks, as torchrun
+    would start)."""
+    return processes(argv, env) > 0
+
+
+def run(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None,
+        timeout: float = 1800) -> subprocess.CompletedProcess:
+    """Run a command line (``is_forkable``) in children forked from the server with the
+    environment ``env`` (default: this process's); its output and exit status.
+
+    ``NGPU=N ./run_train.sh`` forks N ranks with the variables torchrun gives its workers and
+    answers as ``run_train.sh`` does: the output of rank ``LOG_RANK`` (0), the first failed
+    rank's status, the other ranks stopped once one fails. torchrun itself, and kiln's launcher
+    around it, are tested on real launches (tests/parallelisms/test_run_train.py,
+    tests/recipes/runs/test_launch.py)."""
+    env = dict(os.environ if env is None else env)
+    assert is_forkable(argv) and "NNODES" not in env, argv
+    nprocs = int(env.get("NGPU", "1")) if Path(argv[0]).name == "run_train.sh" else 1
+    shown = int(env.get("LOG_RANK", "0"))
+    port = free_port() if nprocs > 1 else 0
+    with tempfile.TemporaryDirectory(prefix="kiln-forked-") as tmp:
+        children, files = [], []
+        for rank in range(nprocs):
+            out, err = Path(tmp, f"stdout{rank}"), Path(tmp, f"stderr{rank}")
+            out.touch()
+            err.touch()
+            files.append((out, err))
+            rank_env = env if nprocs == 1 else {
+                **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1"}
+            children.append(_context().Process(target=_run_command, args=(
+                list(argv), str(cwd), rank_env, str(out), str(err))))
+            children[-1].start()
+        failed = _wait(children, timeout)
+        out, err = (_text(f) for f in files[shown])
+        if failed is None:
+            for child in children:
+                child.kill()
+                child.join()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err)
+        if failed != shown and children[failed].exitcode:
+            err += f"[rank {failed}]\n" + _text(files[failed][1])
         # Like subprocess: -N when signal N ended the child.
-        return subprocess.CompletedProcess(argv, child.exitcode, _text(out), _text(err))
+        return subprocess.CompletedProcess(argv, children[failed].exitcode, out, err)
+
+
+def _wait(children: list, timeout: float) -> int | None:
+    """Wait for every child; once one fails, stop the others (as torchrun does). The index
+    whose status counts (the first failure, else the shown rank 0), None on a timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [c.exitcode for c in children]
+        if any(codes):
+            first = next(i for i, code in enumerate(codes) if code)
+            for child in children:
+                if child.exitcode is None:
+                    child.kill()
+                child.join()
+            return first
+        if all(code == 0 for code in codes):
+            return 0
+        multiprocessing.connection.wait([c.sentinel for c in children if c.exitcode is None],
+                                        timeout=min(1.0, deadline - time.monotonic()))
+    return None
 
 
 def _train_rank(index: int, nprocs: int, port: int, args: list[str], logs: str) -> None:
@@ -143,8 +310,6 @@ def _train_rank(index: int, nprocs: int, port: int, args: list[str], logs: str) 
 def train_ranks(args: list[str], nprocs: int, logs: Path) -> None:
     """``kiln train ARGS`` on ``nprocs`` ranks over gloo, forked (no torchrun launcher, no
     fresh interpreters); each rank's output in ``logs/rank{i}.txt``."""
-    from tests.parallelisms.tiny import free_port
-
     logs.mkdir(parents=True, exist_ok=True)
     spawn(_train_rank, args=(nprocs, free_port(), list(args), str(logs)), nprocs=nprocs)
 

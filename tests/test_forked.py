@@ -17,9 +17,14 @@ from tests.conftest import REPO
 def test_which_command_lines_are_forked():
     assert forked.is_forkable(["kiln", "show", "x.toml"])
     assert forked.is_forkable(["./run_train.sh", "r.toml"])
-    assert not forked.is_forkable(["./run_train.sh", "r.toml"], {"NGPU": "2"})
+    assert forked.processes(["./run_train.sh", "r.toml"], {"NGPU": "2"}) == 2
+    assert not forked.is_forkable(["./run_train.sh", "r.toml"], {"NGPU": "2", "NNODES": "2"})
+    assert not forked.is_forkable(["kiln", "train", "r.toml"], {"NGPU": "2"})
     assert not forked.is_forkable(["kiln", "train", "r.toml"], {"OMP_NUM_THREADS": "1"})
-    assert not forked.is_forkable(["python", "scripts/tiny_hf_model.py"])
+    assert forked.is_forkable([sys.executable, "scripts/tiny_hf_model.py"])
+    assert forked.is_forkable([sys.executable, "-m", "kiln.recipes.cli", "show", "x.toml"])
+    assert not forked.is_forkable([sys.executable, "-c", "print(1)"])
+    assert not forked.is_forkable(["/usr/bin/env", "python3", "x.py"])
 
 
 @pytest.mark.slow
@@ -27,12 +32,47 @@ def test_a_forked_command_gives_the_exit_status_and_output_of_a_process(tmp_path
     argv = ["kiln", "show", "missing.toml"]
     real = subprocess.run([sys.executable, "-m", "kiln.recipes.cli", *argv[1:]], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
-    got = forked.kiln(argv, tmp_path)
+    got = forked.run(argv, tmp_path)
     assert (got.returncode, got.stdout, got.stderr) == (real.returncode, real.stdout, real.stderr)
     assert got.returncode == 2 and "missing.toml" in got.stderr
-    shown = forked.kiln(["kiln", "show", str(REPO / "train_configs" / "debug.toml")], tmp_path,
+    shown = forked.run(["kiln", "show", str(REPO / "train_configs" / "debug.toml")], tmp_path,
                         env={**os.environ, "KILN_TEST_MARK": "1"})
     assert shown.returncode == 0 and "[model]" in shown.stdout, shown.stderr
+
+
+@pytest.mark.slow
+def test_a_forked_two_rank_launch_answers_with_the_shown_ranks_output_and_status(tmp_path):
+    two = forked.run(["./run_train.sh", "missing.toml"], tmp_path, env={**os.environ, "NGPU": "2"})
+    assert two.returncode == 2 and two.stderr.count("missing.toml: recipe file not found") == 1
+
+
+CHILD = """import os, sys
+print("child", sys.argv[1:], os.getcwd(), os.environ["KILN_TEST_MARK"])
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+PARENT = """import subprocess, sys
+out = subprocess.run([sys.executable, "child.py", "a b"], capture_output=True, text=True,
+                     env={"KILN_TEST_MARK": "inner"})
+print(out.returncode, repr(out.stdout), repr(out.stderr))
+print(subprocess.call([sys.executable, "-m", "child", "c"], cwd="sub"))
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_script_and_the_python_commands_it_starts_answer_as_processes(tmp_path):
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.py").write_text(CHILD)
+    (tmp_path / "parent.py").write_text(PARENT)
+    env = {**os.environ, "KILN_TEST_MARK": "outer"}
+    got = forked.run([sys.executable, "parent.py"], tmp_path, env=env)
+    real = subprocess.run([sys.executable, "parent.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert (got.returncode, got.stdout, got.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert got.stdout == (f"3 \"child ['a b'] {tmp_path} inner\\n\" 'to stderr\\n'\n"
+                          f"child ['c'] {tmp_path / 'sub'} outer\n3\n")
+    assert got.stderr == "to stderr\n"
 
 
 def _write_env(index: int, folder: str) -> None:

@@ -115,14 +115,15 @@ def _own_texts(folder: Path) -> None:
 
 def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess:
-    """Run a page's command: a one-process kiln command forked from the session's server
-    (tests/forked.py: no torch import per command), anything else as its own process."""
+    """Run a page's command: a kiln command, run_train.sh (its NGPU ranks) or a Python script
+    forked from the session's server (tests/forked.py: no torch import per process), anything
+    else as its own process."""
     bin_dir = str(Path(sys.executable).parent)  # this environment's `kiln` and `python`
     full = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             **(env or {})}
     full.pop("KILN_ERROR_DIR", None)
-    if forked.is_forkable(argv, env):
-        return forked.kiln(argv, cwd, full, timeout=1800)
+    if forked.is_forkable(argv, {**(env or {}), "PATH": full["PATH"]}):  # `python`: this one
+        return forked.run(argv, cwd, full, timeout=1800)
     return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=1800)
 
 

@@ -95,7 +95,7 @@ def _workers(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_two_processes_resume_exactly_after_one_rank_is_signalled(tmp_path):
-    from tests.recipes.training.test_trainer import _free_port
+    from tests.parallelisms.tiny import free_port as _free_port
 
     steps = 40
     # the uninterrupted reference: the same two ranks, forked (the launch is tested below)

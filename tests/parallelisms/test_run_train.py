@@ -34,7 +34,7 @@ def _train(tmp_path, ngpu: int, *extra: str) -> str:
 def one(tmp_path_factory) -> str:
     """The one-process run both launches are compared with (NGPU unset: run_train.sh runs the
     kiln command itself, here forked from the test server)."""
-    out = forked.kiln(_cmd(tmp_path_factory.mktemp("one")), REPO, timeout=300)
+    out = forked.run(_cmd(tmp_path_factory.mktemp("one")), REPO, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

@@ -69,7 +69,7 @@ def test_two_process_streaming_run_resumes_exactly(tmp_path):
     import signal
     import time
 
-    from tests.recipes.training.test_trainer import _free_port
+    from tests.parallelisms.tiny import free_port as _free_port
 
     corpus = _corpus(tmp_path / "corpus")
     steps = 30

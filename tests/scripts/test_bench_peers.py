@@ -15,6 +15,7 @@ from argparse import Namespace
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 
 SCRIPT = REPO / "scripts" / "bench_peers.py"
@@ -86,9 +87,8 @@ def test_the_table_is_markdown_with_date_cpu_command_and_every_row():
 def test_a_side_whose_peer_is_missing_reports_it_instead_of_failing(tmp_path):
     if _peer_has("torchtitan", sys.executable):
         pytest.skip("torchtitan is installed in this interpreter")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--side", "moe", "--who", "peer",
-                          "--params", json.dumps({"threads": 1})],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = forked.run([sys.executable, str(SCRIPT), "--side", "moe", "--who", "peer",
+                      "--params", json.dumps({"threads": 1})], REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torchtitan 0.2.x and triton are not importable" in json.loads(
         out.stdout.splitlines()[-1])["unavailable"]
@@ -116,15 +116,15 @@ def _missing(group: str) -> str:
 @pytest.fixture(scope="module")
 def quick_round(tmp_path_factory):
     """One tiny round of every group that can run here, in one bench_peers process (each side
-    still in its own process, as in a real run): (work folder, rows by group)."""
+    still in its own process, as in a real run, forked: tests/forked.py): (work folder, rows by
+    group)."""
     work = tmp_path_factory.mktemp("bench_peers")
     runnable = [g for g in QUICK if not _missing(g)]
     if not runnable:
         return work, {}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--threads",
-                          "1", *[x for g in runnable for x in ("--only", g)], "--json",
-                          "--peer-python", PEER_PYTHON, "--work", str(work)],
-                         capture_output=True, text=True, timeout=1800, cwd=REPO)
+    out = forked.run([sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--threads", "1",
+                      *[x for g in runnable for x in ("--only", g)], "--json",
+                      "--peer-python", PEER_PYTHON, "--work", str(work)], REPO, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     rows: dict[str, list[dict]] = {}
     for row in json.loads(out.stdout)["rows"]:
@@ -142,8 +142,7 @@ def test_one_quick_round(group, quick_round):
     rows = by_group[group]
     assert rows and all(not r["problem"] and r["speedup"] > 0 for r in rows), rows
     if group == "generate-b8":  # the profile docs/benchmarks.md quotes, on the same checkpoint
-        prof = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_generate.py"),
-                               str(work / "generate"), "kiln", "--new-tokens", "4",
-                               "--threads", "1"], capture_output=True, text=True, timeout=600,
-                              cwd=REPO)
+        prof = forked.run([sys.executable, str(REPO / "scripts" / "profile_generate.py"),
+                           str(work / "generate"), "kiln", "--new-tokens", "4", "--threads", "1"],
+                          REPO, timeout=600)
         assert prof.returncode == 0 and "aten::mm" in prof.stdout, prof.stderr[-3000:]

@@ -196,14 +196,14 @@ def test_a_budget_of_seconds_stops_the_command_and_the_same_command_continues(tm
     total does not matter to the LR)."""
     args = ["kiln", "train", str(CONFIGS / "debug.toml"), *TINY, "--training.threads=1",
             "--optimizer.schedule.type=constant", f"--run.folder={tmp_path / 'cut'}"]
-    cut = forked.kiln([*args, "--training.steps=100000", "--training.max_hours=0.002"], REPO)
+    cut = forked.run([*args, "--training.steps=100000", "--training.max_hours=0.002"], REPO)
     assert cut.returncode == 0, cut.stderr[-3000:]
     found = re.search(r"stopped at step (\d+) of 100000", cut.stdout)
     assert found, cut.stdout[-3000:]
     k = int(found.group(1))
-    more = forked.kiln([*args, f"--training.steps={k + 2}"], REPO)
+    more = forked.run([*args, f"--training.steps={k + 2}"], REPO)
     assert more.returncode == 0 and "resumed from" in more.stdout, more.stderr[-3000:]
-    full = forked.kiln([*args[:-1], f"--run.folder={tmp_path / 'full'}",
+    full = forked.run([*args[:-1], f"--run.folder={tmp_path / 'full'}",
                         f"--training.steps={k + 2}"], REPO)
     assert full.returncode == 0, full.stderr[-3000:]
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.step_context import TrainStepContext
 from kiln.recipes.training.trainer import Trainer
+from tests import forked
 from tests.conftest import CONFIGS, REPO
 
 TINY = [
@@ -55,21 +53,13 @@ def test_grad_accumulation_matches_one_big_micro_batch(tmp_path):
     assert losses(a) == pytest.approx(losses(b), rel=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     one = train(tmp_path, "one")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_free_port()}", "-m", "kiln.recipes.cli", "train",
-           str(CONFIGS / "debug.toml"), *TINY, f"--run.folder={tmp_path / 'two'}",
-           "--training.init_check=true"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    # two gloo ranks forked with torchrun's variables (the launch itself: test_run_train.py)
+    cmd = ["./run_train.sh", str(CONFIGS / "debug.toml"), *TINY,
+           f"--run.folder={tmp_path / 'two'}", "--training.init_check=true"]
+    out = forked.run(cmd, REPO, env={**os.environ, "NGPU": "2"}, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(one), rel=1e-4)
     assert "init check" in out.stdout + out.stderr
