@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch.multiprocessing
 
-from tests.parallelisms.tiny import free_port
+from tests.parallelisms.tiny import free_port, rank_vars
 
 # Imported once by the server. Only modules that read no test setting at import: anything
 # reading HF_HOME or KILN_CACHE at import (huggingface_hub, transformers) stays out, and each
@@ -250,10 +250,7 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None,
             out.touch()
             err.touch()
             files.append((out, err))
-            rank_env = env if nprocs == 1 else {
-                **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1"}
+            rank_env = env if nprocs == 1 else {**env, **rank_vars(rank, nprocs, port)}
             children.append(_context().Process(target=_run_command, args=(
                 list(argv), str(cwd), rank_env, str(out), str(err))))
             children[-1].start()

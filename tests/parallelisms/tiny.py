@@ -58,12 +58,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_vars(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives one rank on this host: MASTER_ADDR / MASTER_PORT
+    (``free_port()``), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and OMP_NUM_THREADS=1,
+    since the ranks share the machine's cores."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+
+
 def rank_env(rank: int, world_size: int, port: int) -> None:
-    """Make a ``torch.multiprocessing.spawn`` worker look like one torchrun rank on this host:
-    MASTER_ADDR / MASTER_PORT (``free_port()``), RANK, WORLD_SIZE, LOCAL_RANK, and one thread
-    (OMP_NUM_THREADS=1 too), since the ranks share the machine's cores."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    """Make a ``torch.multiprocessing.spawn`` worker look like one torchrun rank on this host
+    (``rank_vars``), with one thread."""
+    os.environ.update(rank_vars(rank, world_size, port))
     torch.set_num_threads(1)
 
 
