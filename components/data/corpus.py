@@ -10,6 +10,7 @@ Python) builds a new dataset instead of silently reusing a stale one.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sys
 import warnings
@@ -36,6 +37,7 @@ class Corpus:
     sources: tuple[SourceFile, ...]  # every candidate file, in reading order
     max_bytes: int  # documents are taken in order while they fit this many UTF-8 bytes
     text_field: str = "text"
+    digest: str = ""  # of the selection (path and size of each file); computed when empty
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -44,12 +46,9 @@ class Corpus:
     @property
     def description(self) -> str:
         """Human-readable origin plus a digest of the selection (path and size of each file)."""
-        h = hashlib.sha256()
-        for f in self.files:
-            st = f.stat()
-            h.update(f"{f.relative_to(self.root).as_posix()}\0{st.st_size}\0".encode())
+        digest = self.digest or _digest(self.root, self.files)
         python = f"python {sys.version.split()[0]}:" if self.kind != "folder" else ""
-        return f"{self.kind}:{python}{self.root}:{len(self.files)} files:{h.hexdigest()[:16]}"
+        return f"{self.kind}:{python}{self.root}:{len(self.sources)} files:{digest}"
 
     def documents(self) -> Iterator[str]:
         """Documents in order while they fit ``max_bytes``; one too big for what is left is
@@ -67,15 +66,31 @@ class Corpus:
                     return
 
 
+def _digest(root: Path, files: tuple[Path, ...]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+    return h.hexdigest()[:16]
+
+
 def stdlib_corpus(max_bytes: int, include_tests: bool = False, kind: str = "stdlib") -> Corpus:
     """The standard library's ``.py`` files on this machine, sorted by relative path; ``kind``
     "stdlib_tests": its test suites only; "stdlib_docstrings": every file's docstrings."""
-    files = stdlib_files(include_tests or kind == "stdlib_tests")
+    sources, digest = _stdlib_selection(kind, include_tests or kind == "stdlib_tests")
+    return Corpus(kind, _stdlib_root(), sources, max_bytes, digest=digest)
+
+
+@functools.cache
+def _stdlib_selection(kind: str, include_tests: bool) -> tuple[tuple[SourceFile, ...], str]:
+    """Once per process: the standard library does not change while a process runs, and
+    walking and stat-ing its ~1,000 files cost every run's start ~40 ms (tests start hundreds)."""
+    files = stdlib_files(include_tests)
     if kind == "stdlib_tests":
         code = set(stdlib_files(False))
         files = [f for f in files if f not in code]
-    return Corpus(kind, _stdlib_root(), tuple(SourceFile(str(p), "txt", 0, local=str(p))
-                                       for p in files), max_bytes)
+    root = _stdlib_root()
+    paths = tuple(files)
+    return tuple(SourceFile(str(p), "txt", 0, local=str(p)) for p in paths), _digest(root, paths)
 
 
 def docstrings(source: str) -> str:
