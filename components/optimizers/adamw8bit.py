@@ -8,16 +8,17 @@ FSDP2 — its state is a DTensor wrapping the 8-bit subclass and round-trips exa
 torch.Tensor and DTensor"). So bitsandbytes is not offered.
 
 Three torchao details handled here: its update is one ``torch.compile``d function per parameter
-shape (a first-step compile cost, paid once per shape); it keeps each group's LR as a tensor,
-refusing a float (kiln's trainer assigns float LRs from the schedule, so ``step`` converts them);
-and it cuts each rank's *local* shard into blocks, so which tensors are quantised, and where the
-blocks fall, would depend on the number of processes: a (258, 128) embedding is 8-bit on one
-process but fp32 on two (129 x 128 is not a multiple of 256), and DCP cannot reshard a block
-that straddles two shards (torchao refuses such a slice). kiln therefore decides per *global*
-tensor (``state_layout``): matrices (and stacks) of >= 4096 elements are quantised in blocks that
-never cross a row (the largest divisor of the row length up to ``block_size``), so every
-dim-0 sharding (FSDP2 over any number of ranks, HSDP, one process) holds the same blocks and DCP
-reshards the state natively; 1-D tensors and rows with no divisor >= 32 keep fp32 moments.
+shape (a first-step compile cost, paid once per shape; ``compile = false`` runs it eagerly); it
+keeps each group's LR as a tensor, refusing a float (kiln's trainer assigns float LRs from the
+schedule, so ``step`` converts them); and it cuts each rank's *local* shard into blocks, so
+which tensors are quantised, and where the blocks fall, would depend on the number of processes:
+a (258, 128) embedding is 8-bit on one process but fp32 on two (129 x 128 is not a multiple of
+256), and DCP cannot reshard a block that straddles two shards (torchao refuses such a slice).
+kiln therefore decides per *global* tensor (``state_layout``): matrices (and stacks) of >= 4096
+elements are quantised in blocks that never cross a row (the largest divisor of the row length
+up to ``block_size``), so every dim-0 sharding (FSDP2 over any number of ranks, HSDP, one
+process) holds the same blocks and DCP reshards the state natively; 1-D tensors and rows with no
+divisor >= 32 keep fp32 moments.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class AdamW8bitConfig(OptimizerConfig):
     )
     bf16_stochastic_round: bool = Field(
         False, description="stochastic rounding when writing bf16 parameters"
+    )
+    compile: bool = Field(
+        True, description="torch.compile the update, as torchao does (a compile per parameter "
+        "shape on the first step); false: eager, no first-step compile, slower later steps"
     )
 
 
@@ -93,9 +98,17 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
                                          shape=p.shape, stride=p.stride())
             return out.to(p.device)
 
+        compile_update = True  # set by build_adamw8bit from the config
+
         @torch.no_grad()
         def step(self, closure=None):
+            if not self.compile_update:  # torchao's torch.compile call runs the function as is
+                with torch.compiler.set_stance("force_eager"):
+                    return self._step(closure)
             quiet_compile()  # torchao compiles the step on first use
+            return self._step(closure)
+
+        def _step(self, closure):
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
                     group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
@@ -116,8 +129,10 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
 @register("optimizer", "adamw8bit", config=AdamW8bitConfig)
 def build_adamw8bit(cfg: AdamW8bitConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """AdamW with 8-bit block-quantised moments (torchao), FSDP2- and DCP-compatible."""
-    return adamw8bit_class()(
+    optimizer = adamw8bit_class()(
         groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
         weight_decay=cfg.weight_decay, block_size=cfg.block_size,
         bf16_stochastic_round=cfg.bf16_stochastic_round,
     )
+    optimizer.compile_update = cfg.compile
+    return optimizer

@@ -64,6 +64,26 @@ def test_close_to_fp32_adamw_with_float_lrs_and_a_quarter_of_the_state():
     assert quantised == 2 * 8192 * (1 + 4 / 128) < 0.27 * 2 * 8192 * 4
     # in all, with the 128-element vector's fp32 moments and the step counters
     assert optimizer_state_bytes(opt8) < 0.31 * optimizer_state_bytes(opt32)
+    # compile = false: the same update run eagerly (fused differently: equal to rounding)
+    c = Emb()
+    _train(c, default_config("optimizer", "adamw8bit", lr=1e-2, compile=False).build(
+        _groups(c, 1e-2)), 5, sched)
+    assert (c.emb.weight - a.emb.weight).abs().max().item() < 1e-6 * a.emb.weight.abs().max()
+
+
+def test_compile_false_runs_the_update_without_compiling():
+    from torch._dynamo.utils import counters
+
+    emb = torch.nn.Parameter(torch.randn(64, 128))
+    opt = default_config("optimizer", "adamw8bit", lr=1e-2, compile=False).build(
+        [{"params": [emb], "lr": 1e-2, "peak_lr": 1e-2}])
+    before = dict(counters["stats"])
+    emb.grad = torch.randn_like(emb)
+    start = emb.detach().clone()
+    opt.step()
+    assert dict(counters["stats"]) == before  # dynamo traced no frame
+    assert type(opt.state[emb]["exp_avg"]).__name__ == "OptimState8bit"
+    assert 0 < (emb - start).abs().max().item() <= 1.01e-2  # an Adam step moves by ~lr
 
 
 @pytest.mark.slow
