@@ -8,14 +8,15 @@ an op, so no OpenMP pool is copied) and forks a child per request. A child is a 
 like any other: its own memory, signals, exit status; only the import work is shared.
 
 - ``spawn(fn, args, nprocs)``: ``torch.multiprocessing.spawn`` for the gloo rank workers.
-- ``kiln(argv, cwd, env)``: one kiln command line (``kiln ...``, or ``./run_train.sh ...`` with
-  ``NGPU`` ranks on one node), run as ``kiln``'s console script runs it, returned like
-  ``subprocess.run``.
+- ``run(argv, cwd, env)``: one command line (``kiln ...``, ``./run_train.sh ...`` with ``NGPU``
+  ranks on one node, Python on a script, a ``-m`` module or ``-c`` code), run as its process
+  would run it, returned like ``subprocess.run``; ``start`` is the same without waiting, for a
+  test that signals or kills the processes while they run.
 - ``train_ranks(args, nprocs, logs)``: ``kiln train ARGS`` on ``nprocs`` gloo ranks with the
   rank variables torchrun sets, for a reference run that a test compares a real launch with.
 
-What needs a real launch stays on ``subprocess``: a test of torchrun or kiln's launcher, signals
-and kill -9, the installed ``kiln`` script itself, a fresh environment.
+What needs a real launch stays on ``subprocess``: a test of torchrun or kiln's launcher, the
+installed ``kiln`` script itself, a fresh interpreter or environment.
 """
 
 from __future__ import annotations
@@ -70,17 +71,20 @@ def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
                                           nprocs=nprocs, start_method="forkserver")
 
 
-def python_target(argv: list[str], env: dict[str, str] | None = None) -> list[str] | None:
+def python_target(argv: list[str], env: dict[str, str] | None = None,
+                  code: bool = False) -> list[str] | None:
     """``[script, *args]`` or ``["-m", module, *args]`` when ``argv`` runs this environment's
     Python (``sys.executable``, or ``python`` found first on PATH in this environment's bin
-    folder) on a file or a module; None for anything else (``-c``, another interpreter)."""
+    folder) on a file or a module, and with ``code`` ``["-c", code, *args]``; None for anything
+    else (another interpreter, other options)."""
     if not argv:
         return None
     path = (env or os.environ).get("PATH")
     found = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=path)
     if not found or Path(found).parent != Path(sys.executable).parent:
         return None
-    if len(argv) > 2 and argv[1] == "-m" or len(argv) > 1 and argv[1].endswith(".py"):
+    if len(argv) > 2 and (argv[1] == "-m" or code and argv[1] == "-c") \
+            or len(argv) > 1 and argv[1].endswith(".py"):
         return argv[1:]
     return None
 
@@ -88,7 +92,7 @@ def python_target(argv: list[str], env: dict[str, str] | None = None) -> list[st
 def _main(argv: list[str]) -> int | str | None:
     """Run the command line in this process, as its own process would (``kiln``'s console
     script, run_train.sh on one process, or Python on a script or ``-m`` module)."""
-    target = python_target(argv)
+    target = python_target(argv, code=True)
     if target is None:  # kiln ARGS, or run_train.sh ARGS: `exec python -m kiln.recipes.cli train`
         args = argv[1:] if argv[0] == "kiln" else ["train", *argv[1:]]
         sys.argv = ["kiln", *args]
@@ -99,6 +103,10 @@ def _main(argv: list[str]) -> int | str | None:
         sys.argv = ["-m", *target[2:]]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    elif target[0] == "-c":
+        sys.argv = ["-c", *target[2:]]
+        sys.path.insert(0, "")
+        exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})
     else:
         sys.argv = target
         sys.path.insert(0, str(Path(target[0]).resolve().parent))
@@ -213,7 +221,7 @@ def processes(argv: list[str], env: dict[str, str] | None = None) -> int:
         return 0
     if argv[0] == "kiln":
         return 0 if "NGPU" in env else 1
-    if python_target(argv) is not None:
+    if python_target(argv, code=True) is not None:
         return 1
     if Path(argv[0]).name != "run_train.sh":
         return 0
@@ -223,8 +231,8 @@ def processes(argv: list[str], env: dict[str, str] | None = None) -> int:
 
 def is_forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether ``run`` runs this command line in forked children: a kiln command, Python on a
-    script or module, or run_train.sh on one node (``NGPU=N``: N gloo ranks, as torchrun
-    would start)."""
+    script, module or ``-c`` code, or run_train.sh on one node (``NGPU=N``: N gloo ranks, as
+    torchrun would start)."""
     return processes(argv, env) > 0
 
 
@@ -238,33 +246,71 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None,
     rank's status, the other ranks stopped once one fails. torchrun itself, and kiln's launcher
     around it, are tested on real launches (tests/parallelisms/test_run_train.py,
     tests/recipes/runs/test_launch.py)."""
+    return start(argv, cwd, env).wait(timeout)
+
+
+def start(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> Started:
+    """``run`` without waiting: the processes are running when this returns."""
     env = dict(os.environ if env is None else env)
     assert is_forkable(argv) and "NNODES" not in env, argv
     nprocs = int(env.get("NGPU", "1")) if Path(argv[0]).name == "run_train.sh" else 1
-    shown = int(env.get("LOG_RANK", "0"))
     port = free_port() if nprocs > 1 else 0
-    with tempfile.TemporaryDirectory(prefix="kiln-forked-") as tmp:
-        children, files = [], []
-        for rank in range(nprocs):
-            out, err = Path(tmp, f"stdout{rank}"), Path(tmp, f"stderr{rank}")
-            out.touch()
-            err.touch()
-            files.append((out, err))
-            rank_env = env if nprocs == 1 else {**env, **rank_vars(rank, nprocs, port)}
-            children.append(_context().Process(target=_run_command, args=(
-                list(argv), str(cwd), rank_env, str(out), str(err))))
-            children[-1].start()
-        failed = _wait(children, timeout)
-        out, err = (_text(f) for f in files[shown])
-        if failed is None:
-            for child in children:
-                child.kill()
-                child.join()
-            raise subprocess.TimeoutExpired(argv, timeout, out, err)
-        if failed != shown and children[failed].exitcode:
-            err += f"[rank {failed}]\n" + _text(files[failed][1])
-        # Like subprocess: -N when signal N ended the child.
-        return subprocess.CompletedProcess(argv, children[failed].exitcode, out, err)
+    started = Started(argv, int(env.get("LOG_RANK", "0")))
+    for rank in range(nprocs):
+        out, err = started.files(rank)
+        rank_env = env if nprocs == 1 else {**env, **rank_vars(rank, nprocs, port)}
+        child = _context().Process(target=_run_command, args=(list(argv), str(cwd), rank_env,
+                                                              str(out), str(err)))
+        child.start()
+        started.children.append(child)
+    return started
+
+
+class Started:
+    """A command line's forked processes (one per rank) and their output files."""
+
+    def __init__(self, argv: list[str], shown: int) -> None:
+        self.argv, self.shown, self.children = argv, shown, []
+        self._tmp = Path(tempfile.mkdtemp(prefix="kiln-forked-"))
+
+    def files(self, rank: int) -> tuple[Path, Path]:
+        out, err = self._tmp / f"stdout{rank}", self._tmp / f"stderr{rank}"
+        out.touch()
+        err.touch()
+        return out, err
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes' ids, rank order."""
+        return [child.pid for child in self.children]
+
+    def poll(self) -> int | None:
+        """None while a process runs, else the first failed one's status (or 0)."""
+        codes = [child.exitcode for child in self.children]
+        return None if None in codes else next((code for code in codes if code), 0)
+
+    def output(self, rank: int | None = None) -> str:
+        """What rank ``rank`` (default: the shown one) has written to stdout so far."""
+        return _text(self._tmp / f"stdout{self.shown if rank is None else rank}")
+
+    def wait(self, timeout: float = 1800) -> subprocess.CompletedProcess:
+        """Wait for the processes; their output and status as ``run`` returns them (all are
+        killed on a timeout, which raises ``subprocess.TimeoutExpired``)."""
+        try:
+            failed = _wait(self.children, timeout)
+            out, err = (_text(self._tmp / f"{name}{self.shown}") for name in ("stdout", "stderr"))
+            if failed is None:
+                for child in self.children:
+                    child.kill()
+                    child.join()
+                raise subprocess.TimeoutExpired(self.argv, timeout, out, err)
+            if failed != self.shown and self.children[failed].exitcode:
+                err += f"[rank {failed}]\n" + _text(self._tmp / f"stderr{failed}")
+            # Like subprocess: -N when signal N ended the child.
+            return subprocess.CompletedProcess(self.argv, self.children[failed].exitcode, out,
+                                               err)
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def _wait(children: list, timeout: float) -> int | None:

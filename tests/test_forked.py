@@ -4,8 +4,10 @@ get the test's environment and working folder."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,10 @@ def test_which_command_lines_are_forked():
     assert not forked.is_forkable(["kiln", "train", "r.toml"], {"OMP_NUM_THREADS": "1"})
     assert forked.is_forkable([sys.executable, "scripts/tiny_hf_model.py"])
     assert forked.is_forkable([sys.executable, "-m", "kiln.recipes.cli", "show", "x.toml"])
-    assert not forked.is_forkable([sys.executable, "-c", "print(1)"])
+    assert forked.is_forkable([sys.executable, "-c", "print(1)"])
+    # a forked command's own subprocess.run forks scripts and modules, never -c code (which
+    # tests use to check what a fresh interpreter imports)
+    assert forked.python_target([sys.executable, "-c", "print(1)"]) is None
     assert not forked.is_forkable(["/usr/bin/env", "python3", "x.py"])
 
 
@@ -44,6 +49,19 @@ def test_a_forked_command_gives_the_exit_status_and_output_of_a_process(tmp_path
 def test_a_forked_two_rank_launch_answers_with_the_shown_ranks_output_and_status(tmp_path):
     two = forked.run(["./run_train.sh", "missing.toml"], tmp_path, env={**os.environ, "NGPU": "2"})
     assert two.returncode == 2 and two.stderr.count("missing.toml: recipe file not found") == 1
+
+
+@pytest.mark.slow
+def test_a_started_command_runs_until_waited_for_and_a_signal_ends_it_as_a_process(tmp_path):
+    code = "import sys, time; print('up', sys.argv[1:], flush=True); time.sleep(600)"
+    started = forked.start([sys.executable, "-c", code, "x"], tmp_path)
+    deadline = time.monotonic() + 120
+    while not started.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.output() == "up ['x']\n" and len(started.pids) == 1
+    os.kill(started.pids[0], signal.SIGKILL)
+    done = started.wait(timeout=60)
+    assert done.returncode == -9 and done.stdout == "up ['x']\n"
 
 
 CHILD = """import os, sys

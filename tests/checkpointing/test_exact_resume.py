@@ -1,7 +1,7 @@
 """Exact resume: N steps in one go == k steps, stop (SIGTERM), resume, N-k steps -- the same
 losses bit for bit, with gradient accumulation and evaluation in between. One process in-process;
-two processes (FSDP2 over gloo) through torchrun, with the signal sent to one rank only and
-asynchronous saves."""
+two processes (FSDP2 over gloo, forked ranks of ``NGPU=2 ./run_train.sh``), with the signal sent
+to one rank only and asynchronous saves."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -79,45 +76,43 @@ def losses(run_dir) -> dict[int, float]:
     return out
 
 
-def _torchrun(folder, steps, port, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={port}", "-m", "kiln.recipes.cli", "train", str(CONFIGS / "debug.toml"),
-           *TINY, f"--training.steps={steps}", f"--run.folder={folder}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+def _launch(args: list[str]) -> forked.Started:
+    """``NGPU=2 ./run_train.sh debug.toml ARGS`` on forked ranks (torchrun's own part is tested
+    in tests/parallelisms/test_run_train.py and tests/recipes/runs/test_launch.py)."""
+    return forked.start(["./run_train.sh", str(CONFIGS / "debug.toml"), *args], REPO,
+                        {**os.environ, "NGPU": "2"})
 
 
-def _workers(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children]
+def cut_and_resume(folder, args: list[str], *cut_only: str):
+    """Two ranks train ``args`` into ``folder`` (plus ``cut_only``); SIGTERM reaches rank 1
+    once 6 steps are logged; then the same command runs again. Both runs' results and the last
+    step the first one logged."""
+    cut = _launch([*args, f"--run.folder={folder}", *cut_only])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until training is under way, then signal rank 1
+        if (folder / "metrics.jsonl").exists() and len(losses(folder)) >= 6:
+            break
+        time.sleep(0.05)
+    os.kill(cut.pids[1], signal.SIGTERM)
+    first = cut.wait(timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    stopped = max(losses(folder))
+    again = _launch([*args, f"--run.folder={folder}"]).wait(timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return first, stopped, again
 
 
 @pytest.mark.slow
 def test_two_processes_resume_exactly_after_one_rank_is_signalled(tmp_path):
-    from tests.parallelisms.tiny import free_port as _free_port
-
     steps = 40
-    # the uninterrupted reference: the same two ranks, forked (the launch is tested below)
+    # the uninterrupted reference: the same two ranks, forked
     forked.train_ranks([str(CONFIGS / "debug.toml"), *TINY, f"--training.steps={steps}",
                         f"--run.folder={tmp_path / 'full'}"], 2, tmp_path / "full_logs")
     # The interrupted run saves in the background (dcp.async_save on its own gloo group); the
     # resumed one synchronously: an allowed recipe change, reported on resume.
-    cut = _torchrun(tmp_path / "cut", steps, _free_port(), "--checkpoint.async=true")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # wait until training is under way, then signal rank 1
-        metrics = tmp_path / "cut" / "metrics.jsonl"
-        if metrics.exists() and len(losses(tmp_path / "cut")) >= 6:
-            break
-        time.sleep(0.05)
-    os.kill(_workers(cut.pid)[-1], signal.SIGTERM)
-    out, _ = cut.communicate(timeout=300)
-    assert cut.returncode == 0, out[-3000:]
-    stopped = max(losses(tmp_path / "cut"))
+    first, stopped, again = cut_and_resume(
+        tmp_path / "cut", [*TINY, f"--training.steps={steps}"], "--checkpoint.async=true")
     assert stopped < steps, "the run finished before the signal arrived"
-    assert "stopped at step" in out
-    again = _torchrun(tmp_path / "cut", steps, _free_port())
-    out, _ = again.communicate(timeout=600)
-    assert again.returncode == 0, out[-3000:]
-    assert "resumed from" in out and "checkpoint.async: True -> False" in out
+    assert f"stopped at step {stopped}" in first.stdout, first.stdout[-2000:]
+    assert "resumed from" in again.stdout and "checkpoint.async: True -> False" in again.stdout
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")

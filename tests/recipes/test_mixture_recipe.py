@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests.checkpointing.test_exact_resume import Record
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, REPO
 
 SWITCH = 6  # the second stage's first step (0-based: steps taken before it)
 TINY = [
@@ -140,15 +140,16 @@ Trainer(recipe, hooks=[Kill()], out=io.StringIO()).fit()
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [5, SWITCH + 1], ids=["in stage 1", "in stage 2"])
 def test_a_mixture_run_killed_with_sigkill_resumes_to_the_same_losses(full, tmp_path, kill_at):
-    import subprocess
     import sys
+
+    from tests import forked
 
     folder, ref, _ = full
     cut = tmp_path / "cut"
     args = [*TINY, "--training.steps=10", f"--run.folder={cut}"]
-    done = subprocess.run([sys.executable, "-c", _KILLED, str(kill_at),
-                           str(CONFIGS / "mixture_debug.toml"), *args], timeout=300)
-    assert done.returncode == -9
+    done = forked.run([sys.executable, "-c", _KILLED, str(kill_at),
+                       str(CONFIGS / "mixture_debug.toml"), *args], REPO, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
     assert max(_metrics(cut)) == kill_at  # the metrics of every completed step are there
     _run(cut)
     want, got = _metrics(folder), _metrics(cut)

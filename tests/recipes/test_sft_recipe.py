@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests import forked
 from tests.checkpointing.test_exact_resume import Record
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, REPO
 from tests.parallelisms.tiny import free_port, rank_env
 from tests.recipes.test_mixture_recipe import _KILLED, _metrics
 
@@ -77,9 +76,9 @@ def test_a_stopped_sft_run_resumes_to_the_same_losses(full, tmp_path):
 def test_an_sft_run_killed_with_sigkill_resumes_to_the_same_losses(full, tmp_path):
     folder, ref, _ = full
     cut = tmp_path / "cut"
-    done = subprocess.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "sft_debug.toml"),
-                           *TINY, "--training.steps=8", f"--run.folder={cut}"], timeout=300)
-    assert done.returncode == -9 and max(_metrics(cut)) == 5
+    done = forked.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "sft_debug.toml"),
+                       *TINY, "--training.steps=8", f"--run.folder={cut}"], REPO, timeout=300)
+    assert done.returncode == -9 and max(_metrics(cut)) == 5, done.stderr[-3000:]
     _run(cut)
     assert {s: r["loss"] for s, r in _metrics(cut).items() if "loss" in r} == ref.losses
 
@@ -187,9 +186,9 @@ def test_a_lora_run_from_init_from_killed_with_sigkill_resumes_exactly(base, tmp
     args = [*TINY, *LORA, f"--checkpoint.init_from={base}", "--training.steps=8"]
     ref, _ = _run(tmp_path / "full", extra=[*LORA, f"--checkpoint.init_from={base}"])
     cut = tmp_path / "cut"
-    done = subprocess.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "sft_debug.toml"),
-                           *args, f"--run.folder={cut}"], timeout=300)
-    assert done.returncode == -9 and max(_metrics(cut)) == 5
+    done = forked.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "sft_debug.toml"),
+                       *args, f"--run.folder={cut}"], REPO, timeout=300)
+    assert done.returncode == -9 and max(_metrics(cut)) == 5, done.stderr[-3000:]
     _run(cut, extra=[*LORA, f"--checkpoint.init_from={base}"])
     assert {s: r["loss"] for s, r in _metrics(cut).items() if "loss" in r} == ref.losses
 

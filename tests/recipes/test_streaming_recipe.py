@@ -1,5 +1,5 @@
 """A streaming_text run stopped with SIGTERM and rerun continues with the same losses as an
-uninterrupted run: in one process, and (slow) in two processes under torchrun."""
+uninterrupted run: in one process, and (slow) in two processes (forked ranks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests import forked
-from tests.checkpointing.test_exact_resume import TINY, Record, _workers, losses
+from tests.checkpointing.test_exact_resume import TINY, Record, cut_and_resume, losses
 from tests.components.data.corpora import write_jsonl, write_parquet
 from tests.components.tokenizers.tokenizer_files import stdlib_texts
 from tests.conftest import CONFIGS
@@ -49,46 +49,16 @@ def test_streaming_stop_and_resume_gives_identical_losses(tmp_path):
     assert full.evals and second.evals[6] == full.evals[6]
 
 
-def _torchrun(folder, corpus, steps, port):
-    import os
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={port}", "-m", "kiln.recipes.cli", "train", str(CONFIGS / "debug.toml"),
-           *_streaming(corpus), f"--training.steps={steps}", f"--run.folder={folder}"]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 @pytest.mark.slow
 def test_two_process_streaming_run_resumes_exactly(tmp_path):
-    import os
-    import signal
-    import time
-
-    from tests.parallelisms.tiny import free_port as _free_port
-
     corpus = _corpus(tmp_path / "corpus")
     steps = 30
-    # the uninterrupted reference: the same two ranks, forked (the launch is tested below)
+    # the uninterrupted reference: the same two ranks, forked
     forked.train_ranks([str(CONFIGS / "debug.toml"), *_streaming(corpus),
                         f"--training.steps={steps}", f"--run.folder={tmp_path / 'full'}"],
                        2, tmp_path / "full_logs")
-    cut = _torchrun(tmp_path / "cut", corpus, steps, _free_port())
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        metrics = tmp_path / "cut" / "metrics.jsonl"
-        if metrics.exists() and len(losses(tmp_path / "cut")) >= 6:
-            break
-        time.sleep(0.05)
-    os.kill(_workers(cut.pid)[-1], signal.SIGTERM)
-    out, _ = cut.communicate(timeout=300)
-    assert cut.returncode == 0, out[-3000:]
-    assert max(losses(tmp_path / "cut")) < steps, "the run finished before the signal arrived"
-    again = _torchrun(tmp_path / "cut", corpus, steps, _free_port())
-    out, _ = again.communicate(timeout=600)
-    assert again.returncode == 0 and "resumed from" in out, out[-3000:]
+    first, stopped, again = cut_and_resume(tmp_path / "cut", [*_streaming(corpus),
+                                                              f"--training.steps={steps}"])
+    assert stopped < steps, "the run finished before the signal arrived"
+    assert "stopped at step" in first.stdout and "resumed from" in again.stdout
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")

@@ -17,7 +17,9 @@ import pytest
 from kiln.components.errors import RecipeError
 from kiln.recipes.cli import main
 from kiln.recipes.runs.sweep import expand, parse_grid, split_values
+from tests import forked
 from tests.conftest import CONFIGS
+from tests.recipes.run_folders import make_run
 from tests.recipes.runs.test_launch import _alive, gone_within
 
 DEBUG = str(CONFIGS / "debug.toml")
@@ -60,19 +62,31 @@ def test_unknown_key_is_refused_with_did_you_mean_before_anything_runs(tmp_path,
     assert not out.exists()
 
 
+POINTS = ("lr=1e-3", "lr=3e-3")  # the grid optimizer.lr=1e-3,3e-3 in folder sw
+
+
+def _made_runs(cwd: Path) -> Path:
+    """Each point's finished run folder (a recipe and metrics, as make_run writes them for the
+    point's folder), kept in cwd/made for a stand-in run to copy into place."""
+    made = cwd / "made"
+    made.mkdir()
+    for name in POINTS:
+        make_run(cwd / "sw" / name).rename(made / name)
+    (cwd / "sw").rmdir()
+    return made
+
+
 def _fake_run_train(cwd: Path) -> Path:
-    """A run_train.sh that logs its arguments and writes a run folder (recipe + metrics)."""
+    """A run_train.sh that logs its arguments and puts its point's finished run folder in place
+    (copied: a stand-in has no need of a Python that imports torch)."""
+    made = _made_runs(cwd)
     script = cwd / "run_train.sh"
     script.write_text(f"""#!/bin/bash
 echo "$@" >> {cwd}/calls.txt
 for a in "$@"; do case "$a" in --run.folder=*) f="${{a#--run.folder=}}";; esac; done
 f="${{f%\\"}}"; f="${{f#\\"}}"
-{sys.executable} -c "
-import sys, pathlib
-from tests.recipes.run_folders import make_run
-run = make_run(pathlib.Path(sys.argv[1]))
-with (run / 'metrics.jsonl').open('a') as f:
-    f.write('{{\\"step\\": 30, \\"eval/mc/acc\\": 0.5, \\"eval/mc/acc_norm\\": 0.4}}\\n')" "$f"
+mkdir -p "$f" && cp -r "{made}/$(basename "$f")/." "$f/"
+echo '{{"step": 30, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.4}}' >> "$f/metrics.jsonl"
 exit ${{FAIL:-0}}
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -141,17 +155,18 @@ def test_slurm_script_runs_a_task_with_stand_in_slurm_tools(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_a_real_sweep_of_two_tiny_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("NGPU", raising=False)  # one process: the trainer in a subprocess
+def test_a_real_sweep_of_two_tiny_runs(tmp_path):
+    # one process: the trainer in a subprocess, here forked from the forked sweep
+    env = {k: v for k, v in os.environ.items() if k != "NGPU"}
     tiny = ["--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
             "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=2",
             "--training.micro_batch=2", "--run.log_interval=1", "--eval.interval=0",
             "--eval.tokens=128", "--data.max_bytes=200000", "--checkpoint.enable=false",
             "--run.progress_bar=false"]
-    assert main(["sweep", DEBUG, "--grid", "optimizer.lr=1e-3,1e-2", "--grid",
-                 "training.steps=2", "--out", "sw", *tiny]) == 0
-    table = capsys.readouterr().out.splitlines()[-3:]
+    done = forked.run(["kiln", "sweep", DEBUG, "--grid", "optimizer.lr=1e-3,1e-2", "--grid",
+                       "training.steps=2", "--out", "sw", *tiny], tmp_path, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout.splitlines()[-3:]
     assert table[0].split()[:3] == ["run", "lr", "steps"]
     assert table[1].split()[:3] == ["lr=1e-3,steps=2", "0.001", "2"]
 
@@ -184,19 +199,19 @@ def test_a_sweep_killed_with_kill_9_takes_its_training_run_along(tmp_path):
 def test_two_sweeps_of_one_grid_share_its_points(tmp_path):
     """Each point trains once (a stand-in run holding kiln.lock until the test lets it end);
     neither sweep counts the other's points as failed, and both end with every point done."""
+    made = _made_runs(tmp_path)
     script = tmp_path / "run_train.sh"
     script.write_text(f"""#!/bin/bash
 for a in "$@"; do case "$a" in --run.folder=*) f="${{a#--run.folder=}}";; esac; done
 f="${{f%\\"}}"; f="${{f#\\"}}"
 echo "$f" >> {tmp_path}/calls.txt
 exec {sys.executable} -c "
-import pathlib, sys, time
+import pathlib, shutil, sys, time
 from kiln.recipes.runs.lock import RunLock
-from tests.recipes.run_folders import make_run
 lock = RunLock.take(sys.argv[1])  # exits 2 when held, as kiln train does
 while not pathlib.Path('{tmp_path}/release').exists():
     time.sleep(0.05)
-make_run(pathlib.Path(sys.argv[1]))" "$f"
+shutil.copytree('{made}/' + pathlib.Path(sys.argv[1]).name, sys.argv[1], dirs_exist_ok=True)" "$f"
 """)
     script.chmod(0o755)
     env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kiln.recipes.hooks.watchdog import Watchdog, WatchdogConfig, slowest
+from tests import forked
 from tests.conftest import REPO
 
 WORKER = REPO / "tests" / "recipes" / "hooks" / "hang_worker.py"
@@ -167,9 +168,8 @@ def test_a_quiet_run_never_fires(tmp_path):
 # --------------------------------------------------------------------------- real runs
 @pytest.mark.slow
 def test_a_stalled_run_exits_3_with_its_stacks(tmp_path):
-    out = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "run"), "0", "4"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = forked.run([sys.executable, str(WORKER), str(tmp_path / "run"), "0", "4"], REPO,
+                     timeout=600)
     assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
     assert "not reached" not in out.stdout
     assert "kiln train: error: hang: step 4 made no progress" in out.stderr

@@ -18,6 +18,7 @@ from kiln.components.errors import RunFolderInUse
 from kiln.recipes.cli import main
 from kiln.recipes.runs import lock as run_lock
 from kiln.recipes.runs.lock import LOCK_FILE, RunLock
+from tests import forked
 from tests.conftest import CONFIGS, REPO
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
@@ -114,30 +115,27 @@ def test_a_filesystem_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys
     lock.release()
 
 
-def _train(folder, *extra: str, ngpu: int = 1, wait: bool = True):
-    cmd = ["./run_train.sh", "train_configs/debug.toml", *TINY, f"--run.folder={folder}", *extra]
-    env = {**os.environ, "NGPU": str(ngpu)}
-    if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def _command(folder, *extra: str) -> list[str]:
+    return ["./run_train.sh", "train_configs/debug.toml", *TINY, f"--run.folder={folder}", *extra]
 
 
 @pytest.mark.slow
 def test_a_second_kiln_train_exits_2_and_a_killed_one_leaves_the_folder_free(tmp_path):
     run = tmp_path / "run"
-    first = _train(run, "--training.steps=100000", wait=False)
-    try:
+    first = forked.start(_command(run, "--training.steps=100000"), REPO)  # processes of their
+    try:  # own, forked (tests/forked.py); torchrun's ranks are the next test's
         while first.poll() is None and not (run / "recipe.toml").exists():  # step 1 done
             time.sleep(0.1)
-        second = _train(run, "--training.steps=2", "--optimizer.lr=1e-3")
+        second = forked.run(_command(run, "--training.steps=2", "--optimizer.lr=1e-3"), REPO)
         assert second.returncode == 2, second.stdout + second.stderr
-        assert f"is in use by another run (kiln train, PID {first.pid} on host " in second.stderr
+        assert f"is in use by another run (kiln train, PID {first.pids[0]} on host " \
+            in second.stderr
         assert "Traceback" not in second.stderr and second.stdout == ""
     finally:
-        _kill(first)
+        os.kill(first.pids[0], signal.SIGKILL)
+        assert first.wait(timeout=60).returncode == -9
     losses = _losses(run)
-    third = _train(run, "--training.steps=2")
+    third = forked.run(_command(run, "--training.steps=2"), REPO)
     assert third.returncode == 0, third.stdout + third.stderr
     assert not (run / LOCK_FILE).exists()
     # the third run appended its own two steps: nothing of the refused second run is there
@@ -153,7 +151,9 @@ def _losses(run) -> list[tuple[int, float]]:
 def test_under_torchrun_every_rank_stops_with_one_message(tmp_path):
     holder = _holder(tmp_path / "run")
     try:
-        out = _train(tmp_path / "run", "--training.steps=1", ngpu=2)
+        out = subprocess.run(_command(tmp_path / "run", "--training.steps=1"), cwd=REPO,
+                             env={**os.environ, "NGPU": "2"}, capture_output=True, text=True,
+                             timeout=600)
     finally:
         _kill(holder)
     text = out.stdout + out.stderr
