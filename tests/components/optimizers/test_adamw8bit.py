@@ -71,6 +71,7 @@ def test_close_to_fp32_adamw_with_float_lrs_and_a_quarter_of_the_state():
     assert (c.emb.weight - a.emb.weight).abs().max().item() < 1e-6 * a.emb.weight.abs().max()
 
 
+@pytest.mark.slow  # imports torchao (seconds)
 def test_compile_false_runs_the_update_without_compiling():
     from torch._dynamo.utils import counters
 
