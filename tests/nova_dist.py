@@ -108,7 +108,9 @@ def _muon(model, implementation: str = "owner"):
     kw = dict(lr=0.05, weight_decay=0.1, momentum=0.9)
     if implementation == "torch":
         return torch.optim.Muon(model.parameters(), adjust_lr_fn="match_rms_adamw", **kw)
-    cfg = default_config("optimizer", "muon", lr_scaling="match_rms_adamw", **kw)
+    # bf16 Newton-Schulz, as torch.optim.Muon: the two implementations compared on equal terms
+    cfg = default_config("optimizer", "muon", lr_scaling="match_rms_adamw", ns_dtype="bfloat16",
+                         **kw)
     return cfg.build([{"params": list(model.parameters()), "lr": cfg.lr, "peak_lr": cfg.lr}])
 
 

@@ -27,6 +27,7 @@ from kiln.components.optimizers.orthogonalize import (
     is_row_sharded,
     lr_scale,
     newton_schulz,
+    ns_dtype,
     orthogonalize_sharded,
 )
 from kiln.components.registry import register
@@ -46,6 +47,11 @@ class MuonConfig(OptimizerConfig):
         description="quintic Newton–Schulz coefficients (a, b, c)",
     )
     eps: float = Field(1e-7, gt=0, description="floor of the Frobenius norm NS divides by")
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Newton–Schulz precision: auto = bfloat16 on GPUs and other accelerators "
+        "(torch.optim.Muon's), float32 on CPU (emulated bf16 matmuls are slower there)",
+    )
     lr_scaling: Literal["original", "match_rms_adamw"] = Field(
         "original",
         description="per-matrix LR factor: original = max(1, rows/cols)**0.5 (Keller); "
@@ -89,12 +95,15 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 eps: float = 1e-7, lr_scaling: str = "original", expert_stacks: bool = False):
+                 eps: float = 1e-7, lr_scaling: str = "original", expert_stacks: bool = False,
+                 ns_dtype: str = "auto"):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps,
                         lr_scaling=lr_scaling)
         super().__init__(params, defaults)
         self.expert_stacks = expert_stacks
+        # an attribute, not a group default: groups loaded from older checkpoints lack new keys
+        self.ns_dtype = ns_dtype
         check_shapes(self.param_groups, expert_stacks)
 
     @torch.no_grad()
@@ -119,7 +128,7 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(bufs, grads, 1 - mu)  # elementwise: fine on local shards
             updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
             ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
-                      eps=group["eps"])
+                      eps=group["eps"], dtype=ns_dtype(self.ns_dtype, grads[0].device))
             ortho, owner_turn = _orthogonalize(params, updates, ns, owner_turn)
             lr, wd = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho, strict=True):
@@ -181,4 +190,5 @@ def build_muon(cfg: MuonConfig, groups: list[dict]) -> torch.optim.Optimizer:
     coeffs = (cfg.ns_coefficients[0], cfg.ns_coefficients[1], cfg.ns_coefficients[2])
     return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                 nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=coeffs,
-                eps=cfg.eps, lr_scaling=cfg.lr_scaling, expert_stacks=cfg.expert_stacks)
+                eps=cfg.eps, lr_scaling=cfg.lr_scaling, expert_stacks=cfg.expert_stacks,
+                ns_dtype=cfg.ns_dtype)

@@ -1,9 +1,9 @@
 """Newton–Schulz orthogonalisation for Muon, batched, and its FSDP2-sharded form.
 
-``newton_schulz`` is torch.optim.Muon's quintic iteration (same coefficients, bf16, Frobenius
-normalisation, transpose when tall) generalised to a batch of matrices ``(..., m, n)``: it is
-bit-identical to torch's per-matrix ``_zeropower_via_newtonschulz`` (checked in the tests) and
-lets one call serve a bucket of same-shape matrices or a stack of MoE experts.
+``newton_schulz`` is torch.optim.Muon's quintic iteration (same coefficients, bf16 by default,
+Frobenius normalisation, transpose when tall) generalised to a batch of matrices ``(..., m, n)``:
+in bf16 it is bit-identical to torch's per-matrix ``_zeropower_via_newtonschulz`` (checked in the
+tests), and one call serves a bucket of same-shape matrices or a stack of MoE experts.
 
 ``orthogonalize_sharded`` handles FSDP2 parameters (DTensors sharded on dim 0 of a 1-D mesh).
 Orthogonalising each row shard on its own is wrong (NS is not row-separable), and letting
@@ -29,11 +29,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def newton_schulz(
-    g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7
+    g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Approximately orthogonalise each trailing (m, n) matrix of ``g``; returns bf16."""
+    """Approximately orthogonalise each trailing (m, n) matrix of ``g``; returns ``dtype``."""
     a, b, c = coefficients
-    x = g.bfloat16()
+    x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
@@ -50,6 +51,15 @@ def newton_schulz(
         x = torch.baddbmm(x, poly, x, beta=a)  # a*X + poly@X
     x = x.squeeze(0) if squeeze else x.reshape(*g.shape[:-2], *x.shape[-2:])
     return x.mT if tall else x
+
+
+def ns_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """Muon's ``ns_dtype`` for matrices on ``device``: ``auto`` is bf16 on accelerators and fp32
+    on CPU, where bf16 matmuls without AVX512-BF16 or AMX are emulated (the README's Muon recipe
+    ran 3.3x longer in bf16 on an AVX2 EPYC: docs/models.md)."""
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[setting]
 
 
 def lr_scale(rule: str, rows: int, cols: int) -> float:
@@ -108,8 +118,9 @@ def orthogonalize_sharded(
                 f"expected ({rows[me]}, {n}) (dim-0 chunks, FSDP2 layout)"
             )
 
-    # Send: to owner j, my rows of every matrix j owns, in bf16 (NS casts to bf16 first anyway).
-    send = [shards[i].bfloat16().reshape(-1) for j in range(world) for i in range(len(shards))
+    # Send: to owner j, my rows of every matrix j owns, in NS's dtype (it casts to it first).
+    dtype = ns_kwargs.get("dtype", torch.bfloat16)
+    send = [shards[i].to(dtype).reshape(-1) for j in range(world) for i in range(len(shards))
             if owner[i] == j]
     send_buf = torch.cat(send)
     in_split = [counts[j] * rows[me] * n for j in range(world)]

@@ -17,6 +17,7 @@ from kiln.components.optimizers.orthogonalize import (
     chunk_rows,
     lr_scale,
     newton_schulz,
+    ns_dtype,
 )
 from kiln.components.optimizers.routing import param_groups, route
 from tests import nova_dist
@@ -42,6 +43,31 @@ def test_newton_schulz_roughly_orthogonalises():
     assert s.min() > 0.6 and s.max() < 1.3  # singular values pushed towards 1 (~U(0.7, 1.2))
 
 
+def test_ns_dtype_auto_is_fp32_on_cpu_and_bf16_elsewhere():
+    assert ns_dtype("auto", torch.device("cpu")) == torch.float32
+    assert ns_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert ns_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert ns_dtype("float32", torch.device("cuda")) == torch.float32
+    g = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    assert newton_schulz(g, dtype=torch.float32).dtype == torch.float32
+
+
+def test_the_step_runs_newton_schulz_in_ns_dtype():
+    """auto on CPU is the fp32 step; bfloat16 is torch.optim.Muon's, a different rounding."""
+    gen = torch.Generator().manual_seed(0)
+    grad, start = torch.randn(8, 12, generator=gen), torch.randn(8, 12, generator=gen)
+    after = {}
+    for setting in ("auto", "float32", "bfloat16"):
+        p = torch.nn.Parameter(start.clone())
+        p.grad = grad.clone()
+        Muon([p], lr=0.1, ns_dtype=setting).step()
+        after[setting] = p.detach()
+    assert torch.equal(after["auto"], after["float32"])
+    assert not torch.equal(after["auto"], after["bfloat16"])
+    # bf16's rounding: about 1e-2 of the unit-scale update
+    torch.testing.assert_close(after["auto"], after["bfloat16"], atol=0.1 * 0.05, rtol=0)
+
+
 def test_lr_scale_rules():
     assert lr_scale("original", 64, 16) == 2.0
     assert lr_scale("original", 16, 64) == 1.0
@@ -54,7 +80,7 @@ def test_lr_scale_rules():
 def test_equals_torch_muon(rule, nesterov):
     ours, ref = make_net(), make_net()
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
-    opt = Muon(_matrices(ours), lr_scaling=rule, **kw)
+    opt = Muon(_matrices(ours), lr_scaling=rule, ns_dtype="bfloat16", **kw)  # torch's
     opt_ref = torch.optim.Muon(_matrices(ref), adjust_lr_fn=rule, **kw)
     for m in (ours, ref):  # only the matrices train
         for p in m.parameters():
@@ -114,7 +140,7 @@ def test_lr_from_the_group_is_used():
     opt.step()
     # NS(I) ~ I scaled so its spectrum is ~1; the step is lr * that (original scale 1 here).
     assert p.detach().diagonal().mean().item() == pytest.approx(-0.25 * newton_schulz(
-        torch.eye(4)).float().diagonal().mean().item(), rel=1e-6)
+        torch.eye(4), dtype=torch.float32).diagonal().mean().item(), rel=1e-6)
     assert math.isclose(opt.param_groups[0]["peak_lr"], 0.5)
 
 
