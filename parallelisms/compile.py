@@ -48,18 +48,23 @@ def apply_compile(model: nn.Module, cfg: ParallelismConfig, device: torch.device
     """Compile every block in place; return a description ("" when off)."""
     if not cfg.compile:
         return ""
-    check_toolchain(device)
-    quiet_compile()
-    blocks = model_blocks(model)
-    for block in blocks:
-        block.compile(fullgraph=cfg.compile_fullgraph)
-    return "compile per block" + (" (fullgraph)" if cfg.compile_fullgraph else "")
+    _prepare(cfg, device)
+    for block in model_blocks(model):
+        block.compile(fullgraph=cfg.compile_fullgraph, backend=cfg.compile_backend)
+    notes = [n for n in ("fullgraph" if cfg.compile_fullgraph else "",
+                         cfg.compile_backend if cfg.compile_backend != "inductor" else "") if n]
+    return "compile per block" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def compile_loss(fn: Callable, cfg: ParallelismConfig, device: torch.device) -> Callable:
     """The loss function, compiled when ``compile_loss`` is set."""
     if not cfg.compile_loss:
         return fn
-    check_toolchain(device)
+    _prepare(cfg, device)
+    return torch.compile(fn, fullgraph=cfg.compile_fullgraph, backend=cfg.compile_backend)
+
+
+def _prepare(cfg: ParallelismConfig, device: torch.device) -> None:
+    if cfg.compile_backend == "inductor":  # the other backends generate no code
+        check_toolchain(device)
     quiet_compile()
-    return torch.compile(fn, fullgraph=cfg.compile_fullgraph)

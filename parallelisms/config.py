@@ -125,6 +125,12 @@ class ParallelismConfig(Config):
     compile_fullgraph: bool = Field(
         False, description="torch.compile(fullgraph=True): fail on graph breaks"
     )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor",
+        description="torch.compile backend: inductor (generated kernels) | aot_eager (forward "
+        "and backward traced, run by eager ops: tells an inductor bug from a tracing one, and "
+        "needs no C++ compiler) | eager (Dynamo's capture only)",
+    )
     # ---------------------------------------------------------------- activation checkpoints
     activation_checkpoint: Literal["none", "full", "selective"] = Field(
         "none",

@@ -50,3 +50,16 @@ def test_off_leaves_blocks_alone():
     assert all(b._compiled_call_impl is None for b in model.blocks())
     fn = lambda x: x  # noqa: E731
     assert compile_mod.compile_loss(fn, ParallelismConfig(), CPU) is fn
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_a_backend_that_generates_no_code_needs_no_cpp_compiler(backend, monkeypatch):
+    from torch._inductor import cpp_builder
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: pytest.fail("checked g++"))
+    cfg = ParallelismConfig(compile=True, compile_loss=True, compile_backend=backend)
+    model = tiny_model(meta=True)
+    assert compile_mod.apply_compile(model, cfg, CPU) == f"compile per block ({backend})"
+    assert all(b._compiled_call_impl is not None for b in model.blocks())
+    loss = lambda x: x  # noqa: E731
+    assert compile_mod.compile_loss(loss, cfg, CPU) is not loss

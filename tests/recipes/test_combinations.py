@@ -5,8 +5,8 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 
 The families cover every registered model, attention and feed-forward component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
-new component is trained in every combination without editing this file. Slow subset: compiled
-blocks, and 2 gloo processes under FSDP2, tensor parallel, expert parallel and pipeline parallel
+new component is trained in every combination without editing this file. Slow subset: 2 gloo
+processes under FSDP2, tensor parallel, expert parallel and pipeline parallel
 (also the device check of every collective), context parallel with the document mask, each
 family's 2-process FSDP2 checkpoint then resumed on one process (elastic resume). The chunked
 loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one, and in every

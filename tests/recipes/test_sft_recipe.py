@@ -129,8 +129,10 @@ def test_lora_with_activation_checkpointing_gives_the_same_losses(lora, tmp_path
 def test_lora_under_torch_compile_gives_the_same_losses(lora, tmp_path):
     _, ref, _ = lora
     # no evaluation or task scoring: they would compile the blocks again for no_grad and for
-    # every decoding length (the losses compared are the training steps')
+    # every decoding length (the losses compared are the training steps'). aot_eager: the
+    # adapters must trace, forward and backward; inductor's kernels are test_compile's subject
     rec, _ = _run(tmp_path / "compiled", steps=3, extra=[*LORA, "--parallelism.compile=true",
+                                                         "--parallelism.compile_backend=aot_eager",
                                                          "--eval.at_end=false",
                                                          "--evals.arith.at_end=false"])
     assert [rec.losses[s] for s in (1, 2, 3)] == pytest.approx(
