@@ -48,6 +48,7 @@ SHRINK = {
     "train": ["--training.steps=2", "--eval.tokens=1024", *BATCH],
     "bench": ["--steps", "1", "--warmup", "0", *BATCH],
     "eval": ["--tokens", "1024"],
+    "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
 }
 
 
@@ -55,7 +56,7 @@ def shrink(cmd: Command) -> list[str]:
     argv = cmd.argv
     if Path(argv[0]).name == "run_train.sh":
         return [*argv, *SHRINK["train"]]
-    if argv[0] == "kiln" and len(argv) > 1:
+    if argv[0] == "kiln" and len(argv) > 1 and "--emit" not in argv:
         return [*argv, *SHRINK.get(argv[1], [])]
     return argv
 

@@ -1,4 +1,8 @@
-"""Acceptance: `NGPU=2 ./run_train.sh train_configs/debug.toml` trains with FSDP2 on CPU."""
+"""Acceptance: `NGPU=2 ./run_train.sh train_configs/debug.toml` trains with FSDP2 on CPU, and two
+launches on one host form one 4-rank job (torchrun's c10d rendezvous), with the one-process
+losses. The 2-rank run is forked (tests/forked.py: the ranks get torchrun's variables); the
+launcher itself, torchrun included, runs for real in the two-node test here and in
+tests/recipes/runs/test_launch.py."""
 
 from __future__ import annotations
 
@@ -24,8 +28,7 @@ def _cmd(folder, *extra: str) -> list[str]:
 
 def _train(tmp_path, ngpu: int, *extra: str) -> str:
     env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(_cmd(tmp_path / str(ngpu), *extra), cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = forked.run(_cmd(tmp_path / str(ngpu), *extra), REPO, env, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

@@ -30,26 +30,37 @@ def _bench():
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_task_index():
-    """lm-eval's TaskManager reads all its ~14,700 built-in task YAMLs each time it is made
-    (tens of seconds on a 2-core machine), and every harness run of this module (the helpers'
-    and ``kiln harness``'s own) makes one over its folder and this module's task folder: index
-    each folder once, and merge as the harness does (a later folder's names win). The runs get
-    a dict of their own; no run changes an entry (the task factory deep-copies its config)."""
+    """Every harness run of this module (the helpers' and ``kiln harness``'s own) makes a
+    TaskManager, which indexes lm-eval's ~14,700 built-in task YAMLs and the folders it is given
+    (tens of seconds on a 2-core machine). Here the built-in folder is left out (no test names a
+    built-in task) and each other folder is indexed once, merged as the harness does (a later
+    folder's names win). The runs get a dict of their own; no run changes an entry (the task
+    factory deep-copies its config). Nor is the environment report collected (below)."""
+    from pathlib import Path
+
     from lm_eval.tasks import _index
 
     real, built = _index.TaskIndex.build, {}
+    builtin = Path(_index.__file__).resolve().parent  # lm-eval's own task folder
 
     def build(paths, **kw):
         index = {}
         for root in paths:
+            if Path(root).resolve() == builtin:
+                continue
             key = (str(root), tuple(sorted(kw.items())))
             if key not in built:
                 built[key] = real([root], **kw)
             index.update(built[key])
         return index
 
+    from torch.utils import collect_env
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_index.TaskIndex, "build", staticmethod(build))
+        # the environment report every harness run adds to its results runs `pip list`, lscpu
+        # and more in subprocesses (about 1 s each run here); no test reads it
+        mp.setattr(collect_env, "get_pretty_env_info", lambda: "(not collected in tests)")
         yield built
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kiln.recipes.runs.launch import ERROR_DIR, read_reports, summarize
+from tests import forked
 from tests.conftest import REPO
 
 KILN = {"kind": "kiln", "prefix": "kiln train", "exit_code": 2, "message": "bad recipe"}
@@ -109,13 +110,18 @@ def test_a_worker_reports_instead_of_printing(tmp_path):
     assert "missing.toml: recipe file not found" in report["message"]
 
 
-def _run_train(tmp_path, ngpu: int, *extra: str) -> subprocess.CompletedProcess:
+def _run_train(tmp_path, ngpu: int, *extra: str, launch: bool = True
+               ) -> subprocess.CompletedProcess:
+    """``NGPU=ngpu ./run_train.sh`` on a tiny model; ``launch=False`` forks it instead (a run the
+    test only needs the checkpoint of)."""
     cmd = ["./run_train.sh", "train_configs/debug.toml", "--training.steps=1",
            "--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
            "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--data.max_bytes=300000",
            "--data.eval_fraction=0.2", "--eval.tokens=256", f"--run.folder={tmp_path / 'run'}",
            *extra]
     env = {**os.environ, "NGPU": str(ngpu)}
+    if not launch:
+        return forked.run(cmd, REPO, env, timeout=600)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -128,7 +134,7 @@ def test_two_processes_fail_with_one_message_and_kiln_status(tmp_path):
     assert "Traceback" not in text and text.count("error:") == 1
     assert "kiln train: error: data.path = " in missing.stderr  # no dataset folder there
     # Resuming with a changed model shape: every rank refuses, status 2 (a checkpoint error).
-    assert _run_train(tmp_path, 1).returncode == 0
+    assert _run_train(tmp_path, 1, launch=False).returncode == 0
     two = _run_train(tmp_path, 2, "--training.steps=2", "--model.dim=48")
     text = two.stdout + two.stderr
     assert two.returncode == 2, text
