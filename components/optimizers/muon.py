@@ -27,8 +27,8 @@ from kiln.components.optimizers.orthogonalize import (
     is_row_sharded,
     lr_scale,
     newton_schulz,
-    ns_dtype,
     orthogonalize_sharded,
+    resolve_ns_dtype,
 )
 from kiln.components.registry import register
 
@@ -128,7 +128,7 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(bufs, grads, 1 - mu)  # elementwise: fine on local shards
             updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
             ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
-                      eps=group["eps"], dtype=ns_dtype(self.ns_dtype, grads[0].device))
+                      eps=group["eps"], dtype=resolve_ns_dtype(self.ns_dtype, grads[0].device))
             ortho, owner_turn = _orthogonalize(params, updates, ns, owner_turn)
             lr, wd = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho, strict=True):

@@ -53,7 +53,7 @@ def newton_schulz(
     return x.mT if tall else x
 
 
-def ns_dtype(setting: str, device: torch.device) -> torch.dtype:
+def resolve_ns_dtype(setting: str, device: torch.device) -> torch.dtype:
     """Muon's ``ns_dtype`` for matrices on ``device``: ``auto`` is bf16 on accelerators and fp32
     on CPU, where bf16 matmuls without AVX512-BF16 or AMX are emulated (the README's Muon recipe
     ran 3.3x longer in bf16 on an AVX2 EPYC: docs/models.md)."""

@@ -17,7 +17,7 @@ from kiln.components.optimizers.orthogonalize import (
     chunk_rows,
     lr_scale,
     newton_schulz,
-    ns_dtype,
+    resolve_ns_dtype,
 )
 from kiln.components.optimizers.routing import param_groups, route
 from tests import nova_dist
@@ -44,10 +44,10 @@ def test_newton_schulz_roughly_orthogonalises():
 
 
 def test_ns_dtype_auto_is_fp32_on_cpu_and_bf16_elsewhere():
-    assert ns_dtype("auto", torch.device("cpu")) == torch.float32
-    assert ns_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
-    assert ns_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert ns_dtype("float32", torch.device("cuda")) == torch.float32
+    assert resolve_ns_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_ns_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_ns_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_ns_dtype("float32", torch.device("cuda")) == torch.float32
     g = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
     assert newton_schulz(g, dtype=torch.float32).dtype == torch.float32
 
