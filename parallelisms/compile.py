@@ -51,8 +51,9 @@ def apply_compile(model: nn.Module, cfg: ParallelismConfig, device: torch.device
     _prepare(cfg, device)
     for block in model_blocks(model):
         block.compile(fullgraph=cfg.compile_fullgraph, backend=cfg.compile_backend)
-    notes = [n for n in ("fullgraph" if cfg.compile_fullgraph else "",
-                         cfg.compile_backend if cfg.compile_backend != "inductor" else "") if n]
+    notes = ["fullgraph"] if cfg.compile_fullgraph else []
+    if cfg.compile_backend != "inductor":
+        notes.append(cfg.compile_backend)
     return "compile per block" + (f" ({', '.join(notes)})" if notes else "")
 
 

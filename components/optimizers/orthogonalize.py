@@ -95,6 +95,7 @@ def orthogonalize_sharded(
     shape: tuple[int, int],
     group: dist.ProcessGroup,
     first_owner: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
     **ns_kwargs,
 ) -> list[torch.Tensor]:
     """NS of row-sharded (m, n) matrices given this rank's row shards; returns its result rows.
@@ -119,7 +120,6 @@ def orthogonalize_sharded(
             )
 
     # Send: to owner j, my rows of every matrix j owns, in NS's dtype (it casts to it first).
-    dtype = ns_kwargs.get("dtype", torch.bfloat16)
     send = [shards[i].to(dtype).reshape(-1) for j in range(world) for i in range(len(shards))
             if owner[i] == j]
     send_buf = torch.cat(send)
@@ -131,7 +131,7 @@ def orthogonalize_sharded(
     # Reassemble my full matrices: rank k sent (len(owned), rows[k], n) blocks.
     blocks = [p.view(len(owned), rows[k], n) for k, p in enumerate(recv_buf.split(out_split))]
     full = torch.cat(blocks, dim=1)  # (len(owned), m, n)
-    ortho = newton_schulz(full, **ns_kwargs) if owned else full
+    ortho = newton_schulz(full, dtype=dtype, **ns_kwargs) if owned else full
 
     # Return: rank k gets its rows of each matrix I own; I get my rows of every matrix.
     offsets = [sum(rows[:k]) for k in range(world)]

@@ -39,6 +39,7 @@ def _one_task_index():
     from pathlib import Path
 
     from lm_eval.tasks import _index
+    from torch.utils import collect_env
 
     real, built = _index.TaskIndex.build, {}
     builtin = Path(_index.__file__).resolve().parent  # lm-eval's own task folder
@@ -53,8 +54,6 @@ def _one_task_index():
                 built[key] = real([root], **kw)
             index.update(built[key])
         return index
-
-    from torch.utils import collect_env
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_index.TaskIndex, "build", staticmethod(build))
