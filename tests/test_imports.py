@@ -5,6 +5,7 @@ included (a lazy import is still a dependency)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -44,6 +45,7 @@ def _imports(path: Path, name: str) -> set[str]:
     return found
 
 
+@functools.cache  # the source does not change during a session; callers only read it
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for top in FLOORS for p in (REPO / top).rglob("*.py")}
     return {name: {m for m in _imports(path, name) if m in files and m != name}
@@ -106,6 +108,7 @@ def _room(module: str) -> str:
     return module if module in _packages() else module.rpartition(".")[0]
 
 
+@functools.cache  # asked for every import edge by _room
 def _packages() -> set[str]:
     return {_module_name(p.parent / "__init__.py") for top in FLOORS
             for p in (REPO / top).rglob("__init__.py")}
