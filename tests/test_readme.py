@@ -50,15 +50,34 @@ SHRINK = {
     "eval": ["--tokens", "1024"],
     "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
 }
+# ... and of 64 tokens, unless the recipe trains on conversations: a conversation longer than
+# seq_len is dropped, not cut, so a shorter window would leave the chat recipes no data.
+SHORT = {"train": ["--training.seq_len=64", "--eval.tokens=256"],
+         "bench": ["--training.seq_len=64"], "sweep": ["--training.seq_len=64"]}
 
 
-def shrink(cmd: Command) -> list[str]:
+def shrink(cmd: Command, workdir: Path) -> list[str]:
     argv = cmd.argv
     if Path(argv[0]).name == "run_train.sh":
-        return [*argv, *SHRINK["train"]]
+        return [*argv, *SHRINK["train"], *shorter("train", argv[1:], workdir)]
     if argv[0] == "kiln" and len(argv) > 1 and "--emit" not in argv:
-        return [*argv, *SHRINK.get(argv[1], [])]
+        return [*argv, *SHRINK.get(argv[1], []), *shorter(argv[1], argv[2:], workdir)]
     return argv
+
+
+def shorter(kind: str, args: list[str], workdir: Path) -> list[str]:
+    """SHORT[kind] for a command training the recipe ``args[0]`` on packed text (none for chat
+    data, other commands, or a recipe that does not load: the command itself says why)."""
+    from kiln.components.errors import KilnError
+    from kiln.recipes.config.files import load_recipe
+
+    if kind not in SHORT or not args or not (workdir / args[0]).is_file():
+        return []
+    try:
+        chat = load_recipe(workdir / args[0]).data.type == "chat"
+    except KilnError:
+        return []
+    return [] if chat else SHORT[kind]
 
 
 def _steps(page: Page) -> list:
@@ -138,7 +157,7 @@ def test_readme_step(page, kind, item, workdirs):
     workdir = workdirs(page)
     if kind == "command":
         cmd: Command = item
-        argv = shrink(cmd)
+        argv = shrink(cmd, workdir)
         out = run(argv, workdir, cmd.env)
         assert out.returncode == cmd.expect, f"{shlex.join(argv)} -> {out.returncode}\n{tail(out)}"
         if cmd.output:
@@ -153,10 +172,23 @@ def test_readme_step(page, kind, item, workdirs):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(block.text)
     if kind == "train":
-        argv = ["kiln", "train", str(target.relative_to(workdir)), *SHRINK["train"],
+        recipe = str(target.relative_to(workdir))
+        argv = ["kiln", "train", recipe, *SHRINK["train"], *shorter("train", [recipe], workdir),
                 f"--run.folder=runs/{page.stem}_{block.line}"]
         out = run(argv, workdir)
         assert out.returncode == 0, f"{shlex.join(argv)} -> {out.returncode}\n{tail(out)}"
+
+
+def test_the_shrink_shortens_packed_text_runs_and_keeps_conversations_whole():
+    def argv(line: str) -> list[str]:
+        return shrink(Command(line=1, env={}, argv=shlex.split(line)), REPO)
+
+    assert argv("./run_train.sh train_configs/debug.toml")[-2:] == SHORT["train"]
+    assert argv("kiln bench train_configs/llama_debug.toml")[-1] == "--training.seq_len=64"
+    chat = argv("./run_train.sh train_configs/sft_debug.toml")
+    assert chat[-len(SHRINK["train"]):] == SHRINK["train"]  # the recipe's own seq_len
+    assert argv("kiln train train_configs/nowhere.toml")[-1] == BATCH[-1]  # says so itself
+    assert argv("kiln sweep train_configs/debug.toml --emit jobs.sh")[-1] == "jobs.sh"
 
 
 def test_the_docs_pages_are_all_read():
