@@ -15,8 +15,8 @@ import pytest
 from tests import forked
 from tests.conftest import REPO
 
-# The launch is under test, not the model: debug.toml at a quarter of its width.
-NARROW = ("--model.dim=64", "--model.ffn.hidden_dim=128")
+# The launch is under test, not the model: debug.toml at a quarter of its width and length.
+NARROW = ("--model.dim=64", "--model.ffn.hidden_dim=128", "--training.seq_len=64")
 
 
 def _cmd(folder, *extra: str) -> list[str]:

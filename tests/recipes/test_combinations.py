@@ -17,6 +17,7 @@ check (on by default there), whose collectives the spy checks like the training'
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -68,8 +69,10 @@ def _names(recipe) -> set[tuple[str, str]]:
     return {("model", m.type), ("attention", m.attention.type), ("ffn", m.ffn.type)}
 
 
+@functools.cache  # asked once per parametrization and case (a recipe load each family)
 def discovered() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """FAMILIES plus one case per registered model / attention / ffn that none of them uses."""
+    """FAMILIES plus one case per registered model / attention / ffn that none of them uses
+    (computed once; callers read it and never change it)."""
     families = dict(FAMILIES)
     used = set().union(*(_names(load_recipe(CONFIGS / f, o)) for f, o in FAMILIES.values()))
     for kind in ("model", "attention", "ffn"):
