@@ -35,8 +35,8 @@ def pytest_addoption(parser):
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core this process may use (xdist counts physical cores), and
     one more: tests wait on their subprocesses, gloo peers, file locks and timeouts, and the
-    extra worker runs another module meanwhile (on 2 cores: 86 idle core-s of 1,510 down to 10,
-    docs/contributing.md)."""
+    extra worker runs another module meanwhile (on 2 cores: 86 idle core-s of a full run's
+    1,287 down to 8, docs/contributing.md)."""
     if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process is allowed
         return len(os.sched_getaffinity(0)) + 1
     return (os.cpu_count() or 1) + 1  # macOS, Windows
