@@ -36,49 +36,10 @@ from tests.readme_blocks import (
     output_problem,
     toml_target,
 )
+from tests.readme_shrink import BATCH, SHORT, SHRINK, shorter, shrink
 
 PAGES = [Page.read(path, REPO) for path in doc_pages(REPO)]
 README = PAGES[0]
-
-# Appended to every command of a kind (the last value of a key or flag wins), so each runs in
-# seconds; docs/contributing.md lists the same.
-# Two sequences a step, one per micro-batch (debug.toml takes 8): the same commands, less work.
-BATCH = ["--training.global_batch=2", "--training.micro_batch=1"]
-SHRINK = {
-    "train": ["--training.steps=2", "--eval.tokens=1024", *BATCH],
-    "bench": ["--steps", "1", "--warmup", "0", *BATCH],
-    "eval": ["--tokens", "1024"],
-    "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
-}
-# ... and of 64 tokens, unless the recipe trains on conversations: a conversation longer than
-# seq_len is dropped, not cut, so a shorter window would leave the chat recipes no data.
-SHORT = {"train": ["--training.seq_len=64", "--eval.tokens=256"],
-         "bench": ["--training.seq_len=64"], "sweep": ["--training.seq_len=64"]}
-
-
-def shrink(cmd: Command, workdir: Path) -> list[str]:
-    argv = cmd.argv
-    if Path(argv[0]).name == "run_train.sh":
-        return [*argv, *SHRINK["train"], *shorter("train", argv[1:], workdir)]
-    if argv[0] == "kiln" and len(argv) > 1 and "--emit" not in argv:
-        return [*argv, *SHRINK.get(argv[1], []), *shorter(argv[1], argv[2:], workdir)]
-    return argv
-
-
-def shorter(kind: str, args: list[str], workdir: Path) -> list[str]:
-    """SHORT[kind] for a command training the recipe ``args[0]`` on packed text (none for chat
-    data, other commands, or a recipe that does not load: the command itself says why)."""
-    from kiln.components.errors import KilnError
-    from kiln.recipes.config.files import load_recipe
-
-    if kind not in SHORT or not args or not (workdir / args[0]).is_file():
-        return []
-    try:
-        chat = load_recipe(workdir / args[0]).data.type == "chat"
-    except KilnError:
-        return []
-    return [] if chat else SHORT[kind]
-
 
 def _steps(page: Page) -> list:
     """(page, kind, payload) per runnable piece of a page, in order, as pytest params."""
