@@ -297,7 +297,7 @@ class Started:
         """Wait for the processes; their output and status as ``run`` returns them (all are
         killed on a timeout, which raises ``subprocess.TimeoutExpired``)."""
         try:
-            failed = _wait(self.children, timeout)
+            failed = _wait(self.children, timeout, self.shown)
             out, err = (_text(self._tmp / f"{name}{self.shown}") for name in ("stdout", "stderr"))
             if failed is None:
                 for child in self.children:
@@ -313,14 +313,17 @@ class Started:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _wait(children: list, timeout: float) -> int | None:
+def _wait(children: list, timeout: float, shown: int = 0) -> int | None:
     """Wait for every child; once one fails, stop the others (as torchrun does). The index
-    whose status counts (the first failure, else the shown rank 0), None on a timeout."""
+    whose status counts (the first failure, else the shown rank), None on a timeout. Ranks
+    seen failed together (each gave the same bad recipe, say) count as the shown one when it is
+    among them, so its message is the one shown, once, as kiln's launcher shows one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [c.exitcode for c in children]
         if any(codes):
-            first = next(i for i, code in enumerate(codes) if code)
+            failed = [i for i, code in enumerate(codes) if code]
+            first = shown if shown in failed else failed[0]
             for child in children:
                 if child.exitcode is None:
                     child.kill()

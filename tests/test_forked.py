@@ -45,6 +45,30 @@ def test_a_forked_command_gives_the_exit_status_and_output_of_a_process(tmp_path
     assert shown.returncode == 0 and "[model]" in shown.stdout, shown.stderr
 
 
+class _Exited:
+    """A child as ``forked._wait`` sees it, already ended with ``exitcode``."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def kill(self):
+        self.exitcode = -9 if self.exitcode is None else self.exitcode
+
+    def join(self):
+        pass
+
+
+def test_ranks_that_failed_together_answer_with_the_shown_rank_and_a_lone_failure_with_its_own():
+    # both ranks stopped on the same bad recipe before the wait looked: the shown rank's
+    # message and status, once (the race that showed the message twice)
+    assert forked._wait([_Exited(2), _Exited(2)], timeout=5) == 0
+    assert forked._wait([_Exited(2), _Exited(2)], timeout=5, shown=1) == 1
+    # one rank failed while the shown one still ran: the failure counts, the runner is stopped
+    running = _Exited(None)
+    assert forked._wait([running, _Exited(3)], timeout=5) == 1 and running.exitcode == -9
+    assert forked._wait([_Exited(0), _Exited(0)], timeout=5) == 0
+
+
 @pytest.mark.slow
 def test_a_forked_two_rank_launch_answers_with_the_shown_ranks_output_and_status(tmp_path):
     two = forked.run(["./run_train.sh", "missing.toml"], tmp_path, env={**os.environ, "NGPU": "2"})
