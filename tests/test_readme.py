@@ -36,7 +36,7 @@ from tests.readme_blocks import (
     output_problem,
     toml_target,
 )
-from tests.readme_shrink import BATCH, SHORT, SHRINK, shorter, shrink
+from tests.readme_shrink import BATCH, SHORT, SHRINK, shrink
 
 PAGES = [Page.read(path, REPO) for path in doc_pages(REPO)]
 README = PAGES[0]
@@ -133,9 +133,9 @@ def test_readme_step(page, kind, item, workdirs):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(block.text)
     if kind == "train":
-        recipe = str(target.relative_to(workdir))
-        argv = ["kiln", "train", recipe, *SHRINK["train"], *shorter("train", [recipe], workdir),
-                f"--run.folder=runs/{page.stem}_{block.line}"]
+        train = Command(line=block.line, env={},
+                        argv=["kiln", "train", str(target.relative_to(workdir))])
+        argv = [*shrink(train, workdir), f"--run.folder=runs/{page.stem}_{block.line}"]
         out = run(argv, workdir)
         assert out.returncode == 0, f"{shlex.join(argv)} -> {out.returncode}\n{tail(out)}"
 
