@@ -38,8 +38,10 @@ def pytest_xdist_auto_num_workers(config):
     extra worker runs another module meanwhile (on 2 cores: 86 idle core-s of a full run's
     1,287 down to 8, docs/contributing.md)."""
     if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process is allowed
-        return len(os.sched_getaffinity(0)) + 1
-    return (os.cpu_count() or 1) + 1  # macOS, Windows
+        cores = len(os.sched_getaffinity(0))
+    else:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return cores + 1
 
 
 def pytest_xdist_make_scheduler(config, log):
