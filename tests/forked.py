@@ -305,7 +305,12 @@ class Started:
                     child.join()
                 raise subprocess.TimeoutExpired(self.argv, timeout, out, err)
             if failed != self.shown and self.children[failed].exitcode:
-                err += f"[rank {failed}]\n" + _text(self._tmp / f"stderr{failed}")
+                # the failed rank's message, unless the shown rank printed the same one before
+                # it was stopped (both ranks hit the same bad recipe: shown once, as kiln's
+                # launcher shows it)
+                theirs = _text(self._tmp / f"stderr{failed}")
+                if not theirs.strip() or theirs.strip() not in err:
+                    err += f"[rank {failed}]\n" + theirs
             # Like subprocess: -N when signal N ended the child.
             return subprocess.CompletedProcess(self.argv, self.children[failed].exitcode, out,
                                                err)

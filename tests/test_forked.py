@@ -69,6 +69,19 @@ def test_ranks_that_failed_together_answer_with_the_shown_rank_and_a_lone_failur
     assert forked._wait([_Exited(0), _Exited(0)], timeout=5) == 0
 
 
+def test_the_failed_ranks_message_is_added_once_and_only_when_the_shown_rank_lacks_it():
+    # rank 1 stopped on the bad recipe while rank 0, having printed the same message, still ran
+    # (the race that showed the message twice in CI); a message of its own is still added
+    for rank0, rank1, want in (("bad recipe\n", "bad recipe\n", "bad recipe\n"),
+                               ("", "bad recipe\n", "[rank 1]\nbad recipe\n")):
+        started = forked.Started(["kiln"], shown=0)
+        for rank, text in enumerate((rank0, rank1)):
+            started.files(rank)[1].write_text(text)
+        started.children = [_Exited(None), _Exited(2)]
+        done = started.wait(timeout=5)
+        assert (done.returncode, done.stderr) == (2, want)
+
+
 @pytest.mark.slow
 def test_a_forked_two_rank_launch_answers_with_the_shown_ranks_output_and_status(tmp_path):
     two = forked.run(["./run_train.sh", "missing.toml"], tmp_path, env={**os.environ, "NGPU": "2"})
