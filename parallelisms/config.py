@@ -108,6 +108,12 @@ class ParallelismConfig(Config):
         description="on a GPU without fp8 (compute capability < 8.9) train in high precision "
         "instead of failing",
     )
+    float8_emulate: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run the fp8 matmuls as float32 products of the dequantized fp8 values "
+        "(torchao's emulate; the casts and scales stay float8's): auto = on CPU, off on GPUs; off "
+        "on CPU calls torch._scaled_mm's CPU kernel, about 100x slower than a float32 matmul",
+    )
     float8_min_dim: int = Field(
         64, ge=1, description="skip Linear layers whose in or out features are below this"
     )

@@ -39,7 +39,7 @@ from kiln.components.distributed import is_dtensor
 from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
 from kiln.parallelisms.compile import apply_compile
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.parallelisms.float8 import apply_float8, float8_post_optimizer_step
+from kiln.parallelisms.float8 import apply_float8, float8_emulated, float8_post_optimizer_step
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
 from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.mesh import layout
@@ -72,6 +72,7 @@ class ParallelPlan:
     replicated: bool = False  # world > 1 without FSDP: gradients all-reduced by sync_grads
     float8: str = "off"
     float8_modules: list[str] = field(default_factory=list)
+    float8_emulated: bool = False  # the converted layers' matmuls run in float32 (float8_emulate)
     float8_scale_precompute: bool = False
     parts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -234,7 +235,9 @@ def parallelize(
     converted, f8_note = apply_float8(model, cfg, world.device, fsdp)
     plan.float8_modules = converted
     if converted:
-        plan.parts.append(f"float8 {cfg.float8} on {len(converted)} Linear layers")
+        plan.float8_emulated = float8_emulated(cfg, world.device)
+        emulated = " (emulated)" if plan.float8_emulated else ""
+        plan.parts.append(f"float8 {cfg.float8}{emulated} on {len(converted)} Linear layers")
         plan.float8_scale_precompute = (
             fsdp and cfg.float8 == "tensorwise" and cfg.float8_fsdp_all_gather
         )

@@ -52,12 +52,13 @@ class Peak:
                 f"({self.source})")
 
 
-def gemm_dtype(training, parallelism, float8: bool, device_type: str) -> str:
+def gemm_dtype(training, parallelism, float8: bool, device_type: str,
+               float8_emulated: bool = False) -> str:
     """The dtype the model's GEMMs run in (``[training]`` and ``[parallelism]`` tables): fp8
-    when float8 converted layers, bf16 under autocast or bf16 parameters, else fp32 (tf32 on
-    CUDA where torch allows it)."""
+    when float8 converted layers (fp32 when those matmuls are emulated), bf16 under autocast
+    or bf16 parameters, else fp32 (tf32 on CUDA where torch allows it)."""
     if float8:
-        return "fp8"
+        return "fp32" if float8_emulated else "fp8"
     if training.mixed_precision == "bf16" or parallelism.param_dtype == "bfloat16":
         return "bf16"
     if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
@@ -202,7 +203,8 @@ def _square_mm(n: int, dtype: str, device_type: str):
 def trainer_peak(trainer) -> float:
     """The peak for a trainer's MFU, in its GEMM dtype; prints the one-line notice."""
     dtype = gemm_dtype(trainer.recipe.training, trainer.recipe.parallelism,
-                       bool(trainer.parallel.float8_modules), trainer.device.type)
+                       bool(trainer.parallel.float8_modules), trainer.device.type,
+                       trainer.parallel.float8_emulated)
     peak = peak_flops(trainer.device.type, dtype)
     if peak.warning:
         trainer.print(peak.warning)

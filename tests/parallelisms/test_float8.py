@@ -61,14 +61,33 @@ def test_off_converts_nothing():
     assert _float8_names(model) == []
 
 
-def test_unsupported_hardware_fails_or_falls_back(monkeypatch):
+def test_unsupported_hardware_fails_or_falls_back_unless_emulated(monkeypatch):
     monkeypatch.setattr(f8, "float8_support", lambda device, recipe="": "A100 has no fp8")
     with pytest.raises(KilnError, match="A100 has no fp8.*float8_fallback = true"):
-        f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)
+        f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise", float8_emulate="off"), CPU,
+                        False)
     model = Mixed()
-    cfg = ParallelismConfig(float8="rowwise", float8_fallback=True)
+    cfg = ParallelismConfig(float8="rowwise", float8_fallback=True, float8_emulate="off")
     converted, note = f8.apply_float8(model, cfg, CPU, False)
     assert converted == [] and "skipped" in note and _float8_names(model) == []
+    # emulated float8 needs no fp8 hardware: on CPU by default, anywhere with "on"
+    assert f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)[0]
+    cuda = ParallelismConfig(float8="rowwise", float8_emulate="on")
+    assert f8.apply_float8(Mixed(), cuda, torch.device("cuda"), False)[0] == ["ok", "inner.0"]
+
+
+def test_emulation_is_on_for_cpu_and_off_for_gpus_by_default():
+    auto, on, off = (ParallelismConfig(float8="rowwise", float8_emulate=e)
+                     for e in ("auto", "on", "off"))
+    gpu = torch.device("cuda")
+    assert f8.float8_emulated(auto, CPU) and not f8.float8_emulated(auto, gpu)
+    assert f8.float8_emulated(on, gpu) and not f8.float8_emulated(off, CPU)
+    model = Mixed()
+    f8.apply_float8(model, auto, CPU, False)
+    assert model.ok.config.emulate
+    model = Mixed()
+    f8.apply_float8(model, off, CPU, False)
+    assert not model.ok.config.emulate
 
 
 def test_cpu_is_supported():
@@ -83,29 +102,47 @@ def test_fsdp_float8_all_gather_only_for_tensorwise():
     assert not f8.float8_config(rowwise, fsdp=True).enable_fsdp_float8_all_gather
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_float8_trains_on_cpu(recipe):
-    if recipe != "tensorwise" and not f8.cpu_rowwise_scaled_mm():
-        pytest.skip(f"torch {torch.__version__}: no row-wise torch._scaled_mm on CPU")
+def _train_float8(recipe: str, steps: int, emulate: str = "auto") -> list[float]:
     model = tiny_model(seed=0)
-    converted, _ = f8.apply_float8(model, ParallelismConfig(float8=recipe), CPU, False)
+    cfg = ParallelismConfig(float8=recipe, float8_emulate=emulate)
+    converted, _ = f8.apply_float8(model, cfg, CPU, False)
     assert converted
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for seqs in batches(0, 8, 8):
+    for seqs in batches(0, steps, 8):
         opt.zero_grad()
         loss = loss_fn(model, seqs)
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_trains_on_cpu(recipe):
+    losses = _train_float8(recipe, 8)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def test_cpu_without_rowwise_scaled_mm_is_a_clear_error(monkeypatch):
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_emulated_float8_equals_the_scaled_mm_kernel_to_float32_rounding(recipe):
+    # the same casts and scales; only the product differs: float32 matmul against the CPU
+    # torch._scaled_mm kernel (3 steps: each of its 63 fp8 matmuls per step takes milliseconds)
+    if recipe != "tensorwise" and not f8.cpu_rowwise_scaled_mm():
+        pytest.skip(f"torch {torch.__version__}: no row-wise torch._scaled_mm on CPU")
+    kernel = _train_float8(recipe, 3, emulate="off")
+    assert _train_float8(recipe, 3) == pytest.approx(kernel, rel=1e-4)
+
+
+def test_cpu_without_rowwise_scaled_mm_is_a_clear_error_unless_emulated(monkeypatch):
     monkeypatch.setattr(f8, "cpu_rowwise_scaled_mm", lambda: False)
     with pytest.raises(KilnError, match="row-wise scaled matmul on CPU"):
-        f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)
-    converted, _ = f8.apply_float8(Mixed(), ParallelismConfig(float8="tensorwise"), CPU, False)
+        f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise", float8_emulate="off"), CPU,
+                        False)
+    converted, _ = f8.apply_float8(Mixed(), ParallelismConfig(float8="tensorwise",
+                                                              float8_emulate="off"), CPU, False)
     assert converted
+    assert f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)[0]

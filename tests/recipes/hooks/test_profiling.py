@@ -34,6 +34,8 @@ def test_gemm_dtype_and_mfu_never_above_one():
 
     bf16, fp32 = TrainingConfig(mixed_precision="bf16"), TrainingConfig()
     assert gemm_dtype(bf16, ParallelismConfig(), True, "cuda") == "fp8"
+    # emulated float8 (the CPU default) multiplies in float32: that peak, not fp8's
+    assert gemm_dtype(bf16, ParallelismConfig(), True, "cpu", float8_emulated=True) == "fp32"
     assert gemm_dtype(fp32, ParallelismConfig(param_dtype="bfloat16"), False, "cpu") == "bf16"
     assert gemm_dtype(bf16, ParallelismConfig(), False, "cpu") == "bf16"
     assert gemm_dtype(fp32, ParallelismConfig(param_dtype="float32"), False, "cpu") == "fp32"
