@@ -97,7 +97,7 @@ def float8_config(cfg: ParallelismConfig, fsdp: bool, emulate: bool = False):
     config = f8.Float8LinearConfig.from_recipe_name(cfg.float8)
     if cfg.float8 == "tensorwise" and fsdp and cfg.float8_fsdp_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    return dataclasses.replace(config, emulate=emulate) if emulate else config
+    return dataclasses.replace(config, emulate=emulate)
 
 
 def apply_float8(
