@@ -1,6 +1,7 @@
 """Collectives go through ``kiln.components.distributed``, which hands each one its tensor on the
 process group's device (NCCL takes CUDA tensors only) and copies the result back. The 2-process
-gloo check of every collective a real run makes is in tests/recipes/test_combinations.py."""
+gloo check of every collective a real run makes is in
+tests/recipes/test_combinations_distributed.py."""
 
 from __future__ import annotations
 
