@@ -5,8 +5,11 @@ the 2-process tests; the parent asserts on what they report."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -81,3 +84,24 @@ class CollectiveSpy:
     def report(self) -> dict:
         return {"calls": self.calls, "wrong_device": self.wrong_device,
                 "direct_calls": self.direct_calls}
+
+
+@contextlib.contextmanager
+def spied_rank(rank: int, world: int, port: int, folder: str) -> Iterator[dict]:
+    """A gloo rank of a 2-process test (``rank_env``) whose collectives the spy watches. Yields
+    the dict the rank fills with its results; on the way out, even after an error, writes it
+    with the spy's report to ``folder/rank{rank}.json`` and leaves the process group."""
+    from tests.parallelisms.tiny import rank_env
+
+    rank_env(rank, world, port)
+    spy = CollectiveSpy().install()
+    results: dict = {}
+    done = False
+    try:
+        yield results
+        done = True
+    finally:
+        spy.uninstall()
+        results["spy"] = spy.report()
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
+        distributed.shutdown(together=done)

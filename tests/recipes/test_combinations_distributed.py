@@ -11,12 +11,12 @@ from __future__ import annotations
 import io
 import json
 import math
-import sys
 
 import pytest
 
 from tests import forked
-from tests.parallelisms.tiny import free_port, rank_env
+from tests.collective_spy import spied_rank
+from tests.parallelisms.tiny import free_port
 from tests.recipes.test_combinations import (
     CHUNK,
     DIAGNOSTICS,
@@ -37,13 +37,7 @@ CP2 = ("--parallelism.cp=2", *DOC_MASK, "--parallelism.activation_checkpoint=ful
 
 
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
-    from kiln.components import distributed
-    from tests.collective_spy import CollectiveSpy
-
-    rank_env(rank, 2, port)
-    spy = CollectiveSpy().install()
-    results: dict = {}
-    try:
+    with spied_rank(rank, 2, port, folder) as results:
         for family in families:  # FSDP2 (the default with 2 processes), saved at the end
             recipe = recipe_for(family, f"{folder}/{family}", *FSDP2_SAVED)
             results[family], _ = train(recipe, eval_first=True)
@@ -75,12 +69,6 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         results["world_device"] = str(trainer.world.device)
         results["resumed"], _ = train(recipe_for("looped_moe", f"{folder}/r", *args,
                                                  f"--training.steps={STEPS + 1}"))
-    finally:
-        spy.uninstall()
-        results["spy"] = spy.report()
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(results, f)
-        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 @pytest.mark.slow
@@ -150,22 +138,10 @@ DIAG_CELLS = (("fsdp2", "looped_moe", ("--parallelism.fsdp=on",)),
 
 
 def _diag_worker(rank: int, port: int, folder: str) -> None:
-    from kiln.components import distributed
-    from tests.collective_spy import CollectiveSpy
-
-    rank_env(rank, 2, port)
-    spy = CollectiveSpy().install()
-    results: dict = {}
-    try:
+    with spied_rank(rank, 2, port, folder) as results:
         for name, family, flags in DIAG_CELLS:
             results[name], _ = train(recipe_for(family, f"{folder}/{name}", *DIAGNOSTICS,
                                                 "--training.steps=1", *flags))
-    finally:
-        spy.uninstall()
-        results["spy"] = spy.report()
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(results, f)
-        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 def _diag_line(folder) -> dict:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import io
 import json
 import math
-import sys
 
 import pytest
 
 from kiln.recipes.config.files import load_recipe
 from tests import forked
+from tests.collective_spy import spied_rank
 from tests.conftest import CONFIGS
-from tests.parallelisms.tiny import free_port, rank_env
+from tests.parallelisms.tiny import free_port
 from tests.recipes.test_combinations import (
     STEPS,
     TINY,
@@ -78,27 +78,16 @@ ELASTIC = ("--checkpoint.enable=true", "--checkpoint.interval=1", "--training.st
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
-    from kiln.components import distributed
     from kiln.recipes.training.trainer import Trainer
     from tests.checkpointing.elastic import StopAfter
-    from tests.collective_spy import CollectiveSpy
 
-    rank_env(rank, 2, port)
-    spy = CollectiveSpy().install()
-    results: dict = {}
-    try:
+    with spied_rank(rank, 2, port, folder) as results:
         for family in ("dense", "looped_moe"):
             results[family], _ = train(mixture_recipe(family, f"{folder}/{family}2",
                                                       "--parallelism.fsdp=on"))
         results["full"], _ = train(mixture_recipe("dense", f"{folder}/full2", *ELASTIC))
         recipe = mixture_recipe("dense", f"{folder}/cut", *ELASTIC)
         Trainer(recipe, hooks=[StopAfter(1)], out=io.StringIO()).fit()  # saved at step 1
-    finally:
-        spy.uninstall()
-        results["spy"] = spy.report()
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(results, f)
-        distributed.shutdown(together=sys.exc_info()[0] is None)
 
 
 @pytest.mark.slow
