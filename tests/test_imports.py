@@ -100,7 +100,8 @@ def test_no_import_cycles():
 
 # The rooms of the top floor, bottom to top: a room imports only rooms below it (cli.py, the
 # entry point, may import any). docs/design.md "Floors" draws the same tree.
-RECIPES_ROOMS = ["probes", "config", "runs", "inference", "hooks", "training", "commands"]
+RECIPES_ROOMS = ["probes", "config", "runs", "inference", "hooks", "preflight", "training",
+                 "commands"]
 
 
 def _room(module: str) -> str:

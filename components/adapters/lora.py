@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 
 import torch
 from pydantic import Field
@@ -41,7 +42,11 @@ class LoRAConfig(ComponentConfig):
     targets: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="globs over module names (as in the model's state dict, e.g. "
-        '"*.attention.wq", "*.ffn.*"); every matching nn.Linear gets an adapter')
+        '"*.attention.wq", "*.ffn.*"); every matching nn.Linear gets an adapter, and '
+        'every glob must match at least one')
+    allow_random_base: bool = Field(
+        False, description="train adapters without checkpoint.init_from, on the model's "
+        "random initialisation (tests, ablations); otherwise such a run is refused")
 
 
 class LoRAPair(nn.Module):
@@ -63,6 +68,11 @@ class LoRAPair(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.dropout(x) @ self.A.t() @ self.B.t()) * self.scale
+
+    def extend_head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the output layer, for the chunked loss (``lm_head.HeadExtension``): ``(scale *
+        dropout(x) @ A.T, B)``, (..., rank) and (V, rank), whose product is this update."""
+        return (self.dropout(x) @ self.A.t()) * self.scale, self.B
 
     def delta(self) -> torch.Tensor:
         """The update of the base weight: ``scale * B @ A`` (out, in)."""
@@ -88,14 +98,40 @@ class LoRA:
         self.cfg = cfg
 
     def targets(self, model: nn.Module) -> list[str]:
-        """Names of the linear layers the globs match (an error if none)."""
+        """Names of the linear layers the globs match: an error names every glob that matches
+        none, and a layer whose weight another module shares (tied embeddings)."""
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        hits = [n for n in linear if any(fnmatch.fnmatchcase(n, g) for g in self.cfg.targets)]
-        if not hits:
+        idle = [g for g in self.cfg.targets if not any(fnmatch.fnmatchcase(n, g) for n in linear)]
+        if idle:
+            kinds = sorted(set(re.sub(r"\.\d+\.", ".N.", n) for n in linear))  # per block
             raise RecipeError(
-                f"adapter.targets = {self.cfg.targets} match no linear layer; the model's are "
-                f"named like {', '.join(linear[:6])}{', ...' if len(linear) > 6 else ''}")
+                f"adapter.targets: {', '.join(repr(g) for g in idle)} "
+                f"match{'es' if len(idle) == 1 else ''} no linear layer; the model's are "
+                f"{', '.join(kinds)} (N: the block)")
+        hits = [n for n in linear if any(fnmatch.fnmatchcase(n, g) for g in self.cfg.targets)]
+        owners: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                owners.setdefault(id(p), []).append(f"{name}.{pname}")
+        for name in hits:
+            shared = owners[id(model.get_submodule(name).weight)]
+            if len(shared) > 1:
+                raise RecipeError(
+                    f"adapter.targets: {name} shares its weight with "
+                    f"{', '.join(n for n in shared if n != f'{name}.weight')} (tied "
+                    "embeddings), so merging its adapter would change both; leave it out of "
+                    "the targets or train with model.tie_embeddings = false")
         return hits
+
+    def check_base(self, init_from: str) -> None:
+        """Adapters are trained on a pretrained base: without ``init_from`` the base is random
+        and a PEFT export names none, so that needs ``allow_random_base``."""
+        if not init_from and not self.cfg.allow_random_base:
+            raise RecipeError(
+                "[adapter] without checkpoint.init_from trains adapters on a randomly "
+                "initialised frozen model; name the pretrained base in checkpoint.init_from "
+                "(a kiln checkpoint or a Hugging Face folder), or set "
+                "adapter.allow_random_base = true if that is what you want")
 
     def apply(self, model: nn.Module) -> str:
         """Freeze ``model`` and add the adapters; a line for the start-up log."""

@@ -10,14 +10,17 @@ exist at once and nothing of size (N, V) is saved for backward. The FLOPs are th
 unchunked path (one projection forward, two backward matmuls): no recomputation.
 
 Models opt in through the model protocol: ``forward(input_ids, head=fn)`` returns
-``fn(hidden, weight, softcap)`` instead of logits, with ``hidden`` the final-norm output
-(B, T, D) and ``weight`` the head's (V, D) matrix, read inside ``forward`` so that FSDP2 has it
-unsharded. Per-row results equal the unchunked ``logits()`` path; only the sum's grouping differs.
+``fn(*head_operands(hidden, output), softcap)`` instead of logits, with ``hidden`` the final-norm
+output (B, T, D) and ``weight`` the head's (V, D) matrix, read inside ``forward`` so that FSDP2
+has it unsharded. An adapter on the output layer widens both (``HeadExtension``), so the chunked
+loss trains it too. Per-row results equal the unchunked ``logits()`` path; only the sum's
+grouping differs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,32 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 def logits(hidden: torch.Tensor, output: nn.Module, cap: float) -> torch.Tensor:
     """The unchunked head: (B, T, D) -> (B, T, V) through the ``output`` module, soft-capped."""
     return soft_cap(output(hidden), cap)
+
+
+@runtime_checkable
+class HeadExtension(Protocol):
+    """A trainable addition to the output layer that is a product of the hidden states, held
+    as a child module of it (a low-rank adapter on ``output``). ``extend_head(hidden)`` returns
+    ``(extra_hidden (..., r), extra_weight (V, r))`` whose product ``extra_hidden @
+    extra_weight.T`` is the addition to the logits: the chunked loss then sees the adapted
+    projection by concatenation, and the gradient reaches the addition's parameters."""
+
+    def extend_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def head_operands(hidden: torch.Tensor, output: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a model passes to ``head(hidden, weight, softcap)``: the final-norm output and the
+    head's matrix, both widened by every ``HeadExtension`` on ``output``, so that
+    ``hidden @ weight.T`` is the ``output`` module's own result (B, T, D + r), (V, D + r)."""
+    extras = [m for m in output.children() if isinstance(m, HeadExtension)]
+    if not extras:
+        return hidden, output.weight
+    hs, ws = [hidden], [output.weight]
+    for extension in extras:
+        h, w = extension.extend_head(hidden)
+        hs.append(h.to(hidden.dtype))
+        ws.append(w.to(output.weight.dtype))
+    return torch.cat(hs, dim=-1), torch.cat(ws, dim=1)
 
 
 def chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -39,7 +39,7 @@ from kiln.components.models.block import (
     init_component,
     resolve_sizes,
 )
-from kiln.components.models.lm_head import HeadFn, logits
+from kiln.components.models.lm_head import HeadFn, head_operands, logits
 from kiln.components.models.looped_carry import Carry, LoopWindow
 from kiln.components.protocols import ModelContract
 from kiln.components.registry import register
@@ -256,7 +256,7 @@ class Looped(MoEModelMixin, ModelContract, RetiedOnEmpty):
             s = self.layers[i](s, context=context)
         s = self.norm(s)
         if head is not None:
-            return head(s, self.output.weight, self.cfg.logit_softcap)
+            return head(*head_operands(s, self.output), self.cfg.logit_softcap)
         return logits(s, self.output, self.cfg.logit_softcap)  # (B, T, V)
 
     def _draw_loops(self) -> int:

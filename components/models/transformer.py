@@ -33,7 +33,7 @@ from kiln.components.models.block import (
     init_component,
     resolve_sizes,
 )
-from kiln.components.models.lm_head import HeadFn, logits
+from kiln.components.models.lm_head import HeadFn, head_operands, logits
 from kiln.components.protocols import ModelContract
 from kiln.components.registry import register
 
@@ -133,7 +133,7 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             return h
         h = self.norm(h)
         if head is not None:
-            return head(h, self.output.weight, self.logit_softcap)
+            return head(*head_operands(h, self.output), self.logit_softcap)
         return logits(h, self.output, self.logit_softcap)  # (B, T, V)
 
     def num_params(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:

@@ -318,7 +318,7 @@ def _prepare_source(args: argparse.Namespace) -> int:
 def _mix(args: argparse.Namespace) -> int:
     """The run plan of a mixture recipe (``Mixture.plan``) as a table, one process assumed
     (the plan is the same on any number: it counts global sequences)."""
-    from kiln.recipes.training import batch_plan
+    from kiln.recipes.preflight import batch_plan
 
     recipe = _recipe(args)
     if recipe.data.type != "mixture":

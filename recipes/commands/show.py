@@ -19,5 +19,5 @@ def run(args) -> int:
     if args.params:
         from kiln.recipes.commands.validate import describe
 
-        print("# " + describe(recipe).replace("\n", "\n# "))
+        print("# " + describe(recipe, data=False).replace("\n", "\n# "))
     return 0

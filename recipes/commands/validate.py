@@ -1,11 +1,13 @@
-"""`kiln validate RECIPE...`: resolve each recipe, check its batch plan and budget for the world
-size, and build its components on the meta device (model, optimizers and their routing,
-schedules, step, guards) without training or data."""
+"""`kiln validate RECIPE...`: run every check `kiln train` runs before its first step (the same
+functions, ``recipes/preflight/checks.py``): the batch plan and budget for the world size, the
+data (prepared as a first run would), the model and its adapter on the meta device, optimizers
+and their routing, schedules, step and guards; without training."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -13,11 +15,10 @@ import torch
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.components.protocols import complete_model
-from kiln.parallelisms.layout.check import model_problems, raise_problems, training_problems
-from kiln.parallelisms.mesh import layout
+from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.pipeline.checks import pipeline_problems
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.training import batch_plan
+from kiln.recipes.preflight import batch_plan, checks
 from kiln.recipes.training.layout_report import layout_report
 from kiln.recipes.training.model_inputs import ModelInputs
 from kiln.recipes.training.optimizer_set import OptimizerSet
@@ -32,10 +33,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=0, metavar="N",
                         help="plan for N processes (default: $NGPU, else 1): check the batch "
                         "plan and the [parallelism] layout, print the mesh and per-rank memory")
+    parser.add_argument("--no-data", action="store_true",
+                        help="leave the data out: do not prepare or read it (its checks run at "
+                        "train start)")
 
 
-def build_meta_model(recipe):
-    tokenizer = recipe.tokenizer.build()
+def build_meta_model(recipe, tokenizer=None):
+    tokenizer = tokenizer or recipe.tokenizer.build()
     with torch.device("meta"):
         return recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
                                   seq_len=recipe.training.seq_len)
@@ -51,16 +55,30 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def describe(recipe, world_size: int = 1) -> str:
-    """Check the batch plan and layout (what ``kiln train`` refuses is refused here too), build
-    on meta and summarise: budget, parameter counts, FLOPs/token, optimizer routing, and for
-    more than one process the mesh and per-rank memory."""
-    shape = layout(recipe.parallelism, world_size)
+def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
+    """Run the checks ``kiln train`` runs before step 1, in its order (``recipes/preflight``):
+    batch plan and layout, the data (prepared as training would; ``data=False`` leaves it out),
+    the model on meta with its adapter, the optimizers, guards and step; then summarise: budget,
+    parameter counts, FLOPs/token, optimizer routing, and for more than one process the mesh
+    and per-rank memory."""
+    shape, bp = checks.plan_layout(recipe, world_size)
     tr = recipe.training
-    bp = batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
-    model = build_meta_model(recipe)
-    raise_problems(training_problems(tr, shape.tp, shape.cp)
-                   + model_problems(model, shape.tp, shape.ep, shape.cp)
+    tokenizer = recipe.tokenizer.build()
+    lines = [batch_plan.describe_budget(tr, bp)]
+    run_data = None
+    if data:
+        run_data = checks.open_data(recipe, tokenizer, bp, rank=0, ranks=shape.dp,
+                                    prepare=lambda dataset: dataset.prepare())
+        getattr(run_data.train_loader, "close", lambda: None)()
+        if not tr.steps:
+            lines.append(f"  {run_data.total_steps:,} steps of this data")
+        lines += run_data.lines
+    model = build_meta_model(recipe, tokenizer)
+    complete_model(model)
+    checks.check_model(recipe, model, tokenizer)
+    if recipe.adapter is not None:
+        lines.append(checks.add_adapter(recipe, model))
+    raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp)
                    + pipeline_problems(recipe.parallelism, tr, model, bp.grad_accum,
                                        recipe.checkpoint, getattr(recipe.model, "attention",
                                                                   None)), shape.describe())
@@ -68,20 +86,24 @@ def describe(recipe, world_size: int = 1) -> str:
                          cp=SimpleNamespace(size=shape.cp))
     inputs.check_model(model)
     total = model.num_params()
-    lines = [batch_plan.describe_budget(recipe.training, bp),
-             f"parameters: {total:,} ({human_count(total)})"]
-    lines += [f"  {k}: {v:,}" for k, v in complete_model(model).param_summary().items()]
+    lines.append(f"parameters: {total:,} ({human_count(total)})")
+    lines += [f"  {k}: {v:,}" for k, v in model.param_summary().items()]
     lines.append(f"non-embedding parameters: {model.num_params(exclude_embeddings=True):,}")
-    lines.append(f"training FLOPs/token: {model.flops_per_token(recipe.training.seq_len):.4g}")
-    steps = recipe.training.steps or 1
+    lines.append(checks.trainable_line(model))
+    lines.append(f"training FLOPs/token: {model.flops_per_token(tr.seq_len):.4g}")
+    steps = run_data.total_steps if run_data else (tr.steps or 1)
     opts = OptimizerSet(model, recipe.optimizer_tables(), steps)
     lines.append("optimizers:\n" + opts.table())
-    recipe.training.step.build()
     with tempfile.TemporaryDirectory() as tmp:
-        from pathlib import Path
-
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
+    step = tr.step.build()
+    if run_data is not None:
+        weighted = checks.token_weighted(recipe, run_data.dataset, step, shape)
+        if weighted and (describe_data := getattr(run_data.dataset, "describe", None)):
+            lines.append(describe_data())
+    else:
+        lines.append("data: not read here (its checks run when training starts)")
     if world_size > 1:
         lines.append(layout_report(recipe, lambda: build_meta_model(recipe), world_size,
                                    grad_accum=bp.grad_accum))
@@ -96,7 +118,7 @@ def run(args) -> int:
     for path in args.recipes:
         try:
             recipe = load_recipe(path, args.overrides)
-            text = describe(recipe, world_size)
+            text = describe(recipe, world_size, data=not args.no_data)
         except KilnError as exc:
             print(f"{path}: INVALID\n  {exc}")
             status = max(status, exc.exit_code)

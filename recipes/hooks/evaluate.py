@@ -84,15 +84,18 @@ def eval_sources(dataset) -> list[str | None]:
 
 
 def eval_loader(trainer, source: str | None = None):
-    """The eval split's loader of this rank (of one source of a mixture): micro_batch rows per
-    data-parallel rank per batch (tensor-parallel peers share batches). The trainer builds one
-    at start-up too, so a split too small for one batch stops the run before step 1, not after
-    the last."""
+    """The eval split's loader of this rank (of one source of a mixture)."""
+    return split_loader(trainer.dataset, trainer.plan.micro_batch, trainer.data_rank,
+                        trainer.data_ranks, source)
+
+
+def split_loader(dataset, micro_batch: int, rank: int, ranks: int, source: str | None = None):
+    """The eval split's loader of data-parallel rank ``rank`` of ``ranks``: ``micro_batch`` rows
+    per rank per batch (tensor-parallel peers share batches). The start-up checks build one
+    too, so a split too small for one batch stops the run before step 1, not after the last."""
     extra = {} if source is None else {"source": source}
-    return trainer.dataset.loader(
-        "eval", micro_batch=trainer.plan.micro_batch, global_batch=trainer.plan.micro_batch
-        * trainer.data_ranks, rank=trainer.data_rank, world_size=trainer.data_ranks, **extra,
-    )
+    return dataset.loader("eval", micro_batch=micro_batch, global_batch=micro_batch * ranks,
+                          rank=rank, world_size=ranks, **extra)
 
 
 def evaluate(trainer, token_budget: int) -> float:

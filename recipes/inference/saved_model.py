@@ -79,6 +79,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "a
         from kiln.components.adapters.lora import merge
 
         if fmt == "peft":
+            if not recipe.checkpoint.init_from:
+                raise RecipeError(
+                    f"{checkpoint}: its adapters were trained on the model's random "
+                    "initialisation (adapter.allow_random_base, no checkpoint.init_from), so a "
+                    "peft adapter would name no base to load it on; export the merged weights "
+                    "instead (--format hf)")
             summary = export_peft(model, out_dir, base=recipe.checkpoint.init_from,
                                   dropout=getattr(recipe.adapter, "dropout", 0.0), force=force)
             return _with_template(summary, checkpoint, recipe, tokenizer, Path(out_dir))

@@ -1,2 +1,1 @@
-"""The training loop: the trainer and what only it uses: batch plan, metrics, inputs,
-optimizers."""
+"""The training loop: the trainer and what only it uses: metrics, inputs, optimizers."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import time
 from pathlib import Path
@@ -22,14 +21,12 @@ from kiln.components.adapters.lora import is_adapter
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook, complete_model
 from kiln.parallelisms.health.check import run_health_check
-from kiln.parallelisms.layout.check import chunked_loss_note, raise_problems, training_problems
-from kiln.parallelisms.mesh import layout
+from kiln.parallelisms.layout.check import chunked_loss_note
 from kiln.recipes.config.files import render_recipe, to_dict
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.hooks.evaluate import eval_loader, eval_sources
+from kiln.recipes.preflight import checks
 from kiln.recipes.probes.flops import trainer_peak
 from kiln.recipes.probes.process_stats import Phases
-from kiln.recipes.training import batch_plan
 from kiln.recipes.training.context_warmup import context_length, truncate
 from kiln.recipes.training.hook_set import by_priority, checkpoint_hook, standard_hooks
 from kiln.recipes.training.metrics import MetricsWriter
@@ -68,12 +65,9 @@ class Trainer:
         # same batch, so data is split over the data-parallel ranks only (rank // (cp x tp)).
         # Rows [data_rank * per_rank, ...) of each global batch are this rank's; checkpoints map
         # the per-row state (carry) and the data cursor by these rows on a layout change.
-        self.mesh_layout = layout(recipe.parallelism, self.world.world_size)
+        self.mesh_layout, self.plan = checks.plan_layout(recipe, self.world.world_size)
         self.data_rank = self.mesh_layout.dp_rank(self.world.rank)
         self.data_ranks = self.mesh_layout.dp
-        shape = self.mesh_layout
-        raise_problems(training_problems(tr, shape.tp, shape.cp), shape.describe())
-        self.plan = batch_plan.plan(tr, self.data_ranks, tp=shape.tp, cp=shape.cp)
         self.progress = Progress()
         self.seq_len = tr.seq_len  # of the current step (see training.context_warmup)
         self.last_eval_loss: float | None = None
@@ -85,31 +79,19 @@ class Trainer:
         self.health = run_health_check(recipe.run.health_check, pcfg, self.world, self.print)
         phase("health check")
         self.tokenizer = recipe.tokenizer.build()
-        self.dataset = recipe.data.build(tokenizer=self.tokenizer, seq_len=tr.seq_len, seed=tr.seed)
-        if self.world.is_main:
-            self.dataset.prepare()
-        distributed.barrier()
-        if not self.world.is_main:
-            self.dataset.prepare()
-        self.train_loader = self.dataset.loader(
-            "train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
-            rank=self.data_rank, world_size=self.data_ranks,
-        )
-        self.total_steps = batch_plan.total_steps(
-            tr, self.plan, getattr(self.train_loader, "steps_per_epoch", None))
-        if check_run := getattr(self.dataset, "check_run", None):  # e.g. a mixture's stages
-            for line in check_run(self.total_steps, self.plan.global_batch):
-                self.print(line)
-        if recipe.eval.at_end or 0 < recipe.eval.interval <= self.total_steps:
-            for source in eval_sources(self.dataset):  # each fits one batch, or fails now
-                getattr(eval_loader(self, source), "close", lambda: None)()
+        data = checks.open_data(recipe, self.tokenizer, self.plan, rank=self.data_rank,
+                                ranks=self.data_ranks, prepare=self._prepare)
+        self.dataset, self.train_loader = data.dataset, data.train_loader
+        self.total_steps = data.total_steps
+        for line in data.lines:
+            self.print(line)
         phase("data")
         self.model = self._build_model()
         # A LoRA run from init_from checkpoints its adapters only: the frozen base is the
         # init_from weights, read again on resume.
         self.saved_params = None
         if recipe.adapter is not None:
-            self.print(self._add_adapter())
+            self.print(checks.add_adapter(recipe, self.model))
             if recipe.checkpoint.init_from:
                 self.saved_params = is_adapter
         phase("model build")
@@ -156,54 +138,24 @@ class Trainer:
         else:
             model = self.recipe.model.build(vocab_size=vocab, seq_len=tr.seq_len)
         complete_model(model)  # a plugin model gets the optional methods' no-op defaults
-        if getattr(model, "vocab_size", vocab) < self.tokenizer.vocab_size:
-            raise RecipeError(
-                f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({self.tokenizer.vocab_size}); raise it or set 0 to use the "
-                "tokenizer's (rounded up to model.vocab_multiple)"
-            )
-        if tr.loss_chunk_tokens and "head" not in inspect.signature(model.forward).parameters:
-            raise RecipeError(
-                f"training.loss_chunk_tokens = {tr.loss_chunk_tokens} needs a model whose "
-                f"forward takes head= (docs/design.md); {type(model).__name__} does not: set "
-                "training.loss_chunk_tokens = 0"
-            )
+        checks.check_model(self.recipe, model, self.tokenizer)
         return model if self.recipe.parallelism.meta_init else model.to(self.device)
 
-    def _add_adapter(self) -> str:
-        """``[adapter]``: freeze the model and add the adapters (before parallelize, so FSDP2
-        shards them with their blocks and the ranks start from rank 0's)."""
-        p = self.recipe.parallelism
-        why = ("parallelism.tp > 1" if p.tp > 1 else "parallelism.pp > 1" if p.pp > 1
-               else f"parallelism.float8 = {p.float8!r}" if p.float8 != "off" else "")
-        if why:
-            raise RecipeError(f"[adapter] {self.recipe.adapter.type}: not with {why} yet (the "
-                              "adapters hook plain nn.Linear layers on whole weights); turn it "
-                              "off or fine-tune all weights without [adapter]")
-        if self.recipe.checkpoint.export_at_end:
-            raise RecipeError("checkpoint.export_at_end with [adapter]: export the run's last "
-                              "checkpoint instead (`kiln export CHECKPOINT OUT_DIR` merges the "
-                              "adapters, --format peft writes them alone)")
-        return self.recipe.adapter.build().apply(self.model)
+    def _prepare(self, dataset) -> None:
+        """Rank 0 prepares the data first (builds a cache entry), the other ranks then read it."""
+        if self.world.is_main:
+            dataset.prepare()
+        distributed.barrier()
+        if not self.world.is_main:
+            dataset.prepare()
 
     def _token_weighted(self) -> bool:
-        """Masked data (``chat``) takes the mean over the global batch's trained tokens; only
-        a step that weights its micro-batches can train it, and not where a rank sees a part
-        of each row (context parallel) or the pipeline computes the loss."""
-        if not getattr(self.dataset, "token_weighted", False):
-            return False
-        if describe := getattr(self.dataset, "describe", None):
+        """Masked data (``chat``) takes the mean over the global batch's trained tokens."""
+        weighted = checks.token_weighted(self.recipe, self.dataset, self.step_fn,
+                                         self.mesh_layout)
+        if weighted and (describe := getattr(self.dataset, "describe", None)):
             self.print(describe())
-        why = ("parallelism.cp > 1" if self.mesh_layout.cp > 1
-               else "pipeline parallelism" if self.parallel.pipeline is not None
-               else "" if getattr(self.step_fn, "token_weighted", False)
-               else f"training.step.type = {self.recipe.training.step.type!r}")
-        if why:
-            raise RecipeError(
-                f"{self.recipe.data.type} data masks its labels, so the loss is token-weighted "
-                f"over the global batch, which {why} does not do yet; use the standard step "
-                "without context or pipeline parallelism")
-        return True
+        return weighted
 
     def _source_losses(self):
         """Per-source training loss for a dataset with ``source_names`` (a mixture), where the

@@ -17,7 +17,7 @@ from tests.recipes.test_combinations import STEPS, TINY, ac_modes, discovered, t
 
 CHAT = ("--data.type=chat", "--data.template=chatml", "--data.builtin_rows=200",
         "--training.seq_len=128", "--training.global_batch=2", "--training.micro_batch=1")
-MODES = {"full": (), "lora": ("--adapter.rank=4",)}
+MODES = {"full": (), "lora": ("--adapter.rank=4", "--adapter.allow_random_base=true")}
 
 
 def chat_recipe(family: str, folder, *extra: str):

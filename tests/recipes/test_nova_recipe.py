@@ -34,7 +34,7 @@ def test_10b_recipe_is_the_reference_configuration():
     for o in opts.values():
         assert (o.schedule.type, o.schedule.warmup_steps) == ("warmup_cosine", 4000)
     # Issue 10 item 10: the reference trains max(130k, ceil(200e9 / tokens_per_step)) steps.
-    from kiln.recipes.training import batch_plan
+    from kiln.recipes.preflight import batch_plan
 
     bp = batch_plan.plan(r.training, world_size=8)
     assert bp.tokens_per_step == 6 * 8 * 8 * 2048

@@ -83,7 +83,8 @@ def test_an_sft_run_killed_with_sigkill_resumes_to_the_same_losses(full, tmp_pat
     assert {s: r["loss"] for s, r in _metrics(cut).items() if "loss" in r} == ref.losses
 
 
-LORA = ["--adapter.rank=4", "--adapter.alpha=8", "--optimizer.lr=3e-2"]
+LORA = ["--adapter.rank=4", "--adapter.alpha=8", "--optimizer.lr=3e-2",
+        "--adapter.allow_random_base=true"]
 
 
 class Weights(Hook):

@@ -29,17 +29,13 @@ Span = tuple[int, int]
 
 
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
-                    where: str) -> tuple[str, list[Span]]:
-    """(rendered text, the character span of every assistant turn, in order)."""
+                    where: str) -> tuple[str, list[list[Span]]]:
+    """(rendered text, the character spans of every assistant turn, in order: one list per
+    turn; a template may mark a turn with several ``{% generation %}`` blocks)."""
     text, marked = template.render(messages, where=where)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if template.has_generation:
-        if len(marked) != len(turns):
-            raise DataError(
-                f"chat template {template.name}: its {{% generation %}} blocks mark "
-                f"{len(marked)} spans in {where}, which has {len(turns)} assistant turns; fix "
-                "the template's generation blocks")
-        return text, marked
+        return text, _marked_turns(template, messages, turns, marked, where)
     spans = []
     for i in turns:
         before, _ = template.render(messages[:i], add_generation_prompt=True, where=where)
@@ -50,14 +46,39 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
                 "located exactly (rendering the conversation up to that turn is not a prefix "
                 "of rendering it whole, so the template rewrites earlier turns); use a "
                 "template with {% generation %} blocks or another template (data.template)")
-        spans.append((len(before), len(upto)))
+        spans.append([(len(before), len(upto))])
     return text, spans
 
 
-def chosen(spans: list[Span], text: str, train_on: TrainOn) -> list[Span]:
+def _marked_turns(template: ChatTemplate, messages: list[dict[str, str]], turns: list[int],
+                  marked: list[Span], where: str) -> list[list[Span]]:
+    """The ``{% generation %}`` spans grouped by assistant turn: the spans a render up to and
+    including a turn marks are that turn's and the earlier turns' (a template may mark a turn
+    with several blocks: one around the content, one around the end-of-turn token).
+    Training on every assistant turn takes their union, as ``transformers``'
+    ``return_assistant_tokens_mask`` does."""
+    if not turns:
+        return []
+    if len(turns) == 1 and marked:
+        return [marked]
+    counts = [len(template.render(messages[:i + 1], where=where)[1]) for i in turns[:-1]]
+    edges = [0, *counts, len(marked)]
+    if any(
+            b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise DataError(
+            f"chat template {template.name}: its {{% generation %}} blocks mark "
+            f"{len(marked)} spans in {where}, which has {len(turns)} assistant turns, and they "
+            "cannot be assigned to the turns (each turn needs at least one, and rendering the "
+            "conversation up to a turn must mark that turn's and the earlier ones); fix the "
+            "template's generation blocks")
+    return [marked[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def chosen(spans: list[list[Span]], text: str, train_on: TrainOn) -> list[Span]:
     if train_on == "all":
         return [(0, len(text))]
-    return spans[-1:] if train_on == "last_assistant" else spans
+    turns = spans[-1:] if train_on == "last_assistant" else spans
+    return [span for turn in turns for span in turn]
 
 
 def token_offsets(tokenizer: Any, text: str, cuts: list[int],

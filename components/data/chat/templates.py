@@ -36,6 +36,8 @@ NAMED = {"chatml": CHATML}
 TEMPLATE_FILE = "chat_template.jinja"  # beside a run and its export; transformers reads it
 STOP_TEXTS = {"chatml": "<|im_end|>"}
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_GENERATION_TAGS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 @dataclass
@@ -158,7 +160,7 @@ def from_folder(folder: Path) -> ChatTemplate:
     specials = {f"{k}_token": v for k, v in configured_specials(folder).items()}
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), specials)
+        return ChatTemplate(_read(jinja_file), str(jinja_file), specials)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -188,8 +190,9 @@ def resolve(spec: str, tokenizer: Any) -> ChatTemplate:
         path = Path(spec).expanduser()
         if path.is_dir():
             return from_folder(path)
-        if path.is_file():
-            return ChatTemplate(path.read_text(encoding="utf-8"), str(path))
+        if path.is_file():  # rendered with the tokenizer's special tokens, as transformers does
+            return _checked(ChatTemplate(_read(path), str(path), tokenizer_specials(tokenizer)),
+                            tokenizer)
         raise DataError(f"data.template = {spec!r}: not a named template "
                         f"({', '.join(NAMED)}), a .jinja file or a folder")
     file = getattr(tokenizer, "file", None)
@@ -198,6 +201,52 @@ def resolve(spec: str, tokenizer: Any) -> ChatTemplate:
             f"data.template = \"\" reads the tokenizer's Hugging Face folder, but the "
             f"{type(tokenizer).__name__} has none; set data.template = \"chatml\"")
     return from_folder(Path(file).parent)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: a chat template must be UTF-8 text ({exc.reason} at byte "
+                        f"{exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the chat template ({exc.strerror})") from None
+
+
+def tokenizer_specials(tokenizer: Any) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` / ``pad_token`` as a template sees them (transformers
+    passes the tokenizer's special tokens' texts): a Hugging Face folder's configured ones,
+    else the text of the tokenizer's BOS / EOS id where it has one."""
+    file = getattr(tokenizer, "file", None)
+    found = ({f"{k}_token": v for k, v in configured_specials(Path(file).parent).items()}
+             if file is not None else {})
+    to_text = getattr(tokenizer, "id_to_token", None)
+    for key in ("bos", "eos"):
+        token_id = getattr(tokenizer, f"{key}_id", None)
+        text = to_text(token_id) if to_text is not None and token_id is not None else None
+        if f"{key}_token" not in found and text:
+            found[f"{key}_token"] = text
+    return found
+
+
+def _checked(template: ChatTemplate, tokenizer: Any) -> ChatTemplate:
+    """A template that writes a special token the tokenizer has no text for is refused: it
+    would render as nothing (``{{ bos_token }}``) or fail on the first row."""
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:  # (the generation tags are kiln's extension: left out to list the names)
+        used = meta.find_undeclared_variables(env.parse(_GENERATION_TAGS.sub("", template.source)))
+    except jinja2.TemplateSyntaxError:
+        return template  # the compile names the fault, with its line
+    missing = sorted(n for n in used if n in SPECIAL_NAMES and n not in template.specials)
+    if missing:
+        raise DataError(
+            f"chat template {template.name} writes {', '.join(missing)}, which the "
+            f"{type(tokenizer).__name__} has no text for; use a Hugging Face tokenizer whose "
+            "tokenizer_config.json names it, or a template without it")
+    return template
 
 
 def end_of_turn(template: ChatTemplate) -> str:

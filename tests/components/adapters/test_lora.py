@@ -42,10 +42,12 @@ def saved(tmp_path_factory):
     adapters' B is random, so they change the function."""
     root = tmp_path_factory.mktemp("lora")
     base_recipe = load_recipe(CONFIGS / "debug.toml", TINY)
-    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *ADAPTER])
     torch.manual_seed(0)
     model = base_recipe.model.build(vocab_size=padded_vocab(base_recipe.model, 258), seq_len=16)
     base = _save(root / "base", model, base_recipe)
+    export_checkpoint(base, root / "hf")
+    recipe = load_recipe(CONFIGS / "debug.toml",
+                         [*TINY, *ADAPTER, f"--checkpoint.init_from={root / 'hf'}"])
     recipe.adapter.build().apply(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,8 +79,131 @@ def test_only_the_adapters_train_and_b_starts_at_zero():
 
 def test_targets_that_match_nothing_name_the_layers():
     model = load_recipe(CONFIGS / "debug.toml", TINY).model.build(vocab_size=264, seq_len=16)
-    with pytest.raises(RecipeError, match=r"match no linear layer.*layers\.0\.attention\.wq"):
+    with pytest.raises(RecipeError, match=r"matches no linear layer.*layers\.N\.attention\.wq"):
         LoRA(LoRAConfig(type="lora", targets=["*.q_proj"])).targets(model)
+
+
+def test_a_glob_that_matches_nothing_is_refused_by_name_beside_one_that_matches():
+    model = load_recipe(CONFIGS / "debug.toml", TINY).model.build(vocab_size=264, seq_len=16)
+    with pytest.raises(RecipeError, match=r"'\*\.q_proj' matches no linear layer") as err:
+        LoRA(LoRAConfig(type="lora", targets=["*.attention.wq", "*.q_proj"])).targets(model)
+    assert "attention.wq'" not in str(err.value)
+
+
+def test_an_adapter_on_a_tied_output_is_refused():
+    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, "--model.tie_embeddings=true"])
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    with pytest.raises(RecipeError, match=r"output shares its weight with tok_embeddings"):
+        LoRA(LoRAConfig(type="lora", targets=["output"])).targets(model)
+
+
+def test_a_random_base_is_refused_unless_allowed():
+    with pytest.raises(RecipeError, match="allow_random_base = true"):
+        LoRA(LoRAConfig(type="lora")).check_base("")
+    LoRA(LoRAConfig(type="lora", allow_random_base=True)).check_base("")
+    LoRA(LoRAConfig(type="lora")).check_base("runs/base")
+
+
+def _output_adapter_model(targets, dropout=0.0, family="dense"):
+    from tests.recipes.test_combinations import FAMILIES
+
+    file, overrides = FAMILIES[family]
+    recipe = load_recipe(CONFIGS / file, [*overrides, "--training.seq_len=16",
+                                          "--model.tie_embeddings=false"])
+    torch.manual_seed(0)
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    LoRA(LoRAConfig(type="lora", rank=4, alpha=8, dropout=dropout, targets=targets)).apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _grads(model, loss_of):
+    model.zero_grad()
+    loss = loss_of(model)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.requires_grad}
+
+
+@pytest.mark.parametrize("family, targets", [
+    ("dense", ["output"]), ("dense", ["output", "*.attention.wq", "*.feed_forward.w2"]),
+    ("moe", ["output", "*.attention.wo"]), ("diff_layerscale", ["output"]),
+    ("looped_moe", ["output", "*.attention.wk"])])
+def test_the_chunked_loss_trains_an_adapter_on_the_output(family, targets):
+    """The adapter on ``output`` gets the gradient of the unchunked loss (it got none)."""
+    from kiln.components.models.lm_head import LossHead
+
+    model = _output_adapter_model(targets, family=family)
+    ids = _ids()
+    x, y = ids[:, :-1], ids[:, 1:]
+    torch.manual_seed(5)  # (a looped model draws its loop count)
+    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
+        m(x).flatten(0, 1).float(), y.flatten()))
+    torch.manual_seed(5)
+    chunked = _grads(model, lambda m: m(x, head=LossHead(y, 5)))
+    torch.testing.assert_close(chunked[0], plain[0])
+    assert {"output.lora.A", "output.lora.B"} <= set(chunked[1])
+    assert chunked[1]["output.lora.A"].abs().sum() > 0
+    for name, g in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_with_dropout_the_chunked_output_adapter_equals_the_unchunked_one():
+    """Dropout's mask is drawn once per forward on either path: the same seed, the same grads."""
+    from kiln.components.models.lm_head import LossHead
+
+    model = _output_adapter_model(["output"], dropout=0.3)
+    model.train()
+    ids = _ids()
+    x, y = ids[:, :-1], ids[:, 1:]
+    torch.manual_seed(3)
+    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
+        m(x).flatten(0, 1).float(), y.flatten()))
+    torch.manual_seed(3)
+    chunked = _grads(model, lambda m: m(x, head=LossHead(y, 4)))
+    for name, g in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_output_adapter_gradients_equal_peft(tmp_path):
+    """LoRA on the output and on wq: kiln's chunked loss and its gradients equal peft's on the
+    exported base with the exported adapter."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from kiln.components.models.lm_head import LossHead
+
+    base_recipe = load_recipe(CONFIGS / "debug.toml", TINY)
+    torch.manual_seed(0)
+    model = base_recipe.model.build(vocab_size=padded_vocab(base_recipe.model, 258), seq_len=16)
+    export_checkpoint(_save(tmp_path / "base", model, base_recipe), tmp_path / "hf")
+    recipe = load_recipe(CONFIGS / "debug.toml", [
+        *TINY, "--adapter.rank=4", "--adapter.alpha=8", f"--checkpoint.init_from={tmp_path / 'hf'}",
+        '--adapter.targets=["output", "*.attention.wv"]'])
+    recipe.adapter.build().apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    lora = _save(tmp_path / "lora", model, recipe)
+    assert main(["export", str(lora), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    theirs_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
+    ids = _ids()
+    theirs_loss = theirs_model(input_ids=ids, labels=ids).loss
+    theirs_loss.backward()
+    theirs = {n: p.grad for n, p in theirs_model.named_parameters() if p.requires_grad}
+    ours_loss, ours = _grads(model, lambda m: m(ids[:, :-1], head=LossHead(ids[:, 1:], 5)))
+    torch.testing.assert_close(ours_loss, theirs_loss.detach(), rtol=1e-5, atol=1e-6)
+    for kiln_name, peft_name in [("output.lora.A", "lm_head.lora_A.default.weight"),
+                                 ("output.lora.B", "lm_head.lora_B.default.weight"),
+                                 ("layers.1.attention.wv.lora.A",
+                                  "model.layers.1.self_attn.v_proj.lora_A.default.weight")]:
+        got = next(g for n, g in theirs.items() if n.endswith(peft_name))
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(ours[kiln_name], got, rtol=1e-4, atol=1e-6)
 
 
 def test_peft_on_the_exported_base_equals_the_kiln_adapter_model(saved, tmp_path):
@@ -122,6 +247,15 @@ def test_merge_keeps_the_function_and_removes_the_adapters(saved):
     assert merge(twin) == 10
     assert not any(".lora." in n for n, _ in twin.named_parameters())
     torch.testing.assert_close(_kiln_logits(twin), want, rtol=1e-5, atol=1e-6)
+
+
+def test_peft_export_of_adapters_on_a_random_base_is_refused(saved, tmp_path):
+    _, lora, model = saved
+    recipe = load_recipe(lora, ['--checkpoint.init_from=""', "--adapter.allow_random_base=true"])
+    folder = _save(tmp_path / "random", model, recipe)
+    with pytest.raises(RecipeError, match="would name no base"):
+        export_checkpoint(folder, tmp_path / "x", fmt="peft")
+    assert export_checkpoint(folder, tmp_path / "merged")["layout"] == "hf"
 
 
 def test_peft_export_of_a_full_fine_tune_is_refused(saved, tmp_path):

@@ -51,7 +51,8 @@ def test_validate_plans_expert_parallel(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(("world", "flags", "message"), [
-    (6, ["--parallelism.tp=3"], "model.attention.n_heads = 8 is not divisible by parallelism.tp"),
+    (6, ["--parallelism.tp=3", "--training.seq_len=96"],
+     "model.attention.n_heads = 8 is not divisible by parallelism.tp"),
     (4, ["--parallelism.tp=3"], "parallelism.tp = 3 does not divide the world size 4"),
     (2, ["--parallelism.ep=2"], "parallelism.ep = 2 needs MoE layers"),
     (4, ["--parallelism.tp=2", "--training.seq_len=33"],

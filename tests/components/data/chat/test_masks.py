@@ -38,8 +38,11 @@ def test_render_and_ids_equal_transformers(hf_folders, name):
         assert mask.any() and not mask[0]
 
 
-def test_generation_masks_equal_return_assistant_tokens_mask(hf_folders):
-    ours, theirs = _pair(hf_folders["chatml_generation"])
+@pytest.mark.parametrize("name", ["chatml_generation", "two_generation"])
+def test_generation_masks_equal_return_assistant_tokens_mask(hf_folders, name):
+    """One {% generation %} block per assistant turn, or two (content, then the end of turn):
+    kiln's mask is transformers' union of the marked spans."""
+    ours, theirs = _pair(hf_folders[name])
     template = templates.resolve("", ours)
     for conv in CONVERSATIONS:
         got = theirs.apply_chat_template(conv, tokenize=True, return_dict=True,
@@ -47,6 +50,59 @@ def test_generation_masks_equal_return_assistant_tokens_mask(hf_folders):
         ids, mask = masks.encode(template, ours, conv, "assistant", "row", bos=False)
         assert ids.tolist() == list(got["input_ids"])
         assert mask.astype(int).tolist() == list(got["assistant_masks"])
+
+
+def test_two_generation_blocks_per_turn_train_the_last_turn_whole(hf_folders):
+    ours, _ = _pair(hf_folders["two_generation"])
+    template = templates.resolve("", ours)
+    conv = CONVERSATIONS[1]
+    text, spans = masks.assistant_spans(template, conv, "row")
+    assert [[text[a:b] for a, b in turn] for turn in spans] == [
+        ["Seven.", "</s>"], ["Two, the only one.", "</s>"]]
+    ids, last = masks.encode(template, ours, conv, "last_assistant", "row", bos=False)
+    assert ours.decode(ids[last], skip_special=False) == "Two, the only one.</s>"
+
+
+def test_generation_blocks_that_skip_a_turn_are_refused():
+    source = ("{% for m in messages %}{{ m['role'] + ': ' }}{% if m['role'] == 'assistant' "
+              "and loop.last %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+              "{% generation %}.{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+              "{{ '\n' }}{% endfor %}")
+    template = templates.ChatTemplate(source, "skips.jinja")
+    with pytest.raises(DataError, match="cannot be assigned to the turns"):
+        masks.assistant_spans(template, CONVERSATIONS[1], "row 4")
+
+
+@pytest.mark.parametrize("name", ["two_generation", "llama3"])
+def test_a_jinja_file_renders_with_the_tokenizers_special_tokens(hf_folders, tmp_path, name):
+    """A template given as a .jinja file sees bos_token / eos_token as transformers passes
+    them (it rendered them as nothing, or stopped with 'eos_token' is undefined)."""
+    ours, theirs = _pair(hf_folders["chatml_generation"])
+    source = (hf_folders[name] / "tokenizer_config.json").read_text()
+    import json
+
+    source = json.loads(source)["chat_template"]
+    file = tmp_path / f"{name}.jinja"
+    file.write_text(source)
+    template = templates.resolve(str(file), ours)
+    for conv in CONVERSATIONS:
+        text, _ = template.render(conv)
+        assert text == theirs.apply_chat_template(conv, chat_template=source, tokenize=False)
+    assert name != "two_generation" or text.startswith("<s>")
+
+
+def test_a_jinja_file_needing_a_token_the_tokenizer_cannot_write_is_refused(tmp_path):
+    file = tmp_path / "bos.jinja"
+    file.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(DataError, match=r"bos.jinja writes bos_token, which the ByteTokenizer"):
+        templates.resolve(str(file), ByteTokenizer())
+
+
+def test_a_template_file_that_is_not_utf8_is_one_line(tmp_path):
+    file = tmp_path / "latin1.jinja"
+    file.write_bytes("{{ 'café' }}".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jinja: a chat template must be UTF-8 text"):
+        templates.resolve(str(file), ByteTokenizer())
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2_5", "mistral"])
@@ -60,7 +116,7 @@ def test_prefix_spans_equal_the_generation_spans(hf_folders, name):
         text, spans = masks.assistant_spans(template, conv, "row")
         answers = [m["content"] for m in conv if m["role"] == "assistant"]
         strip = name == "llama3"  # its template trims each message
-        assert [text[a:b] for a, b in spans] == [
+        assert [text[a:b] for [(a, b)] in spans] == [
             (c.strip() if strip else c) + end for c in answers]
 
 

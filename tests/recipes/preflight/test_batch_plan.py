@@ -6,7 +6,7 @@ import pytest
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.schema import TrainingConfig
-from kiln.recipes.training.batch_plan import plan, total_steps
+from kiln.recipes.preflight.batch_plan import plan, total_steps
 
 
 def test_grad_accum_is_derived():

@@ -1,0 +1,122 @@
+"""Everything ``kiln train`` refuses before its first step, in the functions ``kiln validate``
+calls too: one code path, so ``validate`` says ``ok`` only for what ``train`` would start.
+
+The trainer calls them in its start-up order (layout, data, model, adapter, token weighting);
+``validate`` calls the same ones on a meta-device model and this process's share of the data.
+What only a live run can check (the health check's collectives, a resumed checkpoint against
+the recipe) stays with the trainer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from kiln.components.errors import RecipeError
+from kiln.parallelisms.layout.check import raise_problems, training_problems
+from kiln.parallelisms.mesh import Layout, layout
+from kiln.recipes.hooks.evaluate import eval_sources, split_loader
+from kiln.recipes.preflight import batch_plan
+
+
+def plan_layout(recipe, world_size: int) -> tuple[Layout, batch_plan.BatchPlan]:
+    """The mesh of ``world_size`` processes and the batch plan over its data-parallel ranks;
+    sequence lengths that tensor or context parallel ranks cannot split are refused."""
+    shape = layout(recipe.parallelism, world_size)
+    raise_problems(training_problems(recipe.training, shape.tp, shape.cp), shape.describe())
+    return shape, batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
+
+
+@dataclass
+class RunData:
+    """The dataset, this rank's train loader, the run's length and the lines for the log."""
+
+    dataset: Any
+    train_loader: Any
+    total_steps: int
+    lines: list[str] = field(default_factory=list)
+
+
+def open_data(recipe, tokenizer, plan: batch_plan.BatchPlan, *, rank: int, ranks: int,
+              prepare: Callable[[Any], None]) -> RunData:
+    """Build and ``prepare`` the dataset, open data-parallel rank ``rank``'s train loader, fix
+    the run's length, check the run against the data (a mixture's stages and epochs) and that
+    every eval split holds one batch."""
+    tr = recipe.training
+    dataset = recipe.data.build(tokenizer=tokenizer, seq_len=tr.seq_len, seed=tr.seed)
+    prepare(dataset)
+    loader = dataset.loader("train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
+                            rank=rank, world_size=ranks)
+    total = batch_plan.total_steps(tr, plan, getattr(loader, "steps_per_epoch", None))
+    data = RunData(dataset, loader, total)
+    if check_run := getattr(dataset, "check_run", None):  # e.g. a mixture's stages
+        data.lines += check_run(total, plan.global_batch)
+    if recipe.eval.at_end or 0 < recipe.eval.interval <= total:
+        for source in eval_sources(dataset):  # each fits one batch, or fails now
+            getattr(split_loader(dataset, plan.micro_batch, rank, ranks, source), "close",
+                    lambda: None)()
+    return data
+
+
+def check_model(recipe, model: nn.Module, tokenizer) -> None:
+    """The model holds the tokenizer's vocabulary and, for the chunked loss, takes ``head=``."""
+    if getattr(model, "vocab_size", tokenizer.vocab_size) < tokenizer.vocab_size:
+        raise RecipeError(
+            f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}); raise it or set 0 to use the "
+            "tokenizer's (rounded up to model.vocab_multiple)")
+    chunk = recipe.training.loss_chunk_tokens
+    if chunk and "head" not in inspect.signature(model.forward).parameters:
+        raise RecipeError(
+            f"training.loss_chunk_tokens = {chunk} needs a model whose forward takes head= "
+            f"(docs/design.md); {type(model).__name__} does not: set "
+            "training.loss_chunk_tokens = 0")
+
+
+def add_adapter(recipe, model: nn.Module) -> str:
+    """``[adapter]``: check it can run with this recipe, freeze ``model`` and add the adapters
+    (before parallelize, so FSDP2 shards them with their blocks); a line for the log."""
+    p, adapter = recipe.parallelism, recipe.adapter
+    why = ("parallelism.tp > 1" if p.tp > 1 else "parallelism.pp > 1" if p.pp > 1
+           else f"parallelism.float8 = {p.float8!r}" if p.float8 != "off" else "")
+    if why:
+        raise RecipeError(f"[adapter] {adapter.type}: not with {why} yet (the adapters hook "
+                          "plain nn.Linear layers on whole weights); turn it off or fine-tune "
+                          "all weights without [adapter]")
+    if recipe.checkpoint.export_at_end:
+        raise RecipeError("checkpoint.export_at_end with [adapter]: export the run's last "
+                          "checkpoint instead (`kiln export CHECKPOINT OUT_DIR` merges the "
+                          "adapters, --format peft writes them alone)")
+    built = adapter.build()
+    built.check_base(recipe.checkpoint.init_from)
+    return built.apply(model)
+
+
+def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
+    """Masked data (``chat``) takes the mean over the global batch's trained tokens; only a
+    step that weights its micro-batches can train it, and not where a rank sees a part of each
+    row (context parallel) or the pipeline computes the loss."""
+    if not getattr(dataset, "token_weighted", False):
+        return False
+    why = ("parallelism.cp > 1" if shape.cp > 1
+           else "pipeline parallelism" if shape.pp > 1
+           else "" if getattr(step_fn, "token_weighted", False)
+           else f"training.step.type = {recipe.training.step.type!r}")
+    if why:
+        raise RecipeError(
+            f"{recipe.data.type} data masks its labels, so the loss is token-weighted over "
+            f"the global batch, which {why} does not do yet; use the standard step without "
+            "context or pipeline parallelism")
+    return True
+
+
+def trainable_line(model: nn.Module) -> str:
+    """Trainable parameters of ``model`` against all (an adapter run trains a few)."""
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
