@@ -105,7 +105,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "flops_per_token": trainer.flops_per_token,
         "achieved_flops": achieved,
         "peak_flops": peak,
-        "mfu": mfu(achieved, peak),  # None above 100%: the peak is wrong
+        "mfu": mfu(achieved, peak),  # not clipped: above 1 the peak is wrong (printed)
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
         "optimizer_state_bytes": sum(state.values()),
         "optimizer_state_bytes_by_optimizer": state,
@@ -133,6 +133,8 @@ def optimizer_state_bytes(trainer) -> dict[str, int]:
 
 def render(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    if r["mfu"] is not None and r["mfu"] > 1:
+        mfu += " (above 100%: the peak is too low for this device)"
     rows = [
         ("recipe", r["recipe"]),
         ("parallelism", r["parallelism"]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kiln.components.protocols import Hook
-from kiln.recipes.probes.flops import mfu
+from kiln.recipes.probes.flops import mfu, trainer_peak
 from kiln.recipes.probes.process_stats import peak_memory_bytes
 
 
@@ -28,6 +28,22 @@ class LogHook(Hook):
         self._t0 = time.perf_counter()
         self._tokens0 = trainer.progress.tokens
 
+    def _mfu(self, trainer, achieved: float) -> dict[str, float]:
+        """MFU and the peak it is taken against (TFLOP/s per device), never clipped. Above 100%
+        the peak is wrong: a measured one is measured again once, and a line says so."""
+        value = mfu(achieved, trainer.peak_flops)
+        if value > 1.0 and not self._over:
+            self._over = True
+            trainer.print(f"warning: MFU {value:.0%} against {trainer.peak_flops / 1e12:.4g} "
+                          "TFLOP/s: that peak is too low for this device; measuring it again")
+            trainer.peak_flops = trainer_peak(trainer, at_least=achieved)
+            value = mfu(achieved, trainer.peak_flops)
+            if value > 1.0:
+                trainer.print(f"warning: MFU {value:.0%} still above 100%: the peak "
+                              "(datasheet or probe) is wrong for this device; MFU is logged "
+                              "as computed, with the peak beside it")
+        return {"mfu": value, "mfu_peak_tflops": trainer.peak_flops / 1e12}
+
     def on_step_end(self, trainer, result) -> None:
         self._losses.append(result.loss)
         step = trainer.progress.step
@@ -46,14 +62,8 @@ class LogHook(Hook):
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
         if trainer.peak_flops:
-            per_rank = tps / trainer.world.world_size
-            value = mfu(trainer.flops_per_token * per_rank, trainer.peak_flops)
-            if value is not None:
-                values["mfu"] = value
-            elif not self._over:  # above 100%: the peak cannot be right
-                self._over = True
-                trainer.print(f"warning: MFU above 100% against {trainer.peak_flops / 1e12:.4g} "
-                              "TFLOP/s: that peak is too low for this device; MFU not logged")
+            values.update(self._mfu(trainer, trainer.flops_per_token * tps
+                                    / trainer.world.world_size))
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
         values.update(trainer.model.metrics())  # e.g. expert loads

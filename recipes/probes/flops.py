@@ -1,12 +1,16 @@
 """Peak FLOP/s for MFU, in the dtype the GEMMs actually run in: a datasheet table by GPU name
 and dtype, a measured matmul probe where the table has no entry (CPU, unknown GPUs), and a
-one-line notice naming the peak used. An MFU above 100% means the peak is wrong: ``mfu()``
-reports none then (peers shipped >100% MFU on new GPUs, OLMo-core #817, torchtitan #1201).
+one-line notice naming the peak used. ``mfu()`` never clips: an MFU above 100% means the peak
+is wrong, and the log says so and measures a probe's peak again (peers shipped >100% MFU on new
+GPUs, OLMo-core #817, torchtitan #1201); dropping those values would bias the series.
 
 A probe timed at start-up moves with whatever else the machine runs (6x between two runs on a
 shared box), and MFU would move with it: a measured peak is measured once per machine (CPU
 model or GPU name, thread count, dtype, torch version; the best of several rounds) and cached
-in ``$KILN_CACHE/peak_flops.json``, so runs of one machine share one peak."""
+in ``$KILN_CACHE/peak_flops.json``, so runs of one machine share one peak. The cache keeps the
+load the machine had then: a peak measured under load is measured again when the machine is
+quieter, and any run that achieves more than the cached peak measures it again; the cache only
+ever keeps the best figure seen."""
 
 from __future__ import annotations
 
@@ -74,9 +78,10 @@ def table_peak(device_name: str, dtype: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=8)
-def peak_flops(device_type: str, dtype: str = "fp32") -> Peak:
+def peak_flops(device_type: str, dtype: str = "fp32", at_least: float = 0.0) -> Peak:
     """The peak for MFU: the datasheet on a GPU of the table, else a measured probe (on CPU:
-    the achievable GEMM rate with the current thread count, not a theoretical number)."""
+    the achievable GEMM rate with the current thread count, not a theoretical number), measured
+    again if below ``at_least``."""
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
         value = table_peak(name, dtype)
@@ -85,7 +90,7 @@ def peak_flops(device_type: str, dtype: str = "fp32") -> Peak:
     elif device_type != "cpu":  # no table for other accelerators, nor a synchronised probe
         return Peak(0.0, dtype, f"{device_type} (no datasheet table, no probe)")
     try:
-        rate, cached, warning = measured_peak(dtype, device_type)
+        rate, cached, warning = measured_peak(dtype, device_type, at_least=at_least)
     except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. no fp8 matmul here
         return Peak(0.0, dtype, f"{device_type} (the {dtype} probe failed: {exc})")
     return Peak(rate, dtype, f"{machine(device_type)}, {dtype} matmul probe {cached}", warning)
@@ -116,19 +121,32 @@ def peak_cache() -> Path:
     return Path(os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser() / "peak_flops.json"
 
 
-def measured_peak(dtype: str, device_type: str) -> tuple[float, str, str]:
+def measured_peak(dtype: str, device_type: str, *,
+                  at_least: float = 0.0) -> tuple[float, str, str]:
     """(FLOP/s, where it came from, a warning or ""): the cached measurement of this machine,
-    else the best of ``PROBE_ROUNDS`` probes, then cached."""
+    else the best of ``PROBE_ROUNDS`` probes, then cached. The cached one is measured again
+    when it is implausible: below ``at_least`` (a rate a run achieved), or taken under a load
+    that has since fallen; the cache keeps the higher of the two."""
     path, key = peak_cache(), f"{machine(device_type)} | {dtype} | torch {torch.__version__}"
     entries, warning = read_peak_cache(path)
     entry = entries.get(key)
-    if isinstance(entry, dict) and _positive(entry.get("flops")):
-        return float(entry["flops"]), f"measured once on this machine, cached in {path}", warning
+    cached = float(entry["flops"]) if isinstance(entry, dict) and _positive(
+        entry.get("flops")) else 0.0
+    why = ""
+    if cached and at_least > cached:
+        why = f"below the {at_least / 1e12:.4g} TFLOP/s a run achieved"
+    elif cached and _load(entry) > max(LOAD_PLAUSIBLE, machine_load() + 0.25):
+        why = f"measured under load {_load(entry):.2f} per core, now {machine_load():.2f}"
+    if cached and not why:
+        return cached, f"measured once on this machine, cached in {path}", warning
     rates, started = [], time.perf_counter()
     while len(rates) < PROBE_ROUNDS and time.perf_counter() - started < PROBE_BUDGET_S:
         rates.append(matmul_probe(dtype, device_type, seconds=0.2))
     rate = max(rates)
-    entries[key] = {"flops": rate, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if rate <= cached:  # measured again, not higher: the cache keeps its figure
+        return cached, f"measured again ({why}), cached in {path}", warning
+    entries[key] = {"flops": rate, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "load": round(machine_load(), 3)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:  # through a temporary file and a rename: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +155,24 @@ def measured_peak(dtype: str, device_type: str) -> tuple[float, str, str]:
     except OSError as exc:
         warning = f"{warning}; " * bool(warning) + f"kiln: warning: {path}: the peak is not " \
             f"cached ({exc}); the next run measures it again"
-    return rate, f"measured now, cached in {path}", warning
+    done = f"measured again ({why})" if why else "measured now"
+    return rate, f"{done}, cached in {path}", warning
+
+
+LOAD_PLAUSIBLE = 0.5  # runnable processes per core at or below which a probe is trusted
+
+
+def machine_load() -> float:
+    """The 1-minute load average per core (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def _load(entry: dict) -> float:
+    value = entry.get("load", 0.0)
+    return float(value) if _positive(value) else 0.0
 
 
 def read_peak_cache(path: Path) -> tuple[dict, str]:
@@ -200,12 +235,14 @@ def _square_mm(n: int, dtype: str, device_type: str):
     return lambda: torch.mm(a, b)
 
 
-def trainer_peak(trainer) -> float:
-    """The peak for a trainer's MFU, in its GEMM dtype; prints the one-line notice."""
+def trainer_peak(trainer, at_least: float = 0.0) -> float:
+    """The peak for a trainer's MFU, in its GEMM dtype; prints the one-line notice. With
+    ``at_least`` (a per-device rate the run achieved above the peak), a measured peak is
+    measured again."""
     dtype = gemm_dtype(trainer.recipe.training, trainer.recipe.parallelism,
                        bool(trainer.parallel.float8_modules), trainer.device.type,
                        trainer.parallel.float8_emulated)
-    peak = peak_flops(trainer.device.type, dtype)
+    peak = peak_flops(trainer.device.type, dtype, at_least)  # (a new at_least: a new call)
     if peak.warning:
         trainer.print(peak.warning)
     trainer.print(peak.notice())
@@ -213,9 +250,6 @@ def trainer_peak(trainer) -> float:
 
 
 def mfu(achieved_flops: float, peak: float) -> float | None:
-    """Model FLOPs utilisation; None without a peak, or above 100% (then the peak is wrong,
-    and a number above 100% would be a claim nobody should read)."""
-    if not peak:
-        return None
-    value = achieved_flops / peak
-    return value if value <= 1.0 else None
+    """Model FLOPs utilisation; None without a peak. Not clipped: a value above 1 says the
+    peak is wrong, and the caller says so (dropping it would bias the series)."""
+    return achieved_flops / peak if peak else None

@@ -42,19 +42,26 @@ class Run:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The objects of a JSONL file. A torn last line (a run killed while writing it) is left
-    out; a bad line elsewhere is left out with a warning naming it."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    out; a bad line elsewhere (not JSON, not UTF-8, no step) is left out with a warning naming
+    it. Lines are decoded one by one, so damaged bytes cost their line only."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read it ({exc.strerror})") from None
     out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
+        why = "not a metrics line"
         try:
-            obj = json.loads(line)
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            obj, why = None, "not UTF-8 text"
         except json.JSONDecodeError:
             obj = None
         if not isinstance(obj, dict) or not isinstance(obj.get("step"), int):
             if i != len(lines):
-                print(f"kiln: warning: {path}:{i}: not a metrics line, left out", file=sys.stderr)
+                print(f"kiln: warning: {path}:{i}: {why}, left out", file=sys.stderr)
             continue
         out.append(obj)
     return _latest_session(out)

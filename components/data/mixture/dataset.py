@@ -89,7 +89,8 @@ class Mixture:
             raise RecipeError("data.type = \"mixture\" needs sources: [data.sources.NAME] "
                               "tables, each a dataset (type = \"packed_documents\", ...)")
         self.names = sorted(cfg.sources)
-        self._specs = _stages(cfg, self.names)
+        self.notes: list[str] = []  # weights rescaled to shares: said at the run's start
+        self._specs = _stages(cfg, self.names, self.notes)
         # stages placed by fraction need the run's length: ``check_run`` places them
         self.stages: list[Stage] = [] if any(f for _, f, _ in self._specs) else \
             _place(self._specs, 0)[0]
@@ -193,6 +194,7 @@ class Mixture:
         ``max_epochs``; a DataError, or lines for the log: (``on_exhausted = "repeat"``) a
         warning per source past its cap, a note per source no stage trains on (eval only)."""
         self.stages, warnings = _place(self._specs, total_steps)
+        warnings = [*self.notes, *warnings]
         warnings += [f"data: {n} is evaluated only (no weight in any stage)"
                     for i, n in enumerate(self.names) if not any(s.weights[i] for s in self.stages)]
         for line in self.plan(total_steps, global_batch):
@@ -243,7 +245,10 @@ def _counts(start: int, stop: int, stage: Stage, seed: int) -> np.ndarray:
     return np.round(np.asarray(stage.weights) * (stop - start)).astype(np.int64)
 
 
-def _weights(table: dict[str, float], names: list[str], where: str) -> tuple[float, ...]:
+def _weights(table: dict[str, float], names: list[str], where: str,
+             notes: list[str]) -> tuple[float, ...]:
+    """The shares of ``names`` (sorted) a weights table gives; a line in ``notes`` when the
+    weights do not sum to 1 (they are rescaled, as shares)."""
     unknown = sorted(set(table) - set(names))
     if unknown:
         raise RecipeError(f"{where} names unknown source(s) {', '.join(unknown)}; sources: "
@@ -253,14 +258,19 @@ def _weights(table: dict[str, float], names: list[str], where: str) -> tuple[flo
             raise RecipeError(f"{where}.{name} = {w}: a weight must be a finite number > 0 "
                               "(leave a source out of a stage to skip it)")
     total = sum(table.values())
-    return tuple(table.get(n, 0.0) / total for n in names)
+    shares = tuple(table.get(n, 0.0) / total for n in names)
+    if not math.isclose(total, 1.0, rel_tol=1e-6):
+        notes.append(f"data: {where} sum to {total:g}, not 1: used as shares "
+                      + ", ".join(f"{n} {w:.4g}" for n, w in zip(names, shares, strict=True)
+                                  if w))
+    return shares
 
 
 _Spec = tuple[int, float, tuple[float, ...]]  # (step, fraction, weights) of one stage
 
 
-def _stages(cfg: MixtureConfig, names: list[str]) -> list[_Spec]:
-    first = _weights(cfg.weights, names, "data.weights") if cfg.weights else \
+def _stages(cfg: MixtureConfig, names: list[str], notes: list[str]) -> list[_Spec]:
+    first = _weights(cfg.weights, names, "data.weights", notes) if cfg.weights else \
         tuple(1.0 / len(names) for _ in names)  # no weights: equal shares
     out: list[_Spec] = [(0, 0.0, first)]
     for i, s in enumerate(cfg.stages):
@@ -270,7 +280,8 @@ def _stages(cfg: MixtureConfig, names: list[str]) -> list[_Spec]:
         if not s.weights:
             raise RecipeError(f"data.stages[{i}].weights is empty: give at least one source a "
                               "weight > 0")
-        out.append((s.step, s.fraction, _weights(s.weights, names, f"data.stages[{i}].weights")))
+        out.append((s.step, s.fraction, _weights(s.weights, names, f"data.stages[{i}].weights",
+                                                  notes)))
     for name in cfg.max_epochs:
         if name not in names:
             raise RecipeError(f"data.max_epochs names unknown source {name!r}; sources: "

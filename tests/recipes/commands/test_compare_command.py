@@ -78,6 +78,21 @@ def test_resumed_run_relogs_steps_and_torn_last_line(tmp_path, capsys):
     assert "metrics.jsonl:1: not a metrics line" in capsys.readouterr().err
 
 
+def test_non_utf8_bytes_cost_their_line_only_in_compare_and_plot(tmp_path, capsys):
+    """A metrics.jsonl with damaged bytes: the bad line is left out with a warning, the rest
+    compares and plots (it stopped with UnicodeDecodeError)."""
+    run = make_run(tmp_path / "a", losses=(3.0, 2.0, 1.5))
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(lines[0] + b'{"step": 15, "loss": "\xff\xfe"}\n' + b"".join(lines[1:]))
+    assert main(["compare", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "metrics.jsonl:2: not UTF-8 text, left out" in err and "1.5000" in out
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(run), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_series_x_axes(tmp_path):
     run = open_run(make_run(tmp_path / "a", losses=(3.0, 2.0, 1.0), evals=(2.0,)))
     assert series(run, "loss", "tokens") == ([20480.0, 40960.0, 61440.0], [3.0, 2.0, 1.0])

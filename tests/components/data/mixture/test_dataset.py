@@ -176,7 +176,7 @@ def test_the_run_plan_counts_every_sequence_and_the_epochs(tmp_path):
 
 
 def test_max_epochs_stops_the_run_before_step_one_or_warns_with_repeat(tmp_path):
-    data = "weights = {a = 1, b = 1}\nmax_epochs = {a = 1.5}\n"
+    data = "weights = {a = 0.5, b = 0.5}\nmax_epochs = {a = 1.5}\n"
     ds, _ = _mixture(tmp_path, data, sources=("a", "b"))
     with pytest.raises(DataError, match=r"data.sources.a: the run reads it .* above "
                        r"data.max_epochs.a = 1.5.*on_exhausted"):
@@ -224,10 +224,19 @@ def test_a_stage_placed_by_fraction_moves_with_the_runs_length(tmp_path):
 
 def test_a_source_without_weight_is_evaluated_only(tmp_path):
     ds, _ = _mixture(tmp_path, "weights = {a = 1, b = 1}\n")
-    assert ds.check_run(10, 8) == ["data: c is evaluated only (no weight in any stage)"]
+    assert ds.check_run(10, 8) == [
+        "data: data.weights sum to 2, not 1: used as shares a 0.5, b 0.5",
+        "data: c is evaluated only (no weight in any stage)"]
     loader = ds.loader("train", micro_batch=8, global_batch=8)
     assert 2 not in torch.cat([b["source_ids"] for b in _steps(loader, 10)]).tolist()
     assert len(ds.loader("eval", micro_batch=2, global_batch=2, source="c")) > 0
+
+
+def test_weights_that_do_not_sum_to_one_are_rescaled_with_a_line(tmp_path):
+    ds, _ = _mixture(tmp_path, "weights = {a = 0.5, b = 0.3, c = 0.2}\n"
+                     "[[data.stages]]\nstep = 5\nweights = {a = 3, c = 1}\n")
+    assert ds.check_run(10, 8) == [
+        "data: data.stages[0].weights sum to 4, not 1: used as shares a 0.75, c 0.25"]
 
 
 def test_a_stage_past_the_run_is_refused(tmp_path):
