@@ -91,8 +91,13 @@ def dumps(data: Any) -> str:
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
                      metadata: dict[str, str]) -> None:
     """``safetensors.torch.save_file`` with the file mode every other file gets: its writer
-    creates a private (0600) temporary file and renames it into place."""
-    save_file(tensors, str(path), metadata=metadata)
+    creates a private (0600) temporary file and renames it into place. Its write errors (a
+    full disk) are ``SafetensorError``, not ``OSError``: raised here as ``OSError``, so every
+    caller's one-line message for a failed write covers them."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        raise OSError(f"{path}: {exc}") from exc
     os.chmod(path, 0o666 & ~_umask())
 
 

@@ -266,3 +266,22 @@ def test_peft_export_of_a_full_fine_tune_is_refused(saved, tmp_path):
         from kiln.checkpointing.huggingface.export import export
 
         export(saved[2], None, tmp_path / "y", model_table={}, recipe_file=None)
+
+
+@pytest.mark.parametrize("fmt", [[], ["--format", "peft"]], ids=["merged", "peft"])
+def test_a_full_disk_during_export_is_one_line(saved, tmp_path, capsys, monkeypatch, fmt):
+    """safetensors reports a failed write as SafetensorError, not OSError: it was a traceback."""
+    import kiln.checkpointing.storage as storage
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(storage, "save_file", full)
+    _, lora, _ = saved
+    assert main(["export", str(lora), str(tmp_path / "out"), *fmt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kiln export: error: ") and "No space left on device" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))  # the temporary folder is gone too
