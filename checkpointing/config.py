@@ -57,6 +57,10 @@ class CheckpointConfig(Config):
         False, description="when the snapshot resume picks is corrupt, stop with an error "
         "instead of moving it to checkpoints/corrupt/ and resuming from the newest valid one"
     )
+    on_data_change: Literal["refuse", "continue"] = Field(
+        "refuse", description="a resume whose data changed since the checkpoint (a source's "
+        "files edited, truncated or deleted): refuse it naming the source, or continue from "
+        "the saved cursor on the new data (one warning line)")
     weights_only: bool = Field(
         False, description="resume weights only: fresh optimizer, schedule and guard history"
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.checkpointing import layout
-from kiln.components.errors import CheckpointError, RecipeError
+from kiln.components.errors import CheckpointError, DataError, RecipeError
 
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
 KEY = "checkpoint.resume"  # the recipe key resolve() reads, named in its errors
@@ -233,3 +233,42 @@ def compare_with_checkpoint(folder: Path, recipe_diff, *, weights_only: bool, lo
     if result.allowed:
         log("kiln: recipe changed since the checkpoint (allowed):\n  "
             + "\n  ".join(result.allowed))
+
+
+# ------------------------------------------------------------------------ data compatibility
+def check_data(folder: Path, record: dict | None, *, policy: str, pin=None,
+               total_steps: int = 0) -> list[str]:
+    """The data the checkpoint's cursor points into against this run's (``record``: the
+    trainer's ``data_record``, fingerprints by recipe key and mixture stage steps). Changed
+    data is refused naming the source (CheckpointError), or with ``policy = "continue"`` said
+    in one line; ``pin(saved stage steps, resume step, total_steps)`` keeps the stages a
+    changed run length would move (``Mixture.pin_stages``). Lines for the log."""
+    from kiln.checkpointing.load_checks import read_state
+
+    meta = read_state(folder)
+    saved = meta.get("data")
+    if record is None:
+        return []
+    if not isinstance(saved, dict) or not isinstance(saved.get("fingerprints"), dict):
+        return [f"kiln: note: {folder.name} records no data fingerprints (saved by an older "
+                "kiln): the data is not checked against it"]
+    before, now = saved["fingerprints"], record.get("fingerprints", {})
+    changed = sorted(k for k in {*before, *now} if before.get(k) != now.get(k))
+    lines = []
+    if changed:
+        names = ", ".join(changed)
+        if policy != "continue":
+            raise CheckpointError(
+                f"{folder}: {names} changed since this checkpoint (files edited, truncated or "
+                "deleted: the data was rebuilt), so its data cursor would point into other data; "
+                "restore the data, rerun with --checkpoint.on_data_change=continue to go on from "
+                "the saved cursor on the new data, or with --checkpoint.resume=off to start afresh")
+        lines.append(f"kiln: warning: {names} changed since {folder.name}; continuing from the "
+                     "saved cursor on the new data (checkpoint.on_data_change = \"continue\")")
+    stages = saved.get("stages")
+    if pin is not None and isinstance(stages, list) and stages:
+        try:
+            lines += pin(stages, int(meta["step"]), total_steps)
+        except DataError as exc:
+            raise CheckpointError(f"{folder}: {exc}") from None
+    return lines

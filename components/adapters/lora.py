@@ -30,7 +30,8 @@ def is_adapter(name: str) -> bool:
     return ".lora." in name
 
 
-DEFAULT_TARGETS = ["*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo"]
+# Every linear layer of the attention: wq, wk, wv and wo, or a fused wqkv and wo (Nova).
+DEFAULT_TARGETS = ["*.attention.*"]
 
 
 class LoRAConfig(ComponentConfig):

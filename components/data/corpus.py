@@ -37,7 +37,7 @@ class Corpus:
     sources: tuple[SourceFile, ...]  # every candidate file, in reading order
     max_bytes: int  # documents are taken in order while they fit this many UTF-8 bytes
     text_field: str = "text"
-    digest: str = ""  # of the selection (path and size of each file); computed when empty
+    digest: str = ""  # of the selection (path, size and mtime of each file); computed when empty
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -45,8 +45,9 @@ class Corpus:
 
     @property
     def description(self) -> str:
-        """Human-readable origin plus a digest of the selection (path and size of each file)."""
-        digest = self.digest or _digest(self.root, self.files)
+        """Human-readable origin plus a digest of the selection: path, size and modification
+        time of each file, so an edit that keeps a file's size still builds a new entry."""
+        digest = self.digest or _digest(self.root, self.files, mtime=True)
         python = f"python {sys.version.split()[0]}:" if self.kind != "folder" else ""
         return f"{self.kind}:{python}{self.root}:{len(self.sources)} files:{digest}"
 
@@ -66,10 +67,15 @@ class Corpus:
                     return
 
 
-def _digest(root: Path, files: tuple[Path, ...]) -> str:
+def _digest(root: Path, files: tuple[Path, ...], mtime: bool = False) -> str:
+    """Of each file's relative path and size, and its modification time with ``mtime`` (a
+    folder: edits; the standard library's files do not change, and its digest stays)."""
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+        st = f.stat()
+        h.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0".encode())
+        if mtime:
+            h.update(f"{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:16]
 
 

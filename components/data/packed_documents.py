@@ -28,6 +28,7 @@ from kiln.components.data.prepare.packed_layout import (
     open_layout,
     write_layout,
 )
+from kiln.components.data.prepare.packed_layout import fingerprint as layout_fingerprint
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 
@@ -143,6 +144,11 @@ class PackedDocuments:
     def meta(self) -> dict[str, Any]:
         """The folder's metadata.json (counts, splits, source, tokenizer)."""
         return self.layout.meta
+
+    def fingerprints(self) -> dict[str, str]:
+        """The data a run's cursor points into (``packed_layout.fingerprint``), saved with
+        every checkpoint: a resume on other data is refused."""
+        return {"data": layout_fingerprint(self.meta)}
 
     @property
     def tokens_per_epoch(self) -> int:

@@ -220,6 +220,13 @@ class Trainer:
         return self.parallel.summary
 
     @property
+    def data_record(self) -> dict:
+        """What the run's data is (each source's fingerprint, a mixture's stage steps): saved
+        with every checkpoint, checked on resume (``checkpointing/resume.check_data``)."""
+        return {"fingerprints": getattr(self.dataset, "fingerprints", dict)(),
+                "stages": getattr(self.dataset, "stage_steps", list)()}
+
+    @property
     def layout(self) -> dict:
         """How the run is spread over processes: saved with every checkpoint (``run_layout``)."""
         return run_layout(self)

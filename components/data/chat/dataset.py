@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
@@ -30,7 +31,7 @@ from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 
-FORMAT = "kiln-chat-v1"
+FORMAT = "kiln-chat-v2"  # v2: meta.json records the rows' checksum and empty assistant turns
 
 
 class ChatConfig(ComponentConfig):
@@ -116,8 +117,11 @@ class ChatDataset:
     def _build(self, folder: Path) -> None:
         c, width = self.cfg, self.seq_len + 1
         encoded: list[tuple[str, tuple[np.ndarray, np.ndarray]]] = []
+        empty = 0  # assistant turns with no text: kept, trained on their end of turn only
         for where, row in self._rows():
             messages = conversations.to_messages(row, c.fields, where)
+            empty += sum(m["role"] == "assistant" and not m["content"].strip()
+                         for m in messages)
             encoded.append((where, masks.encode(self.template, self.tokenizer, messages,
                                                 c.train_on, where, bos=self.template.adds_bos)))
         if not encoded:
@@ -137,6 +141,7 @@ class ChatDataset:
                                 "train_on": c.train_on, "pack": c.pack, "overlong": c.overlong,
                                 "tokenizer": self.tokenizer.fingerprint(),
                                 "vocab_size": int(self.tokenizer.vocab_size)}
+        rows = xxhash.xxh3_128()
         for split, picked in split_of.items():
             stats = packing.PackStats()
             fitted = [f for i in sorted(picked) if (f := packing.fit(
@@ -144,12 +149,21 @@ class ChatDataset:
             arrays = packing.pack(fitted, width, packed=c.pack, pad_id=pad, stats=stats)
             for name, array in zip(SPLIT_FILES, arrays, strict=True):
                 np.save(tmp / f"{split}_{name}.npy", array, allow_pickle=False)
+                rows.update(np.ascontiguousarray(array).view(np.uint8))
             meta["splits"][split] = stats.as_dict()
+        meta["rows_xxh3"] = rows.hexdigest()
+        meta["empty_assistant_turns"] = empty
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, folder)
         except OSError:  # another process won the race with the same rows
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def fingerprints(self) -> dict[str, str]:
+        """The rows a run's cursor points into, saved with every checkpoint: the cache entry
+        (its key hashes the files' sizes and modification times, the template, tokenizer and
+        policies) and its rows' checksum."""
+        return {"data": f"{self.folder.name}:{self.meta.get('rows_xxh3', '')}"}
 
     def describe(self) -> str:
         """One line for the log: conversations, rows, truncated / dropped, trained tokens."""
@@ -158,7 +172,9 @@ class ChatDataset:
                 f"{self.seq_len + 1} tokens ({t['trained']} trained tokens, "
                 f"{t['trained'] / max(t['tokens'], 1):.0%} of the conversations' tokens); "
                 f"{t['truncated']} truncated, {t['dropped']} dropped (data.overlong = "
-                f"{self.cfg.overlong!r}); template {self.template.name}")
+                f"{self.cfg.overlong!r}); template {self.template.name}"
+                + (f"; {empty} empty assistant turns (trained on their end of turn only)"
+                   if (empty := self.meta.get("empty_assistant_turns")) else ""))
 
     @property
     def tokens_per_epoch(self) -> int:

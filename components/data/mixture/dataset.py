@@ -74,6 +74,7 @@ class Stage:
     index: int
     step: int  # its first global step
     weights: tuple[float, ...]  # normalised, in source order
+    spec: int = 0  # 1 + its index in data.stages (0: the first stage, data.weights)
 
 
 @register("dataset", "mixture")
@@ -129,6 +130,15 @@ class Mixture:
                                 f"seq_len + 1 = {self.seq_len + 1} tokens; give it more text "
                                 "or remove it")
         return None
+
+    def fingerprints(self) -> dict[str, str]:
+        """Each source's data (``data.sources.NAME``), for the resume check."""
+        out = {}
+        for name in self.names:
+            child = getattr(self.children[name], "fingerprints", dict)()
+            out.update({f"data.sources.{name}{key.removeprefix('data')}": value
+                        for key, value in child.items()})
+        return out
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -207,6 +217,43 @@ class Mixture:
                                     "cap, or set data.on_exhausted = \"repeat\"")
                 warnings.append(f"warning: {what}; repeating it (data.on_exhausted = repeat)")
         return warnings
+
+    def stage_steps(self) -> list[int | None]:
+        """Where each ``data.stages`` entry begins in this run (None: it does not run); saved
+        with every checkpoint, so a resume with another ``training.steps`` keeps them
+        (``pin_stages``)."""
+        placed = {s.spec: s.step for s in self.stages}
+        return [placed.get(i + 1) for i in range(len(self._specs) - 1)]
+
+    def pin_stages(self, saved: list[int | None], resume_step: int,
+                   total_steps: int) -> list[str]:
+        """On a resume whose run length changed: a stage placed by fraction that began at or
+        before ``resume_step`` stays where the run began it; one still to come moves with the
+        new length, unless that puts it at or before ``resume_step`` (it would never run:
+        refused). Lines for the log."""
+        now = self.stage_steps()
+        if saved == now or len(saved) != len(now):  # (other stages: a refused recipe change)
+            return []
+        specs, lines = list(self._specs), []
+        for i, (was, new) in enumerate(zip(saved, now, strict=True)):
+            where = f"data.stages[{i}] (fraction {self._specs[i + 1][1]:g})"
+            if was == new:
+                continue
+            if was is not None and was <= resume_step:
+                specs[i + 1] = (was, 0.0, specs[i + 1][2])
+                lines.append(f"data: {where} stays at step {was}, where this run began it "
+                             f"(in {total_steps} steps it would begin at step {new})")
+            elif new is not None and new <= resume_step:
+                raise DataError(
+                    f"{where} would now begin at step {new}, at or before the resume step "
+                    f"{resume_step}, where it had not begun (the checkpoint's run placed it at "
+                    f"step {was}): it would never run; keep training.steps, or place it with "
+                    "step = N")
+            else:
+                now_at = f"now begins at step {new}" if new is not None else "does not run"
+                lines.append(f"data: {where} {now_at} in {total_steps} steps (was {was})")
+        self.stages, _ = _place(specs, total_steps)
+        return lines
 
     def plan(self, total_steps: int, global_batch: int) -> list[dict[str, Any]]:
         """Per source and stage (and the whole run, ``stage`` None): sequences, tokens, share
@@ -310,5 +357,5 @@ def _place(specs: list[_Spec], total_steps: int) -> tuple[list[Stage], list[str]
         if step <= out[-1].step:
             raise RecipeError(f"{where} begins at step {step}, not after the stage before it "
                               f"(step {out[-1].step}): stages run in increasing step order")
-        out.append(Stage(len(out), step, weights))
+        out.append(Stage(len(out), step, weights, spec=i + 1))
     return out, notes

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import xxhash
 
 from kiln.components.errors import DataError
 
@@ -190,6 +191,8 @@ def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: 
     meta = {
         "layout_version": LAYOUT_VERSION, **tok_meta, "token_dtype": dtype.name,
         "total_tokens": int(doc_offsets[-1]), "max_id": max_id, "num_docs": num_docs,
+        # what a run's data fingerprint is made of (a resume refuses changed data)
+        "tokens_xxh3": xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens).view(np.uint8)),
         "seq_len": seq_len,
         "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
         "source": source,
@@ -270,6 +273,17 @@ def check_ids(folder: Path, tokens: np.ndarray, vocab: int, why: str) -> int:
 
 DAMAGED = ("the file is damaged or was written with another tokenizer: delete the folder and "
            "rerun `kiln data prepare`")
+
+
+def fingerprint(meta: dict[str, Any]) -> str:
+    """What the data of a layout is, for a resume to check it reads the same: the tokens'
+    checksum and what orders them (seed, epochs, eval split); not where the folder or its
+    source lives, so a run moves between machines. Folders written before the checksum was
+    recorded: their counts instead."""
+    keys = ("tokens_xxh3", "total_tokens", "num_docs", "seed", "num_epochs", "eval_fraction",
+            "tokenizer", "vocab_size")
+    text = json.dumps({k: meta.get(k) for k in keys}, sort_keys=True)
+    return xxhash.xxh3_64_hexdigest(text.encode())
 
 
 def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> PackedLayout:

@@ -271,8 +271,9 @@ def test_peft_export_of_a_full_fine_tune_is_refused(saved, tmp_path):
 @pytest.mark.parametrize("fmt", [[], ["--format", "peft"]], ids=["merged", "peft"])
 def test_a_full_disk_during_export_is_one_line(saved, tmp_path, capsys, monkeypatch, fmt):
     """safetensors reports a failed write as SafetensorError, not OSError: it was a traceback."""
-    import kiln.checkpointing.storage as storage
     from safetensors import SafetensorError
+
+    import kiln.checkpointing.storage as storage
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device "

@@ -34,6 +34,19 @@ def test_description_changes_with_content(tmp_path):
     assert folder_corpus(tmp_path, 100).description != before
 
 
+def test_description_changes_with_a_same_size_edit(tmp_path):
+    """The cache key hashed path and size: a same-size edit reused the stale entry."""
+    import os
+
+    path = tmp_path / "a.txt"
+    path.write_text("one")
+    before = folder_corpus(tmp_path, 100).description
+    path.write_text("two")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # (coarse clocks)
+    assert folder_corpus(tmp_path, 100).description != before
+
+
 @pytest.mark.parametrize("line", ["not json", json.dumps({"body": "x"}), json.dumps({"text": 3})])
 def test_bad_jsonl_line_is_a_data_error(tmp_path, line):
     (tmp_path / "a.jsonl").write_text(line + "\n")

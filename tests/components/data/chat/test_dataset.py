@@ -106,3 +106,20 @@ def test_bad_rows_and_damaged_folders_are_one_clear_error(tmp_path):
     (folder / "train_tokens.npy").write_bytes(b"not numpy")
     with pytest.raises(DataError, match="damaged chat data.*delete the folder"):
         next(ds.loader("train", micro_batch=2, global_batch=4))
+
+
+def test_empty_assistant_turns_are_kept_and_counted(tmp_path):
+    """Policy: kept, trained on their end of turn only (as transformers masks them), and the
+    start-up line counts them (they were accepted without a word)."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": "" if i % 3 == 0 else f"a{i}"}]}
+            for i in range(30)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = _dataset(tmp_path, path=str(path), eval_fraction=0.0)
+    ds.prepare()
+    assert ds.meta["empty_assistant_turns"] == 10
+    assert "; 10 empty assistant turns (trained on their end of turn only)" in ds.describe()
+    full = _dataset(tmp_path, eval_fraction=0.0)
+    full.prepare()
+    assert "empty assistant" not in full.describe()
