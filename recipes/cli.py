@@ -60,12 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="kiln: composable LLM training recipes. Recipe keys can be overridden with "
         "--section.key=value after the recipe path.",
     )
+    parser.add_argument("--version", action="store_true",
+                        help="print kiln's version, git revision and torch's version")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         # Arguments are added lazily in main() so --help of one command imports only it.
     return parser
+
+
+def _torch_version() -> str:
+    """torch's version without importing torch (``kiln --version`` answers at once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _looks_like_override(arg: str) -> bool:
@@ -90,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     launch.bind_to_launcher()  # a torchrun worker of kiln.recipes.runs.launch dies with it
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["--version"]:
+        from kiln.recipes.config.files import git_revision, kiln_version
+
+        print(f"kiln {kiln_version()} (git {git_revision()}, torch {_torch_version()})")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)

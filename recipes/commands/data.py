@@ -70,7 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("--max-bytes", type=int, help="cap on source text in UTF-8 bytes")
     prep.add_argument("--seed", type=int, help="seed for the eval split and epoch orders")
     prep.add_argument("--num-epochs", type=int, help="shuffled document orders to write")
-    prep.add_argument("--eval-fraction", type=float, help="share of documents held out")
+    prep.add_argument("--eval-fraction", type=float, help="share of documents held out (with "
+                      "--eval-split tail: of the tokens)")
+    prep.add_argument("--eval-split", choices=("random", "tail"), default="random",
+                      help="random: a seeded random --eval-fraction of the documents; tail: the "
+                      "contiguous last --eval-fraction of the text, cut inside a document if it "
+                      "falls there (as nanoGPT splits one text)")
+    prep.add_argument("--eval-input", nargs="+", action="extend", metavar="PATH", default=[],
+                      help="files held out whole as the eval split (read after --input)")
+    prep.add_argument("--separator", choices=("bos_eos", "eos", "none"), default="bos_eos",
+                      help="bos_eos: [BOS] doc [EOS] (default); eos: doc [EOS], GPT-2's "
+                      "end-of-text between documents; none: one continuous stream")
     info = sub.add_parser("info", help="validate a dataset folder and print its metadata")
     info.add_argument("folder", help="a prepared dataset folder")
     mix = sub.add_parser("mix", help="a mixture recipe's sources per stage: tokens, shares, "
@@ -143,6 +153,8 @@ def _prepare_inputs(args: argparse.Namespace) -> int:
         inputs=args.input, out=out, text_field=args.text_field, split=args.split,
         config=args.config, on_invalid_utf8=args.on_invalid_utf8, max_bytes=args.max_bytes or 0,
         workers=args.workers, domain=args.domain or "", shard_tokens=args.shard_tokens,
+        separator=args.separator, eval_inputs=args.eval_input,
+        eval_split="files" if args.eval_input else args.eval_split,
         **_layout_settings(args, recipe))
     t0 = time.perf_counter()
     # The bar only on a terminal: in a log file its redraws would be carriage-return frames.

@@ -53,15 +53,19 @@ def to_toml(recipe: Recipe) -> str:
     return tomli_w.dumps(to_dict(recipe))
 
 
-def render_recipe(recipe: Recipe) -> str:
-    """The resolved recipe as TOML, headed by the kiln version and git revision (comments)."""
+def kiln_version() -> str:
+    """The installed kiln's version ("unknown" when run from a tree that is not installed)."""
     from importlib import metadata
 
     try:
-        version = metadata.version("kiln")
+        return metadata.version("kiln")
     except metadata.PackageNotFoundError:
-        version = "unknown"
-    return f"# resolved by kiln {version}, git {git_revision()}\n" + to_toml(recipe)
+        return "unknown"
+
+
+def render_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as TOML, headed by the kiln version and git revision (comments)."""
+    return f"# resolved by kiln {kiln_version()}, git {git_revision()}\n" + to_toml(recipe)
 
 
 def write_recipe(recipe: Recipe, path: Path) -> None:

@@ -205,3 +205,11 @@ def test_train_joins_the_process_group_with_the_recipes_timeout_and_flight_recor
     # joining waits longer (ranks start seconds apart); every collective after it 5 s
     assert seen["join"] == datetime.timedelta(seconds=600)
     assert seen.get("collectives", seen["join"]).total_seconds() == 5 and seen["fr"] == "50"
+
+
+def test_version_names_kiln_git_and_torch(capsys):
+    from importlib import metadata
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"kiln {metadata.version('kiln')} (git ") and "torch 2." in out

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from kiln.components.data.prepare import splits
 from kiln.components.errors import DataError
 
 LAYOUT_VERSION = 1
@@ -82,21 +83,14 @@ def split_documents(num_docs: int, eval_fraction: float, seed: int) -> tuple[np.
     """(train ids, eval ids): eval is a seeded random ``eval_fraction`` of the documents, at
     least one when the fraction is > 0, never all of them; eval keeps its shuffled order so
     that an evaluation cut short by a token budget still sees a random sample."""
-    perm = _rng(seed, 0).permutation(num_docs)
-    n_eval = min(max(round(num_docs * eval_fraction), int(eval_fraction > 0)), num_docs - 1)
-    return np.sort(perm[n_eval:]), perm[:n_eval]
+    ones = np.ones(num_docs, dtype=np.int64)
+    got = splits.split(ones, ones, eval_split="random", eval_fraction=eval_fraction, seed=seed)
+    return got.train, got.eval
 
 
 def document_tokens(ids: np.ndarray, lengths: np.ndarray, bos: int, eos: int) -> np.ndarray:
     """Documents as ``[BOS] + ids + [EOS]`` back to back, from their bare ids concatenated."""
-    n = len(lengths)
-    out = np.empty(len(ids) + 2 * n, dtype=ids.dtype)
-    starts = np.concatenate([[0], np.cumsum(lengths + 2)[:-1]]).astype(np.int64)
-    special = np.zeros(len(out), dtype=bool)
-    special[starts] = special[starts + lengths + 1] = True
-    out[starts], out[starts + lengths + 1] = bos, eos
-    out[~special] = ids
-    return out
+    return splits.frame(ids, lengths, bos, eos, "bos_eos")
 
 
 def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer, *,
@@ -168,20 +162,24 @@ def _save(path: Path, array: np.ndarray) -> None:
 
 def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: dict[str, Any],
                   *, seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
-                  source: str, extra: dict[str, Any]) -> dict[str, Any]:
+                  source: str, extra: dict[str, Any], separator: str = "bos_eos",
+                  eval_split: str = "random", eval_docs: int = 0) -> dict[str, Any]:
     """Write offsets, the epoch orders, the eval split and metadata.json (last) beside a
-    complete tokens.bin; ``lengths`` are per document with BOS and EOS, ``nbytes`` its text's
-    UTF-8 bytes (for bits per byte)."""
-    num_docs = len(lengths)
-    if num_docs < 1:
+    complete tokens.bin; ``lengths`` are per document with its BOS / EOS (``separator``),
+    ``nbytes`` its text's UTF-8 bytes (for bits per byte); ``eval_split`` and ``eval_docs``:
+    ``splits.split``."""
+    if len(lengths) < 1:
         raise DataError(f"the source ({source}) gave no documents; check the source and max_bytes")
+    cut = splits.split(lengths, nbytes, eval_split=eval_split, eval_fraction=eval_fraction,
+                       seed=seed, eval_docs=eval_docs)
+    lengths, nbytes, train, held_out = cut.lengths, cut.nbytes, cut.train, cut.eval
+    num_docs = len(lengths)
     dtype = token_dtype(tok_meta["vocab_size"])
     doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = np.memmap(tmp / TOKENS, dtype=dtype, mode="r", shape=(int(doc_offsets[-1]),))
     max_id = check_ids(tmp, tokens, tok_meta["vocab_size"],
                        "the tokenizer gave ids beyond its own vocab_size")
     _save(tmp / OFFSETS, doc_offsets)
-    train, held_out = split_documents(num_docs, eval_fraction, seed)
     for epoch in range(num_epochs):
         order = _rng(seed, 1, epoch).permutation(train)
         _save(tmp / f"epoch_{epoch}" / "doc_start.npy", doc_offsets[order])
@@ -195,7 +193,8 @@ def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: 
         "tokens_xxh3": xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens).view(np.uint8)),
         "seq_len": seq_len,
         "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
-        "source": source,
+        "source": source, "separator": separator, "eval_split": eval_split,
+        "cut_doc": cut.cut,
         "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum()),
                           "bytes": int(nbytes[ids].sum())}
                    for name, ids in (("train", train), ("eval", held_out))},
@@ -320,15 +319,34 @@ def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> Packe
     tokens = np.memmap(folder / TOKENS, dtype=dtype, mode="r", shape=(total,))
     offsets = _load(folder, folder / OFFSETS)
     if (offsets.shape != (meta["num_docs"] + 1,) or offsets[0] != 0 or offsets[-1] != total
-            or np.any(np.diff(offsets) < 2)):
+            or np.any(np.diff(offsets) < 1)):
         raise _bad(folder, f"{OFFSETS} does not describe {meta['num_docs']} documents "
                            f"covering {total} tokens")
-    if np.any(tokens[offsets[:-1]] != meta["bos_id"]) or np.any(tokens[offsets[1:] - 1]
-                                                                != meta["eos_id"]):
-        raise _bad(folder, f"documents in {TOKENS} do not start with BOS and end with EOS")
+    _check_framing(folder, meta, tokens, offsets)
     layout = PackedLayout(folder, meta, tokens, offsets)
     _check_orders(layout)
     return layout
+
+
+def _check_framing(folder: Path, meta: dict[str, Any], tokens: np.ndarray,
+                   offsets: np.ndarray) -> None:
+    """Documents start with BOS and end with EOS as ``separator`` says (folders written before
+    it was recorded: both); the two pieces of a document a tail split cut are exempt."""
+    separator = meta.get("separator", "bos_eos")
+    try:
+        before, after = splits.framing(separator)
+    except DataError as exc:
+        raise _bad(folder, str(exc)) from None
+    starts, ends = offsets[:-1].copy(), offsets[1:] - 1
+    keep = np.ones(len(starts), dtype=bool)
+    cut = meta.get("cut_doc", -1)
+    if isinstance(cut, int) and 0 < cut < len(starts):
+        keep[cut] = False  # its start and its head's end are inside one document
+    bad_start = before and np.any(tokens[starts[keep]] != meta["bos_id"])
+    bad_end = after and np.any(tokens[ends[np.roll(keep, -1)]] != meta["eos_id"])
+    if bad_start or bad_end:
+        raise _bad(folder, f"documents in {TOKENS} are not framed as separator = {separator!r} "
+                           "says (BOS first, EOS last)")
 
 
 def _check_tokenizer(folder: Path, meta: dict[str, Any], tok: Tokenizer) -> None:

@@ -21,10 +21,11 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.components.data.prepare import splits
 from kiln.components.data.prepare.encode_pool import encode_batches
 from kiln.components.data.prepare.packed_layout import file_lock, token_dtype, tokenizer_meta
 from kiln.components.data.prepare.prepare_sinks import PackedSink, ShardSink
@@ -60,6 +61,9 @@ class PrepareOptions:
     eval_fraction: float = 0.02
     domain: str = ""  # set: write balanced_shards shards into out/<domain>
     shard_tokens: int = 1 << 24
+    separator: str = "bos_eos"  # how documents are framed (``splits.SEPARATORS``)
+    eval_split: str = "random"  # random | tail | files (``splits``)
+    eval_inputs: list[str] = field(default_factory=list)  # files held out whole (eval_split files)
 
     @property
     def target(self) -> Path:
@@ -70,8 +74,24 @@ class PrepareOptions:
         """The settings that change the bytes written (workers and batch size do not)."""
         skip = {"inputs", "out", "workers", "batch_bytes", "cache_dir"}
         skip |= {"shard_tokens"} if not self.domain else {"seq_len", "seed", "num_epochs",
-                                                           "eval_fraction"}
+                                                           "eval_fraction", "separator",
+                                                           "eval_split", "eval_inputs"}
         return {k: v for k, v in asdict(self).items() if k not in skip}
+
+    def check(self) -> None:
+        """The framing and eval-split options fit together (one message naming the flag)."""
+        splits.framing(self.separator)
+        if self.eval_split not in splits.EVAL_SPLITS:
+            raise DataError(f"--eval-split {self.eval_split!r}: choose one of "
+                            f"{', '.join(splits.EVAL_SPLITS)}")
+        if (self.eval_split == "files") != bool(self.eval_inputs):
+            raise DataError("--eval-input FILE... holds files out as the eval split "
+                            "(eval_split = files), and that split needs them")
+        if self.domain and (self.eval_inputs or self.eval_split != "random"
+                            or self.separator != "bos_eos"):
+            raise DataError("--domain writes balanced_shards shards, which hold no eval split "
+                            "and keep [BOS] ... [EOS]: leave out --eval-split, --eval-input and "
+                            "--separator")
 
 
 @dataclass
@@ -135,8 +155,13 @@ def prepare(opts: PrepareOptions, tokenizer: Any, *, overwrite: bool = False,
     """Build (or continue, or confirm) the dataset ``opts`` describes; see the module doc."""
     if opts.domain and (not opts.domain.replace("-", "").replace("_", "").isalnum()):
         raise DataError(f"--domain {opts.domain!r}: use letters, digits, '-' and '_' only")
+    opts.check()
     files = expand_inputs(opts.inputs, split=opts.split, config=opts.config,
                           cache_dir=opts.cache_dir)
+    first_eval = len(files)
+    if opts.eval_inputs:  # read last: the files eval split is the last documents
+        files += expand_inputs(opts.eval_inputs, split=opts.split, config=opts.config,
+                               cache_dir=opts.cache_dir)
     inputs = [_identity(f) for f in files]
     tok_meta = tokenizer_meta(tokenizer)
     key = _key(inputs, tok_meta, opts.settings())
@@ -155,7 +180,7 @@ def prepare(opts: PrepareOptions, tokenizer: Any, *, overwrite: bool = False,
         state = _load_progress(partial, key, log)
         status = "resumed" if state["docs"] or state["file"] else "built"
         stats = ReadStats(**state.get("stats", {}))
-        totals = _run(opts, tokenizer, files, partial, state, stats, progress)
+        totals = _run(opts, tokenizer, files, partial, state, stats, progress, first_eval)
         manifest = {"kiln_prepare": 1, "key": key, "layout": "shards" if opts.domain
                     else "packed", "inputs": [{**i, "sha256": sha256_file(f.path())}
                                               for i, f in zip(inputs, files, strict=True)],
@@ -228,12 +253,14 @@ def _batches(opts: PrepareOptions, files: list[SourceFile], state: dict[str, Any
 
 
 def _run(opts: PrepareOptions, tokenizer: Any, files: list[SourceFile], partial: Path,
-         state: dict[str, Any], stats: ReadStats, progress: bool) -> dict[str, Any]:
+         state: dict[str, Any], stats: ReadStats, progress: bool,
+         first_eval: int) -> dict[str, Any]:
     from tqdm import tqdm
 
     dtype = token_dtype(tokenizer.vocab_size)
     args = (partial, dtype, tokenizer.bos_id, tokenizer.eos_id, state)
-    sink = ShardSink(*args, opts.shard_tokens) if opts.domain else PackedSink(*args)
+    sink = ShardSink(*args, opts.shard_tokens) if opts.domain else PackedSink(
+        *args, opts.separator, first_eval if opts.eval_inputs else None)
     bar = tqdm(desc=f"prepare {opts.target.name}", unit="B", unit_scale=True,
                disable=not progress, dynamic_ncols=True, mininterval=1.0)
     last = time.monotonic()
@@ -263,7 +290,8 @@ def _run(opts: PrepareOptions, tokenizer: Any, files: list[SourceFile], partial:
                             "check the inputs, --text-field and --split")
         layout = {} if opts.domain else {"seq_len": opts.seq_len, "seed": opts.seed,
                                          "num_epochs": opts.num_epochs,
-                                         "eval_fraction": opts.eval_fraction}
+                                         "eval_fraction": opts.eval_fraction,
+                                         "eval_split": opts.eval_split}
         return sink.finish(tokenizer_meta(tokenizer), layout, f"inputs:{' '.join(opts.inputs)}")
     finally:
         bar.close()

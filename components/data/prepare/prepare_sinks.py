@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.components.data.prepare import splits
 from kiln.components.data.prepare.encode_pool import Encoded
 from kiln.components.data.prepare.packed_layout import TOKENS, document_tokens, finish_layout
 
@@ -28,14 +29,19 @@ def _truncate(path: Path, size: int) -> Any:
 
 
 class PackedSink:
-    """Appends ``[BOS] ids [EOS]`` documents to tokens.bin; ``finish`` writes the layout."""
+    """Appends documents, framed by ``separator`` (``splits``), to tokens.bin; ``finish``
+    writes the layout. Documents of files from ``first_eval_file`` on are counted: a ``files``
+    eval split holds them out."""
 
     periodic = True  # the builder may commit after any batch
 
     def __init__(self, folder: Path, dtype: np.dtype, bos: int, eos: int,
-                 state: dict[str, int]) -> None:
+                 state: dict[str, int], separator: str = "bos_eos",
+                 first_eval_file: int | None = None) -> None:
         self.folder, self.dtype, self.bos, self.eos = folder, np.dtype(dtype), bos, eos
+        self.separator, self.first_eval_file = separator, first_eval_file
         self.docs, self.tokens = state.get("docs", 0), state.get("tokens", 0)
+        self.eval_docs = state.get("eval_docs", 0)
         self._tokens = _truncate(folder / TOKENS, self.tokens * self.dtype.itemsize)
         self._lengths = _truncate(folder / LENGTHS, self.docs * 8)
         self._nbytes = _truncate(folder / NBYTES, self.docs * 8)
@@ -43,19 +49,23 @@ class PackedSink:
     def add(self, enc: Encoded, positions: list[Any]) -> list[tuple[Any, dict[str, int]]]:
         """Write a batch; returns the commit points it completed (none: commit at will)."""
         if len(enc.lengths):
-            self._tokens.write(document_tokens(enc.ids, enc.lengths, self.bos,
-                                               self.eos).tobytes())
-            self._lengths.write((enc.lengths + 2).astype(np.int64).tobytes())
+            framed = splits.framed_lengths(enc.lengths, self.separator)
+            self._tokens.write(splits.frame(enc.ids, enc.lengths, self.bos, self.eos,
+                                            self.separator).tobytes())
+            self._lengths.write(framed.astype(np.int64).tobytes())
             self._nbytes.write(enc.nbytes.astype(np.int64).tobytes())
             self.docs += len(enc.lengths)
-            self.tokens += int(enc.lengths.sum()) + 2 * len(enc.lengths)
+            self.tokens += int(framed.sum())
+            if self.first_eval_file is not None:  # (positions: one per document, in order)
+                self.eval_docs += sum(p[0] >= self.first_eval_file
+                                      for p in positions[:len(enc.lengths)])
         return []
 
     def commit(self) -> dict[str, int]:
         for f in (self._tokens, self._lengths, self._nbytes):
             f.flush()
             os.fsync(f.fileno())
-        return {"docs": self.docs, "tokens": self.tokens}
+        return {"docs": self.docs, "tokens": self.tokens, "eval_docs": self.eval_docs}
 
     def close(self) -> None:
         for f in (self._tokens, self._lengths, self._nbytes):
@@ -68,7 +78,8 @@ class PackedSink:
         lengths = np.fromfile(self.folder / LENGTHS, dtype=np.int64)
         nbytes = np.fromfile(self.folder / NBYTES, dtype=np.int64)
         meta = finish_layout(self.folder, lengths, nbytes, tok_meta, source=source,
-                             extra={}, **layout)
+                             extra={}, separator=self.separator, eval_docs=self.eval_docs,
+                             **layout)
         (self.folder / LENGTHS).unlink()
         (self.folder / NBYTES).unlink()
         return {"docs": meta["num_docs"], "tokens": meta["total_tokens"],
