@@ -78,4 +78,9 @@ class BitsPerByte(common.Task):
                             dtype=torch.float64)
 
     def summarize(self, values: torch.Tensor) -> dict[str, float]:
-        return {"bits_per_byte": float(values[:, 0].sum()) / math.log(2) / self.total_bytes}
+        """Bits per byte and its standard error: the windows' summed NLL over the bytes, the
+        windows taken as independent draws (n x the standard error of their mean)."""
+        scale = math.log(2) * self.total_bytes
+        n = values.shape[0]
+        return {"bits_per_byte": float(values[:, 0].sum()) / scale,
+                "bits_per_byte" + common.STDERR: common.mean_stderr(values[:, 0]) * n / scale}

@@ -10,16 +10,22 @@ of one batch) and ``summarize(values (units, columns)) -> dict[str, float]`` (th
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from kiln.components.base import ComponentConfig
 from kiln.components.errors import DataError
 from kiln.components.tasks import presets, task_files
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TaskConfig(ComponentConfig):
@@ -107,6 +113,16 @@ class Task:
             self._rows = (rows[:self.cfg.limit] if self.cfg.limit else rows), label
         return self._rows
 
+    def fingerprint(self) -> str:
+        """What the task scores: its examples and every setting that changes a score (not
+        when it runs, nor its batch size). Runs with the same fingerprint scored the same
+        examples, so their scores can be compared example by example."""
+        rows, _ = self.rows()
+        settings = self.cfg.model_dump(mode="json", exclude={"interval", "at_end", "mode",
+                                                             "batch_size"})
+        text = json.dumps([type(self).__name__, settings, rows], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def where(self, label: str, index: int) -> str:
         return f"task {self.name!r}: {label}: example {index}"
 
@@ -168,6 +184,26 @@ def batches(units: list[int], sizes: list[int], batch_size: int) -> list[list[in
     a batch, so little padding; the order is the same on every rank."""
     order = sorted(units, key=lambda u: (-sizes[u], u))
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+STDERR = "_stderr"  # suffix of a metric's standard error, as lm-evaluation-harness names it
+
+
+def mean_stderr(column: torch.Tensor) -> float:
+    """Standard error of a per-example mean: the sample standard deviation (n - 1) over
+    sqrt(n), lm-evaluation-harness's ``mean_stderr``; NaN (unknown) for fewer than two
+    examples (logged as "nan": no comparison is judged on it)."""
+    n = column.numel()
+    return float(column.double().std(correction=1) / math.sqrt(n)) if n > 1 else math.nan
+
+
+def with_stderr(values: torch.Tensor, columns: list[str]) -> dict[str, float]:
+    """Each column's mean over the examples and its standard error (``<column>_stderr``)."""
+    out = {}
+    for i, c in enumerate(columns):
+        out[c] = float(values[:, i].mean())
+        out[c + STDERR] = mean_stderr(values[:, i])
+    return out
 
 
 def left_truncate(ids: list[int], room: int) -> tuple[list[int], bool]:

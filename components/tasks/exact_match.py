@@ -184,4 +184,4 @@ class ExactMatch(common.Task):
         return torch.tensor(rows, dtype=torch.float64)
 
     def summarize(self, values: torch.Tensor) -> dict[str, float]:
-        return {"exact_match": float(values[:, 0].mean())}
+        return common.with_stderr(values, self.columns)

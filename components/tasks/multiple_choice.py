@@ -187,4 +187,4 @@ class MultipleChoice(common.Task):
         return torch.tensor(rows, dtype=torch.float64)
 
     def summarize(self, values: torch.Tensor) -> dict[str, float]:
-        return {c: float(values[:, i].mean()) for i, c in enumerate(self.columns)}
+        return common.with_stderr(values, self.columns)

@@ -14,6 +14,12 @@ from kiln.components.tasks.common import Plan
 
 def run(task, plan: Plan, scorer, *, rank: int = 0, world_size: int = 1) -> dict[str, float]:
     """The task's metrics over all ranks' batches (every rank gets them)."""
+    return task.summarize(score(task, plan, scorer, rank=rank, world_size=world_size))
+
+
+def score(task, plan: Plan, scorer, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """Every unit's values (units, columns), the same on all ranks: what ``summarize`` turns
+    into metrics, and what a paired comparison of two runs reads."""
     values = torch.zeros(plan.units, len(plan.columns), dtype=torch.float64)
     mine = plan.batches[rank::world_size]
     rounds = -(-len(plan.batches) // world_size)
@@ -24,4 +30,4 @@ def run(task, plan: Plan, scorer, *, rank: int = 0, world_size: int = 1) -> dict
             task.score(scorer, plan.batches[-1])  # in step with the others; result dropped
     if world_size > 1:
         distributed.all_reduce_(values)
-    return task.summarize(values)
+    return values

@@ -1,15 +1,20 @@
-"""`kiln compare RUN... [--sort COLUMN] [--json | --markdown]`: one table of the recipe keys that
-differ between runs beside each run's results (final / best loss, final / best eval loss and bits
-per byte, a mixture's eval loss per source, each downstream task's headline score, tokens/s,
-MFU, wall-clock, steps done)."""
+"""`kiln compare RUN... [--sort COLUMN] [--columns A,B] [--width N] [--json | --markdown]`: one
+table of the recipe keys that differ between runs beside each run's results (final / best loss,
+final / best eval loss and bits per byte, a mixture's eval loss per source, each downstream
+task's headline score, tokens/s, MFU, wall-clock, steps done). The eval loss and the tasks carry
+their standard errors, and marks say which run is best and which are within noise of it
+(``recipes/runs/judge.py``); runs scored on different held-out data are flagged."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from typing import Any
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.diff import ABSENT, differing, short_names
+from kiln.recipes.runs import judge, significance
 from kiln.recipes.runs.read import Run, open_runs, summary
 
 # Result columns in table order: summary key -> header. A mixture's per-source eval losses
@@ -28,6 +33,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("runs", nargs="+", help="run folders (runs/<name>)")
     parser.add_argument("--sort", default="", help="sort rows by this column (a header such as "
                         "'eval loss', or a key such as eval_loss or lr); prefix '-' for descending")
+    parser.add_argument("--columns", default="", help="show only these columns (headers or "
+                        "keys, comma-separated; the run's name always comes first)")
+    parser.add_argument("--width", type=int, default=None, metavar="N",
+                        help="wrap the table into blocks of at most N characters (default: the "
+                        "terminal's width, 120 when there is none; 0: never wrap)")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
     fmt.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -95,17 +105,19 @@ def headers(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def sort_rows(columns: list[str], rows: list[dict[str, Any]], spec: str) -> list[dict[str, Any]]:
+def sort_rows(columns: list[str], rows: list[tuple[int, dict[str, Any]]],
+              spec: str) -> list[tuple[int, dict[str, Any]]]:
+    """``rows`` (index, row) sorted by a column (``-`` first: descending)."""
     descending = spec.startswith("-")
     name = spec.lstrip("-")
-    named = headers(columns, rows)
+    named = headers(columns, [r for _, r in rows])
     by_header = dict(zip(named, columns, strict=True))
     key = by_header.get(name, name)
     if key not in columns:
         raise RecipeError(f"--sort {spec!r}: no such column; columns: {', '.join(named)}")
-    present = [r for r in rows if r.get(key) is not None]
-    missing = [r for r in rows if r.get(key) is None]
-    present.sort(key=lambda r: _sort_key(r[key]), reverse=descending)
+    present = [r for r in rows if r[1].get(key) is not None]
+    missing = [r for r in rows if r[1].get(key) is None]
+    present.sort(key=lambda r: _sort_key(r[1][key]), reverse=descending)
     return present + missing  # runs without the figure last either way
 
 
@@ -134,33 +146,132 @@ def _numeric(key: str) -> bool:
     return key in RESULTS or key.startswith(("task/", "source/"))
 
 
-def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = False) -> str:
-    heads = headers(columns, rows)
-    body = [[cell(c, r.get(c)) for c in columns] for r in rows]
+def _with_error(key: str, row: dict[str, Any]) -> str:
+    """A judged value as ``2.3456±0.0123`` (its standard error), else the plain cell."""
+    value = row.get(key)
+    if key == "eval_loss":
+        se = row.get("eval_info", {}).get("stderr")
+    elif key.startswith("task/"):
+        se = row.get("task_info", {}).get(key[len("task/"):], {}).get("stderr")
+    else:
+        se = None
+    text = cell(key, value)
+    return f"{text}±{se:.4f}" if value is not None and se is not None else text
+
+
+def _sample_sizes(columns: list[str], rows: list[dict[str, Any]]) -> dict[str, str]:
+    """A task's example count for its header, ``n=30`` (``n=30/20`` when the runs differ)."""
+    out = {}
+    for c in columns:
+        if c.startswith("task/"):
+            sizes = sorted({int(n) for r in rows if (n := r.get("task_info", {}).get(
+                c[len("task/"):], {}).get("examples")) is not None})
+            if sizes:
+                out[c] = "n=" + "/".join(map(str, sizes))
+    return out
+
+
+def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = False, *,
+           judged: list[judge.Judgment] = (), width: int = 0) -> str:
+    """The table; ``judged`` columns get their standard errors and marks (``*`` best, ``~``
+    within noise of it) and a legend below; ``width`` > 0 wraps the columns into blocks of
+    at most that many characters, each starting with the run's name."""
+    marks = {j.column: j for j in judged}
+    sizes = _sample_sizes(columns, rows)
+    heads = [h + (f" ({sizes[c]})" if c in sizes else "") + ("!" if c in marks and marks[c].note
+                                                              else "")
+             for c, h in zip(columns, headers(columns, rows), strict=True)]
+    body = [[(_with_error(c, r) + marks[c].mark(i)) if c in marks else cell(c, r.get(c))
+             for c in columns] for i, r in enumerate(rows)]
     if markdown:
         lines = ["| " + " | ".join(heads) + " |", "|" + " --- |" * len(heads)]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
-    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(heads)]
-    fmt = lambda cells: "  ".join(  # noqa: E731 - text left, numbers right
-        c.rjust(w) if _numeric(columns[i]) else c.ljust(w)
-        for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        text = "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+    else:
+        widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(heads)]
+        text = "\n\n".join(_block(block, heads, body, widths, columns)
+                            for block in _blocks(widths, width))
+    notes = [j.note for j in judged if j.note]
+    if any(m in "".join(r) for r in body for m in "*~"):
+        notes.insert(0, f"±: standard error (eval loss over its eval batches, a task over its "
+                     f"examples). *: the column's best run; ~: within noise of it (p >= "
+                     f"{significance.ALPHA}: a paired t-test where both runs scored the same "
+                     "examples, else a z-test on the standard errors); unmarked: worse beyond "
+                     "noise.")
+    if not markdown:  # (the notes wrap like the table)
+        notes = [textwrap.fill(n, width=width or 100, subsequent_indent="  ") for n in notes]
+    return "\n".join([text, *notes])
+
+
+def _blocks(widths: list[int], width: int) -> list[list[int]]:
+    """Column indices per block: the run column first in each, as many others as fit."""
+    if width <= 0 or sum(widths) + 2 * (len(widths) - 1) <= width:
+        return [list(range(len(widths)))]
+    blocks, current, used = [], [0], widths[0]
+    for i in range(1, len(widths)):
+        if len(current) > 1 and used + 2 + widths[i] > width:
+            blocks.append(current)
+            current, used = [0], widths[0]
+        current.append(i)
+        used += 2 + widths[i]
+    return [*blocks, current]
+
+
+def _block(block: list[int], heads: list[str], body: list[list[str]], widths: list[int],
+           columns: list[str]) -> str:
+    def fmt(cells: list[str]) -> str:  # text left, numbers right
+        return "  ".join(cells[i].rjust(widths[i]) if _numeric(columns[i])
+                         else cells[i].ljust(widths[i]) for i in block).rstrip()
+
     return "\n".join([fmt(heads), *(fmt(row) for row in body)])
 
 
+def pick_columns(columns: list[str], rows: list[dict[str, Any]], spec: str) -> list[str]:
+    """``--columns a,b``: the run's name and the named columns (headers or keys), in order."""
+    by_header = dict(zip(headers(columns, rows), columns, strict=True))
+    wanted = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        key = by_header.get(name, name)
+        if key not in columns:
+            raise RecipeError(f"--columns {name!r}: no such column; columns: "
+                              f"{', '.join(by_header)}")
+        wanted.append(key)
+    return ["run", *(c for c in wanted if c != "run")]
+
+
 def report(paths: list[str], *, sort: str = "", as_json: bool = False,
-           markdown: bool = False) -> str:
+           markdown: bool = False, width: int = 0, only: str = "") -> str:
     runs = open_runs(paths)
     columns, rows = table(runs)
+    judged = judge.judge(runs, rows)
+    if only:
+        columns = pick_columns(columns, rows, only)
     if sort:
-        rows = sort_rows(columns, rows, sort)
+        order = sort_rows(columns, list(enumerate(rows)), sort)
+        runs = [runs[i] for i, _ in order]
+        rows = [r for _, r in order]
+        judged = judge.judge(runs, rows)
     if as_json:
+        for i, r in enumerate(rows):
+            r["judged"] = {j.column: {"mark": j.mark(i), **({"p": j.verdicts[i].p, "test":
+                                                            j.verdicts[i].how}
+                                                           if i in j.verdicts else {})}
+                           for j in judged if not j.note}
         return json.dumps([{c: r.get(c) for c in columns} | r for r in rows], indent=2,
                           default=str)
-    return render(columns, rows, markdown)
+    return render(columns, rows, markdown, judged=judged, width=0 if markdown else width)
+
+
+def verdicts(paths: list[str]) -> list[str]:
+    """The sweep summary's lines: per judged column, its winner, or that there is none."""
+    runs = open_runs(paths)
+    _, rows = table(runs)
+    return [judge.sentence(j, [r["run"] for r in rows]) for j in judge.judge(runs, rows)]
 
 
 def run(args) -> int:
     if args.overrides:
         raise RecipeError(f"kiln compare takes run folders, not overrides: {args.overrides[0]}")
-    print(report(args.runs, sort=args.sort, as_json=args.json, markdown=args.markdown))
+    width = args.width if args.width is not None else shutil.get_terminal_size((120, 24)).columns
+    print(report(args.runs, sort=args.sort, as_json=args.json, markdown=args.markdown,
+                 width=width, only=args.columns))
     return 0

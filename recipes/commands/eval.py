@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +22,7 @@ from kiln.components.devices import DEVICES
 from kiln.components.errors import RecipeError
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.recipes.hooks.evaluate import bits_per_byte
+from kiln.recipes.runs import significance
 from kiln.recipes.training.model_inputs import ModelInputs
 
 TOLERANCE = 1e-3  # nats: smaller loss differences between loop counts are not called a gain
@@ -80,7 +82,15 @@ def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
               inputs=None) -> tuple[float, int]:
     """Mean next-token loss over the first ``budget`` tokens of the eval split; (loss, tokens).
     ``inputs``: the run's ``ModelInputs`` (a document-masked run evaluates with its mask)."""
+    loss, count, _ = eval_loss_stderr(model, loader, budget, loops, device, autocast, inputs)
+    return loss, count
+
+
+def eval_loss_stderr(model, loader, budget: int, loops: int | None, device, autocast,
+                     inputs=None) -> tuple[float, int, float]:
+    """``eval_loss`` and its standard error over the batches (NaN for one batch)."""
     total, count = 0.0, 0
+    sums, counts = [], []
     for batch in loader:
         if count >= budget:
             break
@@ -94,7 +104,10 @@ def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         total += float(loss)
         count += int((labels != IGNORE_INDEX).sum())  # masked (chat) data: its trained tokens
-    return (total / count if count else float("nan")), count
+        sums.append(float(loss))
+        counts.append(int((labels != IGNORE_INDEX).sum()))
+    stderr = significance.ratio_stderr(np.array(sums), np.array(counts)) if sums else math.nan
+    return (total / count if count else float("nan")), count, stderr
 
 
 def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 0,
@@ -124,9 +137,10 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     inputs.check_model(model)
     rows = []
     for h in values:
-        loss, n = eval_loss(model, loader, budget, h, dev, autocast, inputs)
+        loss, n, se = eval_loss_stderr(model, loader, budget, h, dev, autocast, inputs)
         rows.append({"loops": h if h is not None else getattr(model, "loops", None),
-                     "loss": loss, "bpb": bits_per_byte(loss, dataset), "tokens": n})
+                     "loss": loss, "stderr": se, "bpb": bits_per_byte(loss, dataset),
+                     "tokens": n})
     return {"checkpoint": str(ckpt), "rows": rows, **verdict([r["loss"] for r in rows])}
 
 
@@ -143,12 +157,13 @@ def verdict(losses: list[float], tol: float = TOLERANCE) -> dict:
 
 def render(result: dict) -> str:
     lines = [f"checkpoint: {result['checkpoint']}",
-             "H_eff       loss      ppl      bpb   tokens"]
+             "H_eff       loss   stderr      ppl      bpb   tokens"]
     for r in result["rows"]:
         h = "-" if r["loops"] is None else str(r["loops"])
         bpb = f"{r['bpb']:7.4f}" if r.get("bpb") is not None else "      -"
-        lines.append(f"{h:>5}  {r['loss']:9.5f}  {math.exp(min(r['loss'], 50)):7.2f}  {bpb}  "
-                     f"{r['tokens']:>7,}")
+        se = f"{r['stderr']:7.5f}" if math.isfinite(r.get("stderr", math.nan)) else "      -"
+        lines.append(f"{h:>5}  {r['loss']:9.5f}  {se}  {math.exp(min(r['loss'], 50)):7.2f}  "
+                     f"{bpb}  {r['tokens']:>7,}")
     if result["deeper_is_better"] is not None:
         lines.append("deeper is better: " + _why(result["rows"], result["deeper_is_better"],
                                                  result["gain"]))
@@ -188,7 +203,7 @@ def run_tasks(args) -> int:
         if not args.run:
             raise RecipeError("--pending needs RUN (the paused run's folder)")
         done = task_eval.run_pending(Path(args.run), device=pick_device(args.device))
-        print(json.dumps(done) if args.json else
+        print(json.dumps(_json_safe(done)) if args.json else
               "\n".join(task_eval.render(d["label"], d["tasks"]) for d in done))
         return 0
     from kiln.recipes.inference.saved_model import open_model
@@ -213,7 +228,7 @@ def run_tasks(args) -> int:
     chosen = task_eval.select(configs, args.tasks, source)
     results = task_eval.evaluate_model(model, tokenizer, recipe, chosen,
                                        device=pick_device(args.device), limit=args.limit)
-    print(json.dumps({"model": label, "tasks": results}) if args.json
+    print(json.dumps(_json_safe({"model": label, "tasks": results})) if args.json
           else task_eval.render(label, results))
     return 0
 
@@ -225,5 +240,17 @@ def run(args) -> int:
         raise RecipeError("give RUN (a run folder, its checkpoints folder or a step folder)")
     result = evaluate_run(args.run, args.loops, args.tokens, args.micro_batch, args.device,
                           args.overrides)
-    print(json.dumps(result) if args.json else render(result))
+    print(json.dumps(_json_safe(result)) if args.json else render(result))
     return 0
+
+
+def _json_safe(value):
+    """``value`` with every NaN / infinite float as null (JSON has no NaN: an unknown standard
+    error, of one batch or one example)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value

@@ -107,9 +107,11 @@ def run(args) -> int:
             claim.release()
     shown = [str(p.folder) for p in points if (p.folder / "metrics.jsonl").is_file()]
     if shown:
-        from kiln.recipes.commands.compare import report
+        from kiln.recipes.commands.compare import report, verdicts
 
-        print(report(shown))
+        print(report(shown, width=120))
+        for line in verdicts(shown):  # a winner only where the difference is beyond noise
+            print(f"kiln sweep: {line}")
     if failed:
         print("kiln sweep: failed runs (rerun the sweep to continue them):\n  "
               + "\n  ".join(failed), file=sys.stderr)

@@ -36,6 +36,7 @@ from kiln.recipes.inference.task_plans import (
     model_context,
     plan_tasks,
 )
+from kiln.recipes.runs import unit_scores
 
 
 class RngState:
@@ -65,6 +66,7 @@ class DownstreamEvalHook(Hook):
     def __init__(self) -> None:
         self.tasks: dict = {}
         self.plans: dict = {}
+        self.fingerprints: dict[str, str] = {}
 
     def on_train_start(self, trainer) -> None:
         cfgs = trainer.recipe.evals
@@ -85,6 +87,7 @@ class DownstreamEvalHook(Hook):
         self.tasks = {n: c.build(name=n) for n, c in cfgs.items() if c.mode == "inline"}
         self.max_len = model_context(trainer.model, trainer.recipe.training.seq_len)
         self.plans = plan_tasks(self.tasks, trainer.tokenizer, self.max_len, trainer.print)
+        self.fingerprints = {n: t.fingerprint() for n, t in self.tasks.items()}
         self.scorer = Scorer(trainer.model, max_len=self.max_len,
                              vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
                              generate=greedy_generate(), lockstep=trainer.world.distributed)
@@ -151,10 +154,19 @@ class DownstreamEvalHook(Hook):
             with torch.no_grad():
                 for name in names:
                     started = time.perf_counter()
-                    out[name] = metrics = runner.run(
-                        self.tasks[name], self.plans[name], self.scorer, rank=trainer.data_rank,
-                        world_size=trainer.data_ranks)
-                    trainer.metrics.log(step, {f"eval/{name}/{k}": v for k, v in metrics.items()})
+                    task, plan = self.tasks[name], self.plans[name]
+                    values = runner.score(task, plan, self.scorer, rank=trainer.data_rank,
+                                          world_size=trainer.data_ranks)
+                    out[name] = metrics = task.summarize(values)
+                    # each metric with its standard error, the examples it averages and what
+                    # they were: `kiln compare` pairs runs on the per-example scores kept here
+                    trainer.metrics.log(step, {
+                        **{f"eval/{name}/{k}": v for k, v in metrics.items()},
+                        f"eval/{name}/examples": plan.examples,
+                        f"eval/{name}/fingerprint": self.fingerprints[name]})
+                    if trainer.world.is_main:
+                        unit_scores.save(trainer.run_dir, name, step, values.numpy(),
+                                         plan.columns)
                     trainer.print(f"eval  step {step}  " + format_metrics(
                         name, metrics, self.plans[name].examples, time.perf_counter() - started))
         finally:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
+import numpy as np
 import torch
 
 from kiln.components import distributed as dist_utils
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.protocols import Hook
+from kiln.recipes.runs import significance, unit_scores
 
 
 class EvalHook(Hook):
@@ -29,33 +33,55 @@ class EvalHook(Hook):
     def evaluate(self, trainer) -> float:
         names = getattr(trainer.dataset, "source_names", None)
         if names:
-            loss, bpb, values = evaluate_sources(trainer, names, trainer.recipe.eval.tokens)
+            loss, bpb, values, batches = evaluate_sources(trainer, names,
+                                                          trainer.recipe.eval.tokens)
         else:
-            loss = evaluate(trainer, trainer.recipe.eval.tokens)
+            batches = evaluate_batches(trainer, trainer.recipe.eval.tokens)
+            s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
+            loss = s / n if n > 0 else float("nan")
             bpb, values = bits_per_byte(loss, trainer.dataset), {}
-        values["eval/loss"] = loss
+        # its noise: the standard error over the eval batches, and what was evaluated (runs
+        # whose held-out sets differ do not compare: `kiln compare` checks the fingerprint)
+        stderr = significance.ratio_stderr(batches[:, 0], batches[:, 1]) if len(batches) \
+            else math.nan
+        values.update({"eval/loss": loss, "eval/loss_stderr": stderr,
+                       "eval/batches": len(batches), "eval/fingerprint": eval_fingerprint(trainer)})
         if bpb is not None:
             values["eval/bpb"] = bpb
         trainer.metrics.log(trainer.progress.step, values)
         trainer.last_eval_loss = loss
         if trainer.world.is_main:
+            unit_scores.save(trainer.run_dir, unit_scores.LOSS, trainer.progress.step, batches,
+                             ["loss_sum", "tokens"], task=False)
             tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
             per = "".join(f"  {k[10:]} {v:.4f}" for k, v in values.items()
                           if k.startswith("eval/loss/"))
-            trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}  "
-                          f"ppl {math.exp(min(loss, 50)):.2f}{tail}{per}")
+            se = f" ± {stderr:.4f}" if math.isfinite(stderr) else ""
+            trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}{se}"
+                          f"  ppl {math.exp(min(loss, 50)):.2f}{tail}{per}")
         return loss
 
 
+def eval_fingerprint(trainer) -> str:
+    """What the held-out loss is taken over: the data (each source's fingerprint), the token
+    budget and how it is batched."""
+    what = [trainer.data_record["fingerprints"], trainer.recipe.eval.tokens,
+            trainer.plan.seq_len, trainer.plan.micro_batch * trainer.data_ranks]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def evaluate_sources(trainer, names: list[str], token_budget: int
-                     ) -> tuple[float, float | None, dict[str, float]]:
+                     ) -> tuple[float, float | None, dict[str, float], np.ndarray]:
     """A mixture's held-out loss per source (``token_budget`` tokens of each): (loss over all
     the tokens evaluated, bits per byte over all their bytes or None, the per-source values
-    ``eval/loss/NAME`` and ``eval/bpb/NAME``)."""
+    ``eval/loss/NAME`` and ``eval/bpb/NAME``, every source's eval batches)."""
     values: dict[str, float] = {}
     loss_sum = tokens = bits = text_bytes = 0.0
+    every = []
     for name in names:
-        s, n = evaluate_sums(trainer, token_budget, source=name)
+        batches = evaluate_batches(trainer, token_budget, source=name)
+        every.append(batches)
+        s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
         loss = s / n if n else float("nan")
         values[f"eval/loss/{name}"] = loss
         loss_sum, tokens = loss_sum + s, tokens + n
@@ -66,7 +92,8 @@ def evaluate_sources(trainer, names: list[str], token_budget: int
         else:
             text_bytes = float("nan")  # one source without byte counts: no overall bpb
     bpb = bits / text_bytes if text_bytes and math.isfinite(text_bytes) else None
-    return (loss_sum / tokens if tokens else float("nan")), bpb, values
+    return ((loss_sum / tokens if tokens else float("nan")), bpb, values,
+            np.concatenate(every) if every else np.zeros((0, 2)))
 
 
 def bits_per_byte(loss: float, dataset) -> float | None:
@@ -104,14 +131,23 @@ def evaluate(trainer, token_budget: int) -> float:
     return s / n if n > 0 else float("nan")
 
 
-@torch.no_grad()
 def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tuple[float, float]:
     """(summed token loss, tokens) over the first ``token_budget`` eval tokens, all ranks."""
+    batches = evaluate_batches(trainer, token_budget, source)
+    return (float(batches[:, 0].sum()), float(batches[:, 1].sum())) if len(batches) \
+        else (0.0, 0.0)
+
+
+@torch.no_grad()
+def evaluate_batches(trainer, token_budget: int, source: str | None = None) -> np.ndarray:
+    """(summed token loss, tokens) of every global eval batch (all ranks' micro-batches of
+    it) over the first ``token_budget`` eval tokens: (batches, 2), the same on every rank.
+    The batches are the units of the loss's standard error and of a paired comparison."""
     model = trainer.model
     was_training = model.training
     model.eval()
     loader = eval_loader(trainer, source)
-    total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
+    rows = []
     per_batch = trainer.plan.micro_batch * trainer.plan.seq_len * trainer.data_ranks
     for i, batch in enumerate(loader):
         if i * per_batch >= token_budget:
@@ -119,8 +155,12 @@ def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tupl
         batch = trainer.to_device(batch)
         loss = trainer.forward_loss(batch)
         count = (batch["labels"] != IGNORE_INDEX).sum()  # masked data: its trained tokens
-        total[0] += loss.double() * count
-        total[1] += count
+        rows.append(torch.stack([loss.double() * count, count.double()]))
+    size = torch.tensor([len(rows)], dtype=torch.float64, device=trainer.device)
+    dist_utils.all_reduce_(size, op="max")  # (ranks' loaders end together; in case not)
+    total = torch.zeros(int(size.item()), 2, dtype=torch.float64, device=trainer.device)
+    if rows:
+        total[:len(rows)] = torch.stack(rows)
     dist_utils.all_reduce_(total)
     model.train(was_training)
-    return float(total[0]), float(total[1])
+    return total.cpu().numpy()

@@ -18,6 +18,7 @@ import torch
 from kiln.components import registry
 from kiln.components.errors import RecipeError
 from kiln.components.tasks import presets, runner
+from kiln.components.tasks.common import STDERR
 from kiln.components.tasks.scorer import Scorer
 from kiln.recipes.config.schema import Recipe
 from kiln.recipes.inference.pending import PENDING, RESULTS, scored, task_checksums
@@ -100,12 +101,16 @@ def select(configs: dict, names: str, source: str) -> dict:
 
 
 def render(label: str, results: dict[str, dict[str, Any]]) -> str:
-    lines = [f"model: {label}", f"{'task':<16} {'metric':<14} {'value':>8} {'examples':>9} "
-             f"{'seconds':>8}"]
+    lines = [f"model: {label}", f"{'task':<16} {'metric':<14} {'value':>8} {'stderr':>8} "
+             f"{'examples':>9} {'seconds':>8}"]
     for name, r in results.items():
-        for i, (metric, value) in enumerate(r["metrics"].items()):
+        shown = [(m, v) for m, v in r["metrics"].items() if not m.endswith(STDERR)]
+        for i, (metric, value) in enumerate(shown):
             head = (name, r["examples"], r["seconds"]) if i == 0 else ("", "", "")
-            lines.append(f"{head[0]:<16} {metric:<14} {value:>8.4f} {head[1]:>9} {head[2]:>8}")
+            se = r["metrics"].get(metric + STDERR)
+            se_text = f"{se:>8.4f}" if se is not None else f"{'-':>8}"
+            lines.append(f"{head[0]:<16} {metric:<14} {value:>8.4f} {se_text} {head[1]:>9} "
+                         f"{head[2]:>8}")
         if r["truncated"]:
             lines.append(f"{'':<16} ({r['truncated']} examples cut from the left to fit)")
     return "\n".join(lines)

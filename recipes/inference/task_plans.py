@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from kiln.components.tasks.common import STDERR
 from kiln.recipes.inference.generate import Sampling, generate
 
 
@@ -30,5 +31,9 @@ def plan_tasks(tasks: dict, tokenizer, max_len: int, log) -> dict:
 
 
 def format_metrics(name: str, metrics: dict[str, float], examples: int, seconds: float) -> str:
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    """``name: acc 0.6250 ± 0.1250  ...  (16 examples, 0.4 s)``: each metric with its
+    standard error."""
+    shown = "  ".join(f"{k} {v:.4f}" + (f" ± {metrics[k + STDERR]:.4f}"
+                                        if k + STDERR in metrics else "")
+                      for k, v in metrics.items() if not k.endswith(STDERR))
     return f"{name}: {shown}  ({examples} examples, {seconds:.1f} s)"

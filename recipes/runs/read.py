@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.components.errors import RecipeError
+from kiln.components.tasks.common import STDERR
 
 # What a run folder looks like, for the messages that reject one.
 EXPERTS_FILE = "experts.jsonl"  # per-expert loads of MoE runs (recipes/hooks/routing.py)
@@ -240,6 +241,8 @@ def summary(run: Run) -> dict[str, Any]:
     for name, (metric, points) in task_scores(run).items():
         out[f"task/{name}"] = points[-1][1]
         out.setdefault("task_metrics", {})[name] = metric
+    out["task_info"] = task_details(run)
+    out["eval_info"] = eval_details(run)
     return out
 
 
@@ -277,9 +280,45 @@ def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
                     logged.setdefault(name, {}).setdefault(metric, {})[rec["step"]] = number
     out = {}
     for name, metrics in logged.items():
-        metric = _headline(types.get(name, ""), list(metrics))
+        scores = [m for m in metrics if not _auxiliary(m)]
+        if not scores:
+            continue
+        metric = _headline(types.get(name, ""), scores)
         out[name] = (metric, sorted(metrics[metric].items()))
     return out
+
+
+def _auxiliary(metric: str) -> bool:
+    """A task's standard errors and example count, logged beside its metrics."""
+    return metric.endswith(STDERR) or metric == "examples"
+
+
+def task_details(run: Run) -> dict[str, dict[str, Any]]:
+    """Per in-loop task, at its last evaluation: the headline metric's value, standard error,
+    example count, fingerprint and step (None where the run did not log them: older runs)."""
+    out = {}
+    for name, (metric, points) in task_scores(run).items():
+        step, value = points[-1]
+        line = {k: v for r in run.records if r["step"] == step for k, v in r.items()
+                if k.startswith(f"eval/{name}/")}
+        fingerprint = line.get(f"eval/{name}/fingerprint")
+        out[name] = {"metric": metric, "value": value, "step": step,
+                     "stderr": _number(line.get(f"eval/{name}/{metric}{STDERR}")),
+                     "examples": _number(line.get(f"eval/{name}/examples")),
+                     "fingerprint": fingerprint if isinstance(fingerprint, str) else None}
+    return out
+
+
+def eval_details(run: Run) -> dict[str, Any]:
+    """The last held-out loss's standard error, batch count, fingerprint and step."""
+    lines = [r for r in run.records if _number(r.get("eval/loss")) is not None]
+    if not lines:
+        return {}
+    last = lines[-1]
+    fingerprint = last.get("eval/fingerprint")
+    return {"stderr": _number(last.get("eval/loss_stderr")),
+            "batches": _number(last.get("eval/batches")), "step": last["step"],
+            "fingerprint": fingerprint if isinstance(fingerprint, str) else None}
 
 
 def _headline(task_type: str, metrics: list[str]) -> str:

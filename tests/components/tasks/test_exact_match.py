@@ -36,7 +36,9 @@ def test_gsm8k_style_extraction_and_normalisation(tmp_path):
     plan = task.plan(tok, 512)
     outputs = {0: "so #### 1000.\nQuestion: next", 1: "#### 8", 2: "no number"}
     echo = Echo([outputs[b.units[0]] for b in plan.batches], tok)
-    assert runner.run(task, plan, echo) == {"exact_match": pytest.approx(1 / 3)}
+    # three examples scored 1, 0, 0: the mean and its sample standard error
+    assert runner.run(task, plan, echo) == {"exact_match": pytest.approx(1 / 3),
+                                            "exact_match_stderr": pytest.approx(1 / 3)}
     assert echo.calls[0] == (1, 256, ["Question:", "</s>", "<|im_end|>"])
     assert task.extract("x #### 5 y #### 6") == "5" and task.extract("none") == "[invalid]"
     assert task.normalize("$1,000.") == "1000"
@@ -129,5 +131,6 @@ def test_a_chat_template_renders_shots_as_turns_and_stops_at_the_end_of_turn(tmp
     assert first.prompt == want
     assert tok.decode(want).endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
     echo = Echo(["4<|im_end|>\n<|im_start|>user", "5"], tok)
-    assert runner.run(task, plan, echo) == {"exact_match": pytest.approx(1 / 2)}
+    assert runner.run(task, plan, echo) == {"exact_match": pytest.approx(1 / 2),
+                                            "exact_match_stderr": pytest.approx(1 / 2)}
     assert echo.calls[0][2] == ["\n\n", "<|im_end|>"]

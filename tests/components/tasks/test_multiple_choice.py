@@ -34,7 +34,9 @@ def test_acc_acc_norm_and_acc_bytes_as_the_harness_defines_them(tmp_path):
     result = runner.run(task, plan, Fixed([lls[u] for u in order]))
     # example 0: acc picks 0 (wrong), acc_norm picks 1 (right), acc_bytes picks 1 (right)
     # example 1: acc picks 1 (right); chars 2 vs 2: picks 1; bytes 4 vs 2: -1 vs -1.5 picks 0
-    assert result == {"acc": 0.5, "acc_norm": 1.0, "acc_bytes": 0.5}
+    assert {k: v for k, v in result.items() if not k.endswith("_stderr")} == {
+        "acc": 0.5, "acc_norm": 1.0, "acc_bytes": 0.5}
+    assert result["acc_stderr"] == pytest.approx(0.5) and result["acc_norm_stderr"] == 0.0
 
 
 def _brute(model, tokenizer, prompt: str, choice: str) -> float:

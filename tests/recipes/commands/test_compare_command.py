@@ -177,14 +177,14 @@ def test_compare_shows_one_column_per_task_from_either_source(tmp_path, capsys):
             "mc": {"type": "multiple_choice", "metrics": {"acc": 0.7, "acc_norm": 0.2,
                                                           "acc_bytes": 0.2}},
             "em": {"type": "exact_match", "metrics": {"exact_match": 0.5}}}}]))
-    assert main(["compare", str(a), str(b)]) == 0
+    assert main(["compare", str(a), str(b), "--width", "0"]) == 0
     header, row_a, row_b = capsys.readouterr().out.splitlines()
     assert "mc acc" in header and "em exact_match" in header
     assert "acc_norm" not in header and "evals." not in header  # one column per task
     assert header.index("em exact_match") < header.index("mc acc")  # by name
     assert row_a.split()[-7:-3] == ["2.4000", "1.2000", "0.2500", "0.5000"]
     assert row_b.split()[-7:-3] == ["2.4000", "1.2000", "0.5000", "0.7000"]
-    assert main(["compare", str(a), str(b), "--sort=-mc acc"]) == 0
+    assert main(["compare", str(a), str(b), "--sort=-mc acc", "--width", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("b ")
     assert main(["compare", str(a), str(b), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -198,7 +198,7 @@ def test_compare_with_different_evals_tables_stays_one_line_per_run(tmp_path, ca
     b = make_run(tmp_path / "b", ("--training.steps=200", *MC, *EM,
                                   "--evals.mc.fewshot_separator=\"\\n##\\n\"",
                                   "--evals.mc.num_fewshot=2"))
-    assert main(["compare", str(a), str(b)]) == 0
+    assert main(["compare", str(a), str(b), "--width", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     headers = lines[0].split("  ")
@@ -225,7 +225,7 @@ def test_a_mixtures_per_source_evals_are_columns_not_tasks(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["source/code"] for r in rows] == [2.5, 2.0]
     assert not any(k.startswith("task/") for r in rows for k in r)
-    assert main(["compare", *map(str, runs), "--sort=code eval"]) == 0
+    assert main(["compare", *map(str, runs), "--sort=code eval", "--width", "0"]) == 0
     header, first, _ = capsys.readouterr().out.splitlines()
     assert "code eval" in header and "prose eval" in header and first.startswith("b ")
     keys = resolve_metrics([open_run(r) for r in runs], None)

@@ -93,6 +93,13 @@ exit ${{FAIL:-0}}
     return script
 
 
+def _table(out: str) -> list[str]:
+    """The comparison table's first block: its header line and the two runs' lines."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["run"])
+    return lines[start:start + 3]
+
+
 @pytest.mark.slow
 def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
     _fake_run_train(tmp_path)
@@ -106,8 +113,10 @@ def test_sweep_runs_each_point_once_and_skips_finished_ones(tmp_path, monkeypatc
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 2 and "--training.steps=5 --optimizer.lr=1e-3" in calls[0]
     assert "lr=1e-3,3e-3" not in out and "starts in sw/lr=1e-3" in out
-    assert out.splitlines()[-3].split()[:2] == ["run", "steps"]  # the comparison table
-    assert "mc acc" in out.splitlines()[-3] and "acc_norm" not in out  # a column per task
+    table = _table(out)
+    assert table[0].split()[:2] == ["run", "steps"]  # the comparison table
+    assert "mc acc" in "".join(out.splitlines()) and "acc_norm" not in out  # a column per task
+    assert out.splitlines()[-1].startswith("kiln sweep: ")  # the verdict follows the table
     done = json.loads((tmp_path / "sw" / "lr=1e-3" / "sweep_done.json").read_text())
     assert done["overrides"] == ["--optimizer.lr=1e-3"]
     assert main(args) == 0
@@ -162,13 +171,19 @@ def test_a_real_sweep_of_two_tiny_runs(tmp_path):
             "--model.ffn.hidden_dim=64", "--training.seq_len=32", "--training.global_batch=2",
             "--training.micro_batch=2", "--run.log_interval=1", "--eval.interval=0",
             "--eval.tokens=128", "--data.max_bytes=200000", "--checkpoint.enable=false",
-            "--run.progress_bar=false"]
+            "--run.progress_bar=false", "--evals.mc.type=multiple_choice",
+            f"--evals.mc.path={CONFIGS / 'tasks' / 'python_mc.jsonl'}", "--evals.mc.limit=8",
+            '--evals.mc.choice_prefix=""']
     done = forked.run(["kiln", "sweep", DEBUG, "--grid", "optimizer.lr=1e-3,1e-2", "--grid",
                        "training.steps=2", "--out", "sw", *tiny], tmp_path, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    table = done.stdout.splitlines()[-3:]
+    table = _table(done.stdout)
     assert table[0].split()[:3] == ["run", "lr", "steps"]
     assert table[1].split()[:3] == ["lr=1e-3,steps=2", "0.001", "2"]
+    assert "kiln sweep: no verdict on eval loss" in done.stdout  # one eval batch: no error
+    assert "mc acc (n=8)" in done.stdout and "±" in done.stdout  # the task's error bars
+    assert "kiln sweep: winner on mc acc" in done.stdout or (
+        "kiln sweep: no winner on mc acc" in done.stdout)
 
 
 @pytest.mark.slow

@@ -161,6 +161,9 @@ def test_prompts_longer_than_the_context_score_as_the_hf_model_on_a_kiln_export(
     assert result["truncated"] == 6
     assert result["metrics"]["acc"] == hf["results"]["kiln_mc"]["acc,none"]
     assert result["metrics"]["acc_norm"] == hf["results"]["kiln_mc"]["acc_norm,none"]
+    for metric in ("acc", "acc_norm"):  # the standard errors as the harness reports them
+        assert result["metrics"][f"{metric}_stderr"] == pytest.approx(
+            hf["results"]["kiln_mc"][f"{metric}_stderr,none"], rel=1e-9)
 
 
 def test_the_kiln_harness_model_equals_the_hf_model(setup):
