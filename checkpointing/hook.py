@@ -127,6 +127,7 @@ class CheckpointHook(Hook):
         self._load_s = time.monotonic() - started
         self.resumed_from = source.folder
         if weights_only:
+            trainer.parent = resume.parent_record(source.folder, "weights_only")
             fresh = ("kept optimizer state; fresh" if cfg.keep_optimizer
                      else "fresh optimizer,")
             trainer.print(f"kiln: started from the weights of {source.folder} (step "

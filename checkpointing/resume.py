@@ -272,3 +272,15 @@ def check_data(folder: Path, record: dict | None, *, policy: str, pin=None,
         except DataError as exc:
             raise CheckpointError(f"{folder}: {exc}") from None
     return lines
+
+
+def parent_record(folder: Path, how: str) -> dict:
+    """Where a run that starts from checkpoint ``folder``'s weights comes from: the run that
+    saved it, the checkpoint, its step and tokens (``RUN/parent.json``: ``kiln plot`` draws
+    the new run at its true offset, and joined with its parent)."""
+    from kiln.checkpointing.load_checks import read_state
+
+    folder = Path(folder).resolve()
+    meta = read_state(folder)
+    return {"run": str(folder.parent.parent), "checkpoint": str(folder), "how": how,
+            "step": int(meta["step"]), "tokens": int(meta["tokens"])}

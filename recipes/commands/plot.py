@@ -1,6 +1,8 @@
 """`kiln plot RUN... [--metrics loss,eval/loss,lr,grad_norm] [--x step|tokens|time] [--smooth N]
---out FILE.png`: overlay runs' curves (legend: what differs between their recipes); MoE runs add
-an expert-load heatmap. Needs matplotlib (the `plot` extra)."""
+[--join] --out FILE.png`: overlay runs' curves (legend: what differs between their recipes); a
+run started from another run's checkpoint at its true offset (``--join``: one line with its
+parent); mixture stage switches marked; MoE runs add an expert-load heatmap. Needs matplotlib
+(the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ def add_arguments(parser) -> None:
                         help="trailing moving average over N logged points (default 1: raw)")
     parser.add_argument("--no-experts", action="store_true",
                         help="leave out the expert-load heatmap of MoE runs")
+    parser.add_argument("--join", action="store_true",
+                        help="draw a run started from another run's checkpoint (an anneal, a "
+                        "fine-tune; its parent.json) and that parent as one line")
     parser.add_argument("--out", required=True, help="the PNG file to write")
 
 
@@ -31,6 +36,6 @@ def run(args) -> int:
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] or None
     runs = open_runs(args.runs)
     path = draw(runs, args.out, metrics=metrics, x=args.x, smooth_n=args.smooth,
-                experts=not args.no_experts)
+                experts=not args.no_experts, join=args.join)
     print(f"kiln plot: wrote {path} ({len(runs)} run{'s' * (len(runs) > 1)})")
     return 0

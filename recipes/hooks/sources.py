@@ -60,6 +60,8 @@ class SourceMetricsHook(Hook):
         for i, n in enumerate(self.names):
             values[f"data/tokens/{n}"] = counts[n] * trainer.plan.seq_len - int(cut[i])
             values[f"data/share/{n}"] = new[n] / total
+        # the first step of the stage this step trained in: `kiln plot` marks the switches
+        values["data/stage_start"] = trainer.dataset.stage_of(step - 1).step
         losses = trainer.step_context.source_losses
         if losses is not None:
             sums = distributed.all_reduce_(losses.take())  # every rank logs on the same steps

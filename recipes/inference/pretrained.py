@@ -21,6 +21,7 @@ from kiln.recipes.config.files import load_recipe, to_dict, write_text_atomic
 from kiln.recipes.config.loader import Layered
 from kiln.recipes.config.resolve import build_config
 from kiln.recipes.config.schema import Recipe
+from kiln.recipes.runs import lineage
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -63,6 +64,9 @@ def load_pretrained(trainer) -> None:
         trainer.print(f"kiln: note: init_from differs: {line}")
     n = hf_import.load_weights(trainer.model, folder, config, label=spec)
     trainer.print(f"kiln: initial weights from {spec} ({n} tensors)")
+    source = lineage.export_source(Path(folder))  # a kiln export: the run it came from
+    if source is not None:
+        trainer.parent = {**source, "how": "init_from"}
 
 
 def _config_ids(config: dict[str, Any], key: str) -> list[int]:

@@ -16,6 +16,7 @@ from kiln.checkpointing.huggingface import files as hf_files
 from kiln.components.errors import RecipeError
 from kiln.components.models.block import padded_vocab
 from kiln.recipes.config.files import load_recipe, to_dict
+from kiln.recipes.runs import lineage
 
 
 def load_model(checkpoint: Path, *, min_seq_len: int = 0):
@@ -96,6 +97,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "a
                                 recipe_file=checkpoint / "recipe.toml", fmt=fmt, force=force,
                                 max_shard_size=max_shard_size, dtype=dtype,
                                 tokenizer_files=tokenizer_files(tokenizer))
+    lineage.write_export_source(Path(out_dir), checkpoint)  # a fine-tune of it knows its parent
     return _with_template(summary, checkpoint, recipe, tokenizer, Path(out_dir))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.runs import lineage
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
 
 # train/loss, eval/loss/* and data/share: a mixture's per-source curves (drawn where logged)
@@ -160,12 +161,17 @@ X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "training time (s)"
 
 
 def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
-         x: str = "step", smooth_n: int = 1, experts: bool = True, title: str = "") -> Path:
+         x: str = "step", smooth_n: int = 1, experts: bool = True, title: str = "",
+         join: bool = False) -> Path:
     """Write one PNG: a panel per metric (every run a line), then an expert-load heatmap per
-    MoE run. Atomic: the file is whole or absent."""
+    MoE run. A run started from another run's weights is drawn at its true offset
+    (``lineage``); ``join`` draws it and its parent as one line. Atomic: the file is whole or
+    absent."""
     plt = require_matplotlib()
     keys = resolve_metrics(runs, metrics)
     labels = legend_labels(runs)
+    groups = lineage.lines(runs) if join else [[i] for i in range(len(runs))]
+    offsets = [lineage.offset(run, x, runs) for run in runs]
     heat = [(run, *expert_loads(run)) for run in runs] if experts else []
     heat = [h for h in heat if h[1]]
     panels = group_panels(keys)
@@ -176,13 +182,24 @@ def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
     for i, (head, members) in enumerate(panels):
         ax = fig.add_subplot(grid[i // cols, i % cols])
         for key in members:
-            for run, lab in zip(runs, labels, strict=True):
-                xs, ys = series(run, key, x)
+            for group in groups:
+                lab = " → ".join(labels[i] for i in group)
+                xs, ys, joins = [], [], []
+                for i in group:  # parents first: one line through the model's life
+                    rx, ry = series(runs[i], key, x)
+                    if rx and xs:
+                        joins.append(offsets[i])
+                    xs += [v + offsets[i] for v in rx]
+                    ys += smooth(ry, smooth_n)
                 if xs:
                     line = lab if key == head else key[len(head) + 1:]
                     if key != head and len(runs) > 1:
                         line = f"{lab}: {line}"
-                    plot_series(ax, xs, smooth(ys, smooth_n), line)
+                    plot_series(ax, xs, ys, line)
+                    for at in joins:  # where a child run takes over
+                        ax.axvline(at, color="grey", linestyle=":", linewidth=1)
+        if head in PER_SOURCE:
+            _mark_stages(ax, runs, offsets, x)
         ax.set_title(head + (" per source" if members != [head] else "")
                      + (f" (smoothed over {smooth_n})" if smooth_n > 1 else ""))
         ax.set_xlabel(X_LABELS[x])
@@ -195,6 +212,25 @@ def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
     path = save(fig, out)
     plt.close(fig)
     return path
+
+
+def _mark_stages(ax, runs: list[Run], offsets: list[float], x: str) -> None:
+    """A dashed line where a mixture run entered a later stage (its ``data/stage_start``)."""
+    marked = False
+    for run, off in zip(runs, offsets, strict=True):
+        for step in lineage.stage_switches(run):
+            at = step if x == "step" else _x_at(run, step, x)
+            ax.axvline(at + off, color="black", linestyle="--", linewidth=0.8, alpha=0.6,
+                       label=None if marked else "stage switch")
+            marked = True
+
+
+def _x_at(run: Run, step: int, x: str) -> float:
+    """The ``x`` value (tokens, time) at ``step``, from the run's logged training lines."""
+    steps, _ = series(run, "loss", "step")
+    values, _ = series(run, "loss", x)
+    before = [v for s, v in zip(steps, values, strict=True) if s <= step]
+    return before[-1] if before else 0.0
 
 
 def _heatmap(fig, ax, run: Run, steps: list[int], layers: dict[str, list[list[float]]]) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 from kiln.components.data.chat.templates import TEMPLATE_FILE
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import write_text_atomic
+from kiln.recipes.runs.lineage import PARENT
 
 
 class WriteRecipe(Hook):
-    """``RUN/recipe.toml`` (and a chat run's ``chat_template.jinja``) once the first step is
-    done: a run that fails before it leaves no folder behind, nor changes an earlier run's."""
+    """``RUN/recipe.toml`` (a chat run's ``chat_template.jinja``, a run started from another
+    run's weights its ``parent.json``) once the first step is done: a run that fails before
+    it leaves no folder behind, nor changes an earlier run's."""
 
     priority = 1000  # the folder exists before any other first-step work
 
@@ -20,6 +24,9 @@ class WriteRecipe(Hook):
             template = getattr(trainer.dataset, "template", None)  # chat data: what it used
             if template is not None:
                 write_text_atomic(trainer.run_dir / TEMPLATE_FILE, template.source)
+            parent = getattr(trainer, "parent", None)  # started from another run's weights
+            if parent is not None:
+                write_text_atomic(trainer.run_dir / PARENT, json.dumps(parent, indent=1))
 
 
 class CloseLoader(Hook):

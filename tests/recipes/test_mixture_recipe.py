@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,36 @@ def test_a_new_stage_starts_from_a_finished_runs_checkpoint(full, tmp_path, keep
                               trainer.dataset.counts_before(2, 8).tolist(), strict=True))
     assert _metrics(anneal)[2]["lr/main"] == pytest.approx(
         trainer.optimizers.lrs()["main"])  # its own schedule
+
+
+def test_an_anneal_is_drawn_at_its_true_offset_and_joined_with_its_parent(full, tmp_path):
+    """A model's life as one curve: the anneal records its parent (parent.json), is drawn from
+    the parent's step and tokens on, and `kiln plot --join` draws both as one line; the
+    parent's stage switch is logged (data/stage_start) and marked."""
+    pytest.importorskip("matplotlib")
+    from kiln.recipes.cli import main
+    from kiln.recipes.runs import lineage
+    from kiln.recipes.runs.read import open_run
+
+    folder, _, done = full
+    anneal = tmp_path / "anneal"
+    recipe = load_recipe(CONFIGS / "mixture_anneal.toml", [
+        *[o for o in TINY if not o.startswith("--data.stages")], f"--run.folder={anneal}",
+        "--training.steps=2", f"--checkpoint.resume={folder}/checkpoints/final"])
+    Trainer(recipe, out=io.StringIO()).fit()
+    parent = json.loads((anneal / "parent.json").read_text())
+    assert parent["step"] == 10 and parent["tokens"] == done.progress.tokens
+    assert parent["how"] == "weights_only" and Path(parent["run"]) == folder.resolve()
+    runs = [open_run(folder), open_run(anneal)]
+    assert lineage.offset(runs[1], "step", runs) == 10.0
+    assert lineage.offset(runs[1], "tokens", runs) == done.progress.tokens
+    assert lineage.offset(runs[1], "time", runs) > 0 and lineage.offset(runs[0], "step") == 0
+    assert lineage.lines(runs) == [[0, 1]] and lineage.lines(runs[::-1]) == [[1, 0]]
+    assert lineage.stage_switches(runs[0]) == [SWITCH]
+    assert main(["plot", str(folder), str(anneal), "--join", "--out", str(tmp_path / "j.png")]) \
+        == 0
+    assert (tmp_path / "j.png").stat().st_size > 10_000
+    export = tmp_path / "export"
+    export.mkdir()
+    lineage.write_export_source(export, folder / "checkpoints" / "final")
+    assert lineage.export_source(export)["step"] == 10  # a fine-tune of it finds its parent
