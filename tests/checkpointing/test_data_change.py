@@ -123,3 +123,26 @@ def test_a_stage_still_to_come_moves_or_is_refused_if_it_would_never_run(tmp_pat
     with pytest.raises(CheckpointError, match=r"would now begin at step 4, at or before the "
                        r"resume step 6.*it would never run"):
         train(_mixture_recipe(tmp_path, run, 6))
+
+
+def test_a_chat_file_edited_under_a_run_is_refused(tmp_path):
+    import json
+
+    rows = tmp_path / "chat.jsonl"
+    convs = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                           {"role": "assistant", "content": f"{i} + {i} = {2 * i}."}]}
+             for i in range(60)]
+    rows.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    keep = [o for o in TINY if not o.startswith(("--data.", "--training.seq_len"))]
+
+    def recipe(steps):
+        return load_recipe(CONFIGS / "sft_debug.toml", [
+            *keep, *DENSE, *ON, f"--data.path={rows}", "--training.seq_len=128",
+            f"--data.cache_dir={tmp_path / 'cache'}", f"--training.steps={steps}",
+            f"--run.folder={tmp_path / 'run'}"])
+
+    train(recipe(4))
+    convs[5]["messages"][1]["content"] = "5 + 5 = 11."  # one answer changed
+    rows.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    with pytest.raises(CheckpointError, match=r"data changed since this checkpoint"):
+        train(recipe(6))

@@ -46,9 +46,9 @@ def test_kiln_layout_round_trips_the_weights(tmp_path):
     folder, model = checkpoint(tmp_path, "--model.layerscale_init=0.1")
     summary = export(folder, tmp_path / "out")
     assert summary["layout"] == "kiln" and summary["why_not_hf"] == "LayerScale"
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors",
-                                                    "recipe.toml", "tokenizer.json",
-                                                    "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "kiln_source.json",
+                                                    "model.safetensors", "recipe.toml",
+                                                    "tokenizer.json", "tokenizer_config.json"]
     tensors = load_file(tmp_path / "out" / "model.safetensors")
     sd = model.state_dict()
     assert "output.weight" not in tensors  # tied to tok_embeddings: stored once
@@ -183,6 +183,7 @@ def test_export_refuses_a_non_empty_folder_and_never_deletes_what_it_did_not_wri
     assert main(["export", str(folder), str(tmp_path), "--force"]) == 0
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert set(after) - set(before) == {Path("config.json"), Path("generation_config.json"),
+                                        Path("kiln_source.json"),  # the run it came from
                                         Path("model.safetensors"), Path("recipe.toml"),
                                         Path("tokenizer.json"), Path("tokenizer_config.json")}
     assert (tmp_path / "notes.txt").read_text() == "mine"
@@ -192,5 +193,5 @@ def test_export_refuses_a_non_empty_folder_and_never_deletes_what_it_did_not_wri
     empty.mkdir()
     export(folder, empty)  # an empty folder is fine without --force
     assert sorted(os.listdir(empty)) == ["config.json", "generation_config.json",
-                                         "model.safetensors", "recipe.toml", "tokenizer.json",
-                                         "tokenizer_config.json"]
+                                         "kiln_source.json", "model.safetensors", "recipe.toml",
+                                         "tokenizer.json", "tokenizer_config.json"]

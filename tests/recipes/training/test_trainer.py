@@ -91,7 +91,7 @@ def test_rerunning_a_finished_run_says_so_and_adds_nothing(tmp_path):
     assert first.splitlines()[-1] == (f"kiln: outputs in {run} "
                                       f"(tensorboard --logdir {run}/tensorboard)")
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
-    assert metrics.count("eval/loss") == 1
+    assert metrics.count('"eval/loss":') == 1
     again = _fit(load_recipe(CONFIGS / "debug.toml", args))
     assert "already finished: step 2 of 2" in again and "eval" not in again
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics  # no second eval/loss
