@@ -4,7 +4,8 @@ The manager works on a *train state*: any object with ``model``, ``optimizers`` 
 ``OptimizerSet`` or a dict name -> optimizer), ``progress`` (``state_dict``/``load_state_dict``),
 ``guards`` (dict), ``world`` (``kiln.components.distributed.World``) and optionally
 ``recipe_toml`` (the resolved recipe's text, copied into every snapshot), ``data_record`` (a
-JSON dict: the data's fingerprints and stage steps, checked on resume), ``train_loader``
+JSON dict: the data's fingerprints and stage steps, checked on resume), ``base_record`` (an
+adapters-only run's base: init_from and its weights' fingerprint), ``train_loader``
 (``state_dict``/``load_state_dict``) and ``layout`` (a JSON dict: ``world_size``, ``mesh``,
 ``fsdp``, ``global_batch``, ``micro_batch``, ``grad_accum`` and this rank's global-batch
 ``rows``). The trainer is one; tests use small ones.
@@ -194,6 +195,9 @@ class CheckpointManager:
         data = getattr(state, "data_record", None)  # what the cursor points into (resume.py)
         if data is not None:
             meta["data"] = storage.to_json(data, "data")
+        base = getattr(state, "base_record", None)  # an adapters-only run's frozen base
+        if base is not None:
+            meta["base"] = storage.to_json(base, "base")
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 # JSON has no NaN: a non-finite loss (a step a guard skipped) is kept as text

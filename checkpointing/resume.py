@@ -284,3 +284,46 @@ def parent_record(folder: Path, how: str) -> dict:
     meta = read_state(folder)
     return {"run": str(folder.parent.parent), "checkpoint": str(folder), "how": how,
             "step": int(meta["step"]), "tokens": int(meta["tokens"])}
+
+
+def check_base(folder: Path, record: dict | None, place) -> str:
+    """An adapters-only checkpoint against the base it is about to be used with: ``record`` is
+    {init_from, fingerprint} of that base (``importer.content_fingerprint``). Other weights are
+    refused (CheckpointError); the same weights at another place are fine (a line for the
+    log). Checkpoints saved before fingerprints were recorded are checked by place
+    (``place(spec)``: a comparable path)."""
+    from kiln.checkpointing.load_checks import read_state
+
+    saved = read_state(Path(folder)).get("base")
+    if record is None:
+        return ""
+    if not isinstance(saved, dict) or not isinstance(saved.get("fingerprint"), str):
+        base = _recipe_init_from(Path(folder))
+        if base is not None and place(base) != place(record["init_from"]):
+            raise CheckpointError(
+                f"{folder} holds LoRA adapters trained on checkpoint.init_from = {base!r}, "
+                f"this recipe names {record['init_from']!r}; resume with that base (the "
+                "adapters alone mean nothing on another)")
+        return ""
+    if saved["fingerprint"] != record["fingerprint"]:
+        raise CheckpointError(
+            f"{folder} holds LoRA adapters trained on other base weights than "
+            f"checkpoint.init_from = {record['init_from']!r} now holds (weights fingerprint "
+            f"{record['fingerprint'][:12]}, the adapters' base {saved['fingerprint'][:12]}); "
+            "restore the base they were trained on (the adapters alone mean nothing on "
+            "another), or start a new run from this base")
+    if place(str(saved.get("init_from", ""))) != place(record["init_from"]):
+        return (f"kiln: the adapters' base moved: {saved.get('init_from')!r} is now "
+                f"{record['init_from']!r}, with the same weights")
+    return ""
+
+
+def _recipe_init_from(folder: Path) -> str | None:
+    import tomllib
+
+    try:
+        data = tomllib.loads((folder / "recipe.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get("checkpoint", {}).get("init_from")
+    return value if isinstance(value, str) else None

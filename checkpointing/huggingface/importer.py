@@ -9,11 +9,13 @@ reads the rows (and columns) it owns from the files, so the model never exists w
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -42,6 +44,28 @@ def source_folder(spec: str, *, is_main: bool = True, api=None,
     folder = hub.download_model(spec, api=api, token_env=token_env) if is_main else None
     distributed.barrier()
     return folder or hub.download_model(spec, api=api, token_env=token_env)
+
+
+def content_fingerprint(folder: Path) -> str:
+    """xxh3-128 of the weights a Hugging Face folder holds (every ``.safetensors`` file by name
+    and content, and ``config.json``): what an adapters-only checkpoint's frozen base is,
+    wherever the folder lives. Reads the weights once per process (``_fingerprint`` keeps it
+    by the files' sizes and modification times)."""
+    files = [p for p in sorted(Path(folder).glob("*.safetensors")) if p.is_file()]
+    files += [p for p in [Path(folder) / "config.json"] if p.is_file()]
+    stamp = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _fingerprint(stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(stamp: tuple[tuple[str, int, int], ...]) -> str:
+    h = xxhash.xxh3_128()
+    for name, _, _ in stamp:
+        h.update(Path(name).name.encode() + b"\0")
+        with open(name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def read_config(folder: Path) -> dict[str, Any]:

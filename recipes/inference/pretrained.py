@@ -64,6 +64,9 @@ def load_pretrained(trainer) -> None:
         trainer.print(f"kiln: note: init_from differs: {line}")
     n = hf_import.load_weights(trainer.model, folder, config, label=spec)
     trainer.print(f"kiln: initial weights from {spec} ({n} tensors)")
+    if trainer.saved_params is not None:  # adapters-only checkpoints: on this base alone
+        trainer.base_record = {"init_from": spec,
+                               "fingerprint": hf_import.content_fingerprint(Path(folder))}
     source = lineage.export_source(Path(folder))  # a kiln export: the run it came from
     if source is not None:
         trainer.parent = {**source, "how": "init_from"}

@@ -38,7 +38,7 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
         from kiln.components.adapters.lora import is_adapter
 
         sd = {k: v for k, v in sd.items() if is_adapter(k)}  # the base: from init_from
-        _load_base(model, recipe)
+        _load_base(model, recipe, checkpoint)
     tensors, _ = storage.split_tree({"model": sd})
     storage.load_tensors(tensors, checkpoint, no_dist=True,
                          hint=" -- cannot load the model's weights from the recipe it holds")
@@ -50,12 +50,17 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0):
     return recipe, tokenizer, model
 
 
-def _load_base(model, recipe) -> None:
-    """The frozen base weights of a LoRA run: its ``checkpoint.init_from``."""
+def _load_base(model, recipe, checkpoint: Path) -> None:
+    """The frozen base weights of a LoRA run: its ``checkpoint.init_from``, refused when its
+    weights are not those the adapters of ``checkpoint`` were trained on."""
     from kiln.checkpointing.huggingface import importer as hf_import
+    from kiln.checkpointing.resume import check_base
 
     cfg = recipe.checkpoint
     folder = hf_import.source_folder(cfg.init_from, is_main=True, token_env=cfg.hub_token_env)
+    record = {"init_from": cfg.init_from,
+              "fingerprint": hf_import.content_fingerprint(Path(folder))}
+    check_base(checkpoint, record, lambda spec: spec)  # (the place is the recipe's own)
     hf_import.load_weights(model, folder, hf_import.read_config(folder), label=cfg.init_from)
 
 

@@ -18,7 +18,6 @@ import torch
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.adapters.lora import is_adapter
-from kiln.components.errors import RecipeError
 from kiln.components.protocols import Hook, complete_model
 from kiln.parallelisms.health.check import run_health_check
 from kiln.parallelisms.layout.check import chunked_loss_note
@@ -90,6 +89,7 @@ class Trainer:
         # A LoRA run from init_from checkpoints its adapters only: the frozen base is the
         # init_from weights, read again on resume.
         self.saved_params = None
+        self.base_record: dict | None = None  # its base's init_from and fingerprint
         if recipe.adapter is not None:
             self.print(checks.add_adapter(recipe, self.model))
             if recipe.checkpoint.init_from:
@@ -232,23 +232,18 @@ class Trainer:
         return run_layout(self)
 
     def _start_from_pretrained(self) -> None:
-        """``checkpoint.init_from``: pretrained weights for a run that did not resume."""
+        """``checkpoint.init_from``: pretrained weights for a run that did not resume, or the
+        frozen base of an adapters-only checkpoint, checked against the base it was trained on
+        (its weights' fingerprint)."""
         resumed = getattr(self.resumer, "resumed_from", None)
         if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
             return  # (an adapters-only checkpoint needs its base read again)
+        from kiln.checkpointing.resume import check_base
         from kiln.recipes.inference.pretrained import load_pretrained
 
-        if resumed:  # the adapters were trained on the base their checkpoint names
-            from kiln.recipes.config.files import load_recipe
-
-            base = load_recipe(Path(resumed)).checkpoint.init_from
-            if _place(base) != _place(self.recipe.checkpoint.init_from):
-                raise RecipeError(
-                    f"{resumed} holds LoRA adapters trained on checkpoint.init_from = {base!r}, "
-                    f"this recipe names {self.recipe.checkpoint.init_from!r}; resume with that "
-                    "base (the adapters alone mean nothing on another)")
-
         load_pretrained(self)
+        if resumed and (line := check_base(Path(resumed), self.base_record, _place)):
+            self.print(line)
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property

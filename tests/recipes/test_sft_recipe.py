@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kiln.components.errors import RecipeError
+from kiln.components.errors import CheckpointError, RecipeError
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
@@ -163,9 +163,18 @@ def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, 
     _run(tmp_path / "cut", steps=9, extra=[*LORA, f"--checkpoint.init_from={base}/"])  # same
     import shutil
 
-    other = shutil.copytree(base, tmp_path / "other")
-    with pytest.raises(RecipeError, match="adapters trained on checkpoint.init_from"):
-        _run(tmp_path / "cut", steps=10, extra=[*LORA, f"--checkpoint.init_from={other}"])
+    # the same base moved: the same weights, accepted; a base whose weights changed: refused
+    # (it was the other way round: checked by place, a changed base resumed without a word)
+    moved = shutil.copytree(base, tmp_path / "moved")
+    _run(tmp_path / "cut", steps=10, extra=[*LORA, f"--checkpoint.init_from={moved}"])
+    changed = shutil.copytree(base, tmp_path / "changed")
+    _perturb(changed)
+    with pytest.raises(CheckpointError, match="trained on other base weights than "
+                       "checkpoint.init_from"):
+        _run(tmp_path / "cut", steps=11, extra=[*LORA, f"--checkpoint.init_from={changed}"])
+    _perturb(moved)  # the base step 10's adapters name, changed in place: export refuses too
+    with pytest.raises(CheckpointError, match="trained on other base weights"):
+        export_checkpoint(tmp_path / "cut" / "checkpoints" / "step_0000010", tmp_path / "x")
     ck = tmp_path / "full" / "checkpoints" / "step_0000008"
     saved = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
     names = [k for k in saved if k.startswith("model.")]
@@ -182,6 +191,16 @@ def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, 
         hf = transformers.AutoModelForCausalLM.from_pretrained(base)
         adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(ids)
     torch.testing.assert_close(adapted.logits, merged.logits, rtol=1e-5, atol=1e-5)
+
+
+def _perturb(folder) -> None:
+    """Change one weight of a Hugging Face folder (its size stays)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 0.01
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.slow
