@@ -107,10 +107,11 @@ class CheckpointHook(Hook):
         resume.compare_with_checkpoint(source.folder, self.recipe_diff,
                                        weights_only=weights_only, log=trainer.print)
         if not weights_only:  # a new schedule may start on other data
+            dataset = getattr(trainer, "dataset", None)  # (a test's train state has none)
             for line in resume.check_data(
                     source.folder, getattr(trainer, "data_record", None),
                     policy=cfg.on_data_change, total_steps=trainer.total_steps,
-                    pin=getattr(getattr(trainer, "dataset", None), "pin_stages", None)):
+                    pin=dataset.pin_stages if dataset is not None else None):
                 trainer.print(line)
         distributed.barrier()  # every rank has resolved the source before any folder moves
         if source.explicit and not weights_only and trainer.world.is_main:

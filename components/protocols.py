@@ -5,6 +5,9 @@
 - ``ModelContract``: the optional methods a model may offer, with no-op defaults. kiln's models
   inherit them; ``complete_model`` gives them to a model that does not, once, so the trainer
   calls them directly.
+- ``DatasetContract``: what a dataset may offer beyond ``prepare`` and ``loader`` (source names,
+  a run check, token weighting, a description, fingerprints, stages), the same way
+  (``complete_dataset``).
 - ``Hook``: the base of every hook, one method per event of ``Trainer.fit``, with a priority.
 - ``GuardDecision`` and ``StepResult``: what a guard decides and what a step returns.
 
@@ -123,6 +126,60 @@ class ModelContract:
     def param_summary(self) -> dict[str, int]:
         """Parameter counts by part, printed by ``kiln validate``."""
         return {}
+
+
+class DatasetContract:
+    """The optional part of the dataset contract (docs/design.md "Dataset protocol"): what a
+    dataset may offer the trainer beyond ``prepare()`` and ``loader(split, ...)``.
+
+    Each member has a no-op default. kiln's datasets inherit it; ``complete_dataset`` gives a
+    plugin dataset the members it lacks, once, when it is built, so the trainer, the hooks and
+    ``kiln validate`` read them directly.
+    """
+
+    token_weighted: bool = False  # masked labels: the loss is the mean over trained tokens
+    template: Any = None  # chat data: the template it renders with (the run folder keeps it)
+    source_names: Any = ()  # a mixture's sources, in the order of a batch's source_ids
+    meta: Any = types.MappingProxyType({})  # the prepared data's metadata
+
+    def check_run(self, total_steps: int, global_batch: int) -> list[str]:
+        """Before step 1, with the run's length: a DataError, or lines for the log."""
+        return []
+
+    def describe(self) -> str:
+        """One line about the prepared data for the start-up log ("" = none)."""
+        return ""
+
+    def tokens_per_byte(self, split: str = "eval", source: str | None = None) -> float | None:
+        """Tokens per UTF-8 byte of ``split`` (bits per byte); None when not known."""
+        return None
+
+    def fingerprints(self) -> dict[str, str]:
+        """What the data is, by recipe key (``data``, ``data.sources.NAME``): saved with every
+        checkpoint, a resume on other data is refused."""
+        return {}
+
+    def stage_steps(self) -> list[int | None]:
+        """Where each stage begins in this run (a mixture's ``data.stages``)."""
+        return []
+
+    def pin_stages(self, saved: list[int | None], resume_step: int,
+                   total_steps: int) -> list[str]:
+        """On a resume with another run length: keep the stages that began (lines for the
+        log)."""
+        return []
+
+
+def complete_dataset(dataset: Any) -> Any:
+    """Give ``dataset`` every member of ``DatasetContract`` it lacks (methods and attributes);
+    return it. For a plugin dataset that does not inherit the contract."""
+    if isinstance(dataset, DatasetContract):
+        return dataset
+    _complete(dataset, DatasetContract)
+    for name in ("token_weighted", "template", "source_names", "meta"):
+        if not hasattr(dataset, name):
+            object.__setattr__(dataset, name, getattr(DatasetContract, name))
+    return dataset
 
 
 def _complete(obj: Any, base: type) -> Any:

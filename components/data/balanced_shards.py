@@ -45,6 +45,7 @@ from kiln.components.data.shard_source import (
     seeded_rng as _rng,
 )
 from kiln.components.errors import DataError, RecipeError
+from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
 
 
@@ -178,7 +179,7 @@ class BalancedCursor(StepCursor):
 
 
 @register("dataset", "balanced_shards")
-class BalancedShards:
+class BalancedShards(DatasetContract):
     """Pre-tokenised .npy shards of several domains, equal tokens per domain, streamed."""
 
     Config = BalancedShardsConfig

@@ -30,6 +30,7 @@ from kiln.components.data.prepare.packed_layout import (
 )
 from kiln.components.data.prepare.packed_layout import fingerprint as layout_fingerprint
 from kiln.components.errors import DataError
+from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
 
 
@@ -71,7 +72,7 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 @register("dataset", "packed_documents")
-class PackedDocuments:
+class PackedDocuments(DatasetContract):
     """Documents packed into seq_len windows; default: this machine's Python stdlib, cached."""
 
     Config = PackedDocumentsConfig

@@ -30,6 +30,7 @@ from kiln.components.data.packed_loader import _check_batch_plan
 from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts
 from kiln.components.errors import DataError, RecipeError
+from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
 
 
@@ -190,7 +191,7 @@ class _EvalLoader:
 
 
 @register("dataset", "streaming_text")
-class StreamingText:
+class StreamingText(DatasetContract):
     """Text tokenised on the fly (no prepare step); exact resume; for very large corpora."""
 
     Config = StreamingTextConfig

@@ -100,8 +100,8 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     step = tr.step.build()
     if run_data is not None:
         weighted = checks.token_weighted(recipe, run_data.dataset, step, shape)
-        if weighted and (describe_data := getattr(run_data.dataset, "describe", None)):
-            lines.append(describe_data())
+        if weighted and (line := run_data.dataset.describe()):
+            lines.append(line)
     else:
         lines.append("data: not read here (its checks run when training starts)")
     if world_size > 1:

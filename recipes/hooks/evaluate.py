@@ -31,7 +31,7 @@ class EvalHook(Hook):
             self.evaluate(trainer)
 
     def evaluate(self, trainer) -> float:
-        names = getattr(trainer.dataset, "source_names", None)
+        names = list(trainer.dataset.source_names)
         if names:
             loss, bpb, values, batches = evaluate_sources(trainer, names,
                                                           trainer.recipe.eval.tokens)
@@ -100,14 +100,13 @@ def bits_per_byte(loss: float, dataset) -> float | None:
     """Bits per UTF-8 byte of the eval text: comparable across tokenizers, unlike the loss per
     token. ``loss`` (nats per token) times the eval split's tokens per byte, over ln 2; None
     when the dataset does not know its byte counts."""
-    ratio = getattr(dataset, "tokens_per_byte", None)
-    ratio = ratio("eval") if ratio is not None else None
+    ratio = dataset.tokens_per_byte("eval")
     return loss * ratio / math.log(2) if ratio else None
 
 
 def eval_sources(dataset) -> list[str | None]:
     """The eval splits to check and evaluate: a mixture's sources, or the one split (None)."""
-    return list(getattr(dataset, "source_names", None) or [None])
+    return list(dataset.source_names) or [None]
 
 
 def eval_loader(trainer, source: str | None = None):

@@ -32,7 +32,7 @@ class SourceMetricsHook(Hook):
         self._cut_to = 0
 
     def on_train_start(self, trainer) -> None:
-        self.names = list(getattr(trainer.dataset, "source_names", None) or [])
+        self.names = list(trainer.dataset.source_names)
         if self.names:
             self._before = trainer.train_loader.source_counts()  # after a resume: the cursor's
             self._cut, self._cut_to = np.zeros(len(self.names), dtype=np.int64), 0

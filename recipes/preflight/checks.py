@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from kiln.components.errors import RecipeError
+from kiln.components.protocols import complete_dataset
 from kiln.parallelisms.layout.check import raise_problems, training_problems
 from kiln.parallelisms.mesh import Layout, layout
 from kiln.recipes.hooks.evaluate import eval_sources, split_loader
@@ -47,14 +48,15 @@ def open_data(recipe, tokenizer, plan: batch_plan.BatchPlan, *, rank: int, ranks
     the run's length, check the run against the data (a mixture's stages and epochs) and that
     every eval split holds one batch."""
     tr = recipe.training
-    dataset = recipe.data.build(tokenizer=tokenizer, seq_len=tr.seq_len, seed=tr.seed)
+    # a plugin dataset gets the contract's no-op members (protocols.DatasetContract)
+    dataset = complete_dataset(recipe.data.build(tokenizer=tokenizer, seq_len=tr.seq_len,
+                                                 seed=tr.seed))
     prepare(dataset)
     loader = dataset.loader("train", micro_batch=tr.micro_batch, global_batch=tr.global_batch,
                             rank=rank, world_size=ranks)
     total = batch_plan.total_steps(tr, plan, getattr(loader, "steps_per_epoch", None))
     data = RunData(dataset, loader, total)
-    if check_run := getattr(dataset, "check_run", None):  # e.g. a mixture's stages
-        data.lines += check_run(total, plan.global_batch)
+    data.lines += dataset.check_run(total, plan.global_batch)  # e.g. a mixture's stages
     if recipe.eval.at_end or 0 < recipe.eval.interval <= total:
         for source in eval_sources(dataset):  # each fits one batch, or fails now
             getattr(split_loader(dataset, plan.micro_batch, rank, ranks, source), "close",
@@ -100,7 +102,7 @@ def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
     """Masked data (``chat``) takes the mean over the global batch's trained tokens; only a
     step that weights its micro-batches can train it, and not where a rank sees a part of each
     row (context parallel) or the pipeline computes the loss."""
-    if not getattr(dataset, "token_weighted", False):
+    if not dataset.token_weighted:
         return False
     why = ("parallelism.cp > 1" if shape.cp > 1
            else "pipeline parallelism" if shape.pp > 1

@@ -21,7 +21,7 @@ class WriteRecipe(Hook):
         if trainer.world.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(trainer.run_dir / "recipe.toml", trainer.recipe_toml)
-            template = getattr(trainer.dataset, "template", None)  # chat data: what it used
+            template = trainer.dataset.template  # chat data: what it used
             if template is not None:
                 write_text_atomic(trainer.run_dir / TEMPLATE_FILE, template.source)
             parent = getattr(trainer, "parent", None)  # started from another run's weights

@@ -153,15 +153,15 @@ class Trainer:
         """Masked data (``chat``) takes the mean over the global batch's trained tokens."""
         weighted = checks.token_weighted(self.recipe, self.dataset, self.step_fn,
                                          self.mesh_layout)
-        if weighted and (describe := getattr(self.dataset, "describe", None)):
-            self.print(describe())
+        if weighted and (line := self.dataset.describe()):
+            self.print(line)
         return weighted
 
     def _source_losses(self):
         """Per-source training loss for a dataset with ``source_names`` (a mixture), where the
         loss sees whole logits (chunked or not); elsewhere a line says why it is not logged
         (``data/tokens/NAME`` and the per-source evaluations are logged on every path)."""
-        names = getattr(self.dataset, "source_names", None)
+        names = self.dataset.source_names
         if not names:
             return None
         why = ("pipeline parallelism" if self.parallel.pipeline is not None
@@ -223,8 +223,7 @@ class Trainer:
     def data_record(self) -> dict:
         """What the run's data is (each source's fingerprint, a mixture's stage steps): saved
         with every checkpoint, checked on resume (``checkpointing/resume.check_data``)."""
-        return {"fingerprints": getattr(self.dataset, "fingerprints", dict)(),
-                "stages": getattr(self.dataset, "stage_steps", list)()}
+        return {"fingerprints": self.dataset.fingerprints(), "stages": self.dataset.stage_steps()}
 
     @property
     def layout(self) -> dict:

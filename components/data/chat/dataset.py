@@ -29,6 +29,7 @@ from kiln.components.data.packed_documents import cache_root
 from kiln.components.data.prepare.packed_layout import file_lock
 from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.errors import DataError
+from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
 
 FORMAT = "kiln-chat-v2"  # v2: meta.json records the rows' checksum and empty assistant turns
@@ -62,7 +63,7 @@ class ChatConfig(ComponentConfig):
 
 
 @register("dataset", "chat")
-class ChatDataset:
+class ChatDataset(DatasetContract):
     """Conversations with assistant-only loss masks; the loss is token-weighted."""
 
     Config = ChatConfig

@@ -30,6 +30,7 @@ from kiln.components.base import ComponentConfig, Config, Sub
 from kiln.components.data.mixture import order as mixture_order
 from kiln.components.data.mixture.loader import MixtureLoader
 from kiln.components.errors import DataError, KilnError, RecipeError
+from kiln.components.protocols import DatasetContract, complete_dataset
 from kiln.components.registry import register
 
 _EXACT_LIMIT = 1 << 27  # sequences: beyond, the run plan estimates counts (see _counts)
@@ -78,7 +79,7 @@ class Stage:
 
 
 @register("dataset", "mixture")
-class Mixture:
+class Mixture(DatasetContract):
     """Named sources with weights (and stages); each source's share exact in every window."""
 
     Config = MixtureConfig
@@ -105,8 +106,8 @@ class Mixture:
                     "`kiln data prepare` and use type = \"packed_documents\" with path = that "
                     "folder")
             try:
-                self.children[name] = sub.build(tokenizer=tokenizer, seq_len=seq_len, seed=seed,
-                                                **context)
+                self.children[name] = complete_dataset(sub.build(  # (a plugin source too)
+                    tokenizer=tokenizer, seq_len=seq_len, seed=seed, **context))
             except KilnError as exc:
                 raise type(exc)(f"data.sources.{name}: {exc}") from None
         self._readers: dict[tuple[str, str], Any] = {}
@@ -135,14 +136,14 @@ class Mixture:
         """Each source's data (``data.sources.NAME``), for the resume check."""
         out = {}
         for name in self.names:
-            child = getattr(self.children[name], "fingerprints", dict)()
+            child = self.children[name].fingerprints()
             out.update({f"data.sources.{name}{key.removeprefix('data')}": value
                         for key, value in child.items()})
         return out
 
     @property
     def meta(self) -> dict[str, Any]:
-        return {"sources": {n: getattr(self.children[n], "meta", {}) for n in self.names}}
+        return {"sources": {n: dict(self.children[n].meta) for n in self.names}}
 
     def reader(self, name: str, split: str) -> Any:
         """Source ``name``'s row reader of ``split`` (``packed_loader.Windows``, ``ShardRows``)."""
@@ -159,8 +160,7 @@ class Mixture:
         """Of one source (``source``), or None: ``bits_per_byte`` of a mixture is per source."""
         if source is None:
             return None
-        ratio = getattr(self.children[source], "tokens_per_byte", None)
-        return ratio(split) if ratio is not None else None
+        return self.children[source].tokens_per_byte(split)
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
                world_size: int = 1, source: str | None = None) -> Any:

@@ -1,6 +1,7 @@
 """A plugin written against the documented API of the release before the move (components.base,
-components.registry, the Hook of kiln.recipes.hooks, a model without ModelContract) still
-registers through its entry point and trains, with its hook turned on by a [hooks.NAME] table."""
+components.registry, the Hook of kiln.recipes.hooks, a model without ModelContract, a dataset
+without DatasetContract) still registers through its entry point and trains, with its hook
+turned on by a [hooks.NAME] table."""
 
 from __future__ import annotations
 
@@ -49,6 +50,23 @@ PLUGIN = """
         def num_params(self, exclude_embeddings=False):
             return sum(p.numel() for p in self.parameters())
 
+    from kiln.components.data.packed_documents import PackedDocuments, PackedDocumentsConfig
+
+    class TextConfig(ComponentConfig):
+        max_bytes: int = Field(200000, description="stdlib text to read")
+
+    @register("dataset", "plugin_text")
+    class PluginText:
+        '''The stdlib text through packed_documents, with none of the optional members.'''
+        Config = TextConfig
+        def __init__(self, cfg, *, tokenizer, seq_len, seed=0, **context):
+            inner = PackedDocumentsConfig(type="packed_documents", max_bytes=cfg.max_bytes)
+            self.inner = PackedDocuments(inner, tokenizer=tokenizer, seq_len=seq_len, seed=seed)
+        def prepare(self, create=False):
+            return self.inner.prepare(create=create)
+        def loader(self, split, **kw):
+            return self.inner.loader(split, **kw)
+
     class CountConfig(ComponentConfig):
         out: str = Field(description="where to write the counts")
 
@@ -69,13 +87,14 @@ PLUGIN = """
 def test_a_plugin_of_the_old_api_registers_and_trains_with_its_hook(tmp_path):
     _make_dist(tmp_path, "kiln-old-plugin", "kiln_old_plugin", PLUGIN)
     counts = tmp_path / "counts.json"
-    tiny = [a for a in TINY if not a.startswith("--model.")]
+    tiny = [a for a in TINY if not a.startswith(("--model.", "--data."))]
     code = textwrap.dedent(f"""
         import sys, warnings
         sys.path.insert(0, {str(tmp_path)!r})
         from kiln.recipes.cli import main
         sys.exit(main(["train", {str(CONFIGS / "debug.toml")!r}, *{tiny!r},
                        "--model.type=plugin_bigram", "--model.dim=16",
+                       "--data.type=plugin_text",  # a dataset without DatasetContract
                        "--hooks.count.type=plugin_count", "--hooks.count.out={counts}",
                        "--run.folder={tmp_path / 'run'}"]))
     """)
@@ -95,6 +114,29 @@ def test_complete_model_gives_the_missing_optional_methods_their_defaults():
     model.set_progress(1, 2)
     model.on_global_step(False)
     assert "weight" in model.state_dict() and len(model.state_dict()) == 2  # nothing added
+
+
+def test_complete_dataset_gives_a_plugin_dataset_the_contracts_defaults():
+    from kiln.components.protocols import DatasetContract, complete_dataset
+
+    class Bare:
+        def prepare(self, create=False):
+            return None
+
+    ds = complete_dataset(Bare())
+    assert ds.source_names == () and ds.token_weighted is False and ds.template is None
+    assert ds.check_run(10, 8) == [] and ds.describe() == "" and ds.fingerprints() == {}
+    assert ds.stage_steps() == [] and ds.pin_stages([], 0, 10) == []
+    assert ds.tokens_per_byte("eval") is None and dict(ds.meta) == {}
+
+    class Own(DatasetContract):
+        token_weighted = True
+
+        def describe(self):
+            return "mine"
+
+    own = complete_dataset(Own())
+    assert own.token_weighted and own.describe() == "mine" and own.check_run(1, 1) == []
 
 
 def test_a_model_keeps_its_own_optional_methods():
