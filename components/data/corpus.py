@@ -18,14 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.components.data.sources.text_sources import (
+from kiln.components.errors import DataError
+from kiln.components.sources.text_sources import (
     KINDS,
     SourceFile,
     expand_inputs,
     read_documents,
     stdlib_files,
 )
-from kiln.components.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
+from kiln.components.caching import cache_root  # noqa: F401 - kept importable here
 from kiln.components.data.corpus import open_corpus
 from kiln.components.data.packed_loader import Loader, Windows
 from kiln.components.data.prepare.packed_layout import (
@@ -65,10 +65,6 @@ class PackedDocumentsConfig(ComponentConfig):
         "host-to-GPU copies; ignored on CPU)",
     )
     prefetch: int = Field(2, ge=1, description="micro-batches each worker loads ahead")
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    return Path(cache_dir or os.environ.get("KILN_CACHE") or "~/.cache/kiln").expanduser()
 
 
 @register("dataset", "packed_documents")

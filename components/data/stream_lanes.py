@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kiln.components.data import documents
-from kiln.components.data.sources.text_sources import ReadStats, SourceFile, read_documents
 from kiln.components.errors import DataError
+from kiln.components.sources.text_sources import ReadStats, SourceFile, read_documents
 
 Address = list[int]  # [pass, file, document index, byte offset, documents before in the pass]
 

@@ -27,11 +27,11 @@ from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
 from kiln.components.data.cursor import PlanCursor, check_cursor
 from kiln.components.data.packed_loader import _check_batch_plan
-from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
+from kiln.components.sources.text_sources import expand_inputs
 
 
 class StreamingTextConfig(ComponentConfig):

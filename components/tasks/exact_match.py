@@ -19,10 +19,10 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, field_validator
 
-from kiln.components.data.chat import templates
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 from kiln.components.tasks import common, task_files
+from kiln.components.tokenizers import chat_templates as templates
 
 INVALID = "[invalid]"  # the extraction of an output the regex does not match (as the harness)
 

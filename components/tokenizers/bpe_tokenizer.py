@@ -16,9 +16,9 @@ from pathlib import Path
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
-from kiln.components.data.prepare.packed_layout import file_lock
-from kiln.components.data.sources.text_sources import expand_inputs
+from kiln.components.caching import cache_root, file_lock
 from kiln.components.registry import register
+from kiln.components.sources.text_sources import expand_inputs
 from kiln.components.tokenizers.bpe_train import MIN_VOCAB, Documents, build_bpe, save_bpe
 from kiln.components.tokenizers.hf_tokenizer import TOKENIZER_FILE, TokenizerFile
 
@@ -43,7 +43,6 @@ def trained_folder(cfg: BpeTokenizerConfig) -> Path:
     """The cache folder for ``cfg``, trained into place if it is not there yet."""
     import tokenizers
 
-    from kiln.components.data.packed_documents import cache_root
 
     files = expand_inputs(cfg.inputs)
     parts = [[(f.name, f.size) for f in files], cfg.vocab_size, cfg.text_field, cfg.max_bytes,

@@ -32,7 +32,7 @@ class Documents:
         self.docs = self.bytes = 0
 
     def __iter__(self) -> Iterator[str]:
-        from kiln.components.data.sources.text_sources import read_documents
+        from kiln.components.sources.text_sources import read_documents
 
         self.docs = self.bytes = 0
         for src in self.files:

@@ -21,9 +21,9 @@ import numpy as np
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
-from kiln.components.data.sources.source_files import hub_offline
 from kiln.components.errors import RecipeError
 from kiln.components.registry import register
+from kiln.components.sources.source_files import hub_offline
 
 HUB_PREFIX = "hf://"
 TOKENIZER_FILE = "tokenizer.json"

@@ -170,8 +170,8 @@ class _Chat:
     def __init__(self, args, recipe, tokenizer, ckpt: Path) -> None:
         import inspect
 
-        from kiln.components.data.chat import templates
-        from kiln.components.data.chat.templates import TEMPLATE_FILE
+        from kiln.components.tokenizers import chat_templates as templates
+        from kiln.components.tokenizers.chat_templates import TEMPLATE_FILE
 
         saved = ckpt.parent.parent / TEMPLATE_FILE  # RUN/checkpoints/step_N -> RUN
         if args.template:

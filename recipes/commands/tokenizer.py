@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.components.data.sources.text_sources import expand_inputs
+    from kiln.components.sources.text_sources import expand_inputs
     from kiln.components.tokenizers.bpe_train import Documents, build_bpe, save_bpe
 
     if args.max_bytes < 0 or args.min_frequency < 1:

@@ -109,13 +109,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "a
 def _with_template(summary: dict[str, Any], checkpoint: Path, recipe, tokenizer,
                    out_dir: Path) -> dict[str, Any]:
     """Put the chat template a run trained with beside its export."""
-    from kiln.components.data.chat.templates import TEMPLATE_FILE
+    from kiln.components.tokenizers.chat_templates import TEMPLATE_FILE
 
     saved = checkpoint.parent.parent / TEMPLATE_FILE  # RUN/checkpoints/step_N -> RUN
     if saved.is_file():
         source = saved.read_text(encoding="utf-8")
     elif recipe.data.type == "chat":
-        from kiln.components.data.chat.templates import resolve
+        from kiln.components.tokenizers.chat_templates import resolve
 
         source = resolve(recipe.data.template, tokenizer).source
     else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kiln.components.data.chat.templates import TEMPLATE_FILE
 from kiln.components.protocols import Hook
+from kiln.components.tokenizers.chat_templates import TEMPLATE_FILE
 from kiln.recipes.config.files import write_text_atomic
 from kiln.recipes.runs.lineage import PARENT
 

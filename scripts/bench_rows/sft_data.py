@@ -49,7 +49,8 @@ def setup(work: Path) -> None:
 
 
 def kiln(p: dict) -> dict:
-    from kiln.components.data.chat import masks, templates
+    from kiln.components.data.chat import masks
+    from kiln.components.tokenizers import chat_templates as templates
     from kiln.components.tokenizers.hf_tokenizer import (
         HuggingFaceTokenizer,
         HuggingFaceTokenizerConfig,

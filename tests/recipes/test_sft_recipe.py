@@ -252,7 +252,7 @@ def test_masked_data_with_a_step_that_cannot_weight_tokens_is_refused(tmp_path):
 
 def test_the_run_and_its_export_keep_the_chat_template(full, base):
     transformers = pytest.importorskip("transformers")
-    from kiln.components.data.chat.templates import CHATML, TEMPLATE_FILE
+    from kiln.components.tokenizers.chat_templates import CHATML, TEMPLATE_FILE
 
     folder = full[0]
     assert (folder / TEMPLATE_FILE).read_text() == CHATML

@@ -15,10 +15,10 @@ import string
 from collections.abc import Iterator
 from typing import Any
 
-from kiln.components.data.sources.source_files import SourceFile
-from kiln.components.data.sources.text_sources import _open_compressed, expand_inputs
 from kiln.components.errors import DataError
 from kiln.components.fields import value
+from kiln.components.sources.source_files import SourceFile
+from kiln.components.sources.text_sources import _open_compressed, expand_inputs
 
 ROLES = ("system", "user", "assistant")
 Message = dict[str, str]

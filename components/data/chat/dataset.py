@@ -23,14 +23,15 @@ import xxhash
 from pydantic import Field
 
 from kiln.components.base import ComponentConfig
-from kiln.components.data.chat import builtin, conversations, masks, packing, templates
+from kiln.components.data.chat import builtin, conversations, masks, packing
 from kiln.components.data.chat.chat_loader import SPLIT_FILES, ChatLoader
 from kiln.components.data.packed_documents import cache_root
 from kiln.components.data.prepare.packed_layout import file_lock
-from kiln.components.data.sources.text_sources import expand_inputs
 from kiln.components.errors import DataError
 from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
+from kiln.components.sources.text_sources import expand_inputs
+from kiln.components.tokenizers import chat_templates as templates
 
 FORMAT = "kiln-chat-v2"  # v2: meta.json records the rows' checksum and empty assistant turns
 

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kiln.components.data.chat.templates import ChatTemplate
 from kiln.components.errors import DataError
+from kiln.components.tokenizers.chat_templates import ChatTemplate
 
 TrainOn = Literal["assistant", "last_assistant", "all"]
 Span = tuple[int, int]

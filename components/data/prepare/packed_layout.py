@@ -19,12 +19,11 @@ folder and the fix in every error; ``check_ids`` reads every token (`kiln data i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from kiln.components.caching import file_lock  # noqa: F401 - kept importable here
 from kiln.components.data.prepare import splits
 from kiln.components.errors import DataError
 
@@ -50,23 +50,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def fingerprint(self) -> str: ...
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Serialises builders on one machine; the atomic rename covers the rest."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: rely on the atomic rename alone
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -29,13 +29,13 @@ from kiln.components.data.prepare import splits
 from kiln.components.data.prepare.encode_pool import encode_batches
 from kiln.components.data.prepare.packed_layout import file_lock, token_dtype, tokenizer_meta
 from kiln.components.data.prepare.prepare_sinks import PackedSink, ShardSink
-from kiln.components.data.sources.text_sources import (
+from kiln.components.errors import DataError
+from kiln.components.sources.text_sources import (
     ReadStats,
     SourceFile,
     expand_inputs,
     read_documents,
 )
-from kiln.components.errors import DataError
 
 MANIFEST, PROGRESS = "manifest.json", "progress.json"
 COMMIT_SECONDS = 5.0  # packed layout: fsync + progress.json at most this often

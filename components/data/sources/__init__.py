@@ -1,1 +1,1 @@
-"""Raw text sources: files, JSONL / parquet / saved and Hub datasets, read as documents."""
+"""Moved to ``kiln.components.sources``; these old paths warn and go in the next release."""

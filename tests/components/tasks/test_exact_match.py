@@ -117,7 +117,7 @@ def test_bits_per_byte_equals_the_loss_of_one_forward(tmp_path):
 
 
 def test_a_chat_template_renders_shots_as_turns_and_stops_at_the_end_of_turn(tmp_path):
-    from kiln.components.data.chat import templates
+    from kiln.components.tokenizers import chat_templates as templates
 
     rows = [{"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?", "answer": "6"}]
     tok = samples.byte_tokenizer()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.components.data.chat import masks, templates
+from kiln.components.data.chat import masks
 from kiln.components.errors import DataError
+from kiln.components.tokenizers import chat_templates as templates
 from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 from kiln.components.tokenizers.hf_tokenizer import HuggingFaceTokenizer, HuggingFaceTokenizerConfig
 from tests.components.data.chat.conftest import CONVERSATIONS

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kiln.components.data.sources.hub_datasets import select
-from kiln.components.data.sources.text_sources import ReadStats, expand_inputs, read_documents
 from kiln.components.errors import DataError
+from kiln.components.sources.hub_datasets import select
+from kiln.components.sources.text_sources import ReadStats, expand_inputs, read_documents
 from tests.components.data.corpora import (
     DOCS,
     write_jsonl,
