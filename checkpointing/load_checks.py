@@ -6,6 +6,7 @@ file and the way out, before anything in the run has changed."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,20 @@ def check_groups(folder: Path, name: str, saved: list, current: list) -> None:
             f"than the recipe builds now ({diff}routing / no_decay rules changed?); resume "
             "with the original optimizer tables, or set checkpoint.weights_only = true"
         )
+
+
+@dataclass
+class Loaded:
+    """What a load restored (for the caller's report)."""
+
+    folder: Path
+    step: int
+    weights_only: bool
+    saved_world_size: int
+    mapping: list[str] = field(default_factory=list)  # how a changed layout was mapped
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters are (the CPU for a model without any)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")

@@ -25,11 +25,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -46,9 +44,11 @@ from kiln.checkpointing import (
 from kiln.checkpointing.load_checks import (
     QKV_ROWS,
     STATE,
+    Loaded,
     check_payload_fits,
     check_qkv_rows,
     check_rank_state,
+    device_of,
     rank_file,
     read_state,
 )
@@ -58,17 +58,6 @@ from kiln.components import distributed
 from kiln.components.errors import CheckpointError, DataError
 
 RECIPE = "recipe.toml"
-
-
-@dataclass
-class Loaded:
-    """What a load restored (for the caller's report)."""
-
-    folder: Path
-    step: int
-    weights_only: bool
-    saved_world_size: int
-    mapping: list[str] = field(default_factory=list)  # how a changed layout was mapped
 
 
 @contextlib.contextmanager
@@ -192,12 +181,9 @@ class CheckpointManager:
                                        if k != "rows"}, "layout"),
             "qkv_rows": QKV_ROWS,
         }
-        data = getattr(state, "data_record", None)  # what the cursor points into (resume.py)
-        if data is not None:
-            meta["data"] = storage.to_json(data, "data")
-        base = getattr(state, "base_record", None)  # an adapters-only run's frozen base
-        if base is not None:
-            meta["base"] = storage.to_json(base, "base")
+        for key in ("data", "base"):  # what the cursor points into; an adapters-only base
+            if (record := getattr(state, f"{key}_record", None)) is not None:
+                meta[key] = storage.to_json(record, key)  # (checked on resume: resume.py)
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 # JSON has no NaN: a non-finite loss (a step a guard skipped) is kept as text
@@ -358,7 +344,7 @@ class CheckpointManager:
             guard.load_state_dict(pay["guard_fields"][name])
         if pay["carry"] is not None:
             state.model.load_carry_state(
-                {k: v.to(_device_of(state.model)) for k, v in pay["carry"].items()})
+                {k: v.to(device_of(state.model)) for k, v in pay["carry"].items()})
         loader = getattr(state, "train_loader", None)
         if loader is not None and loader_state is not None:
             try:  # checked before any tensor was read (check_payload_fits); a loader without
@@ -406,8 +392,3 @@ class CheckpointManager:
                 error = str(exc)
         return distributed.broadcast_object(error) if self.world.distributed else error
 
-
-# ---------------------------------------------------------------------------------- helpers
-def _device_of(model: torch.nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")

@@ -90,6 +90,7 @@ class Trainer:
         # init_from weights, read again on resume.
         self.saved_params = None
         self.base_record: dict | None = None  # its base's init_from and fingerprint
+        self.parent: dict | None = None  # the run whose weights this one starts from, if any
         if recipe.adapter is not None:
             self.print(checks.add_adapter(recipe, self.model))
             if recipe.checkpoint.init_from:
