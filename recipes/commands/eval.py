@@ -89,10 +89,9 @@ def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
 def eval_loss_stderr(model, loader, budget: int, loops: int | None, device, autocast,
                      inputs=None) -> tuple[float, int, float]:
     """``eval_loss`` and its standard error over the batches (NaN for one batch)."""
-    total, count = 0.0, 0
-    sums, counts = [], []
+    sums, counts = [], []  # per batch: summed token loss, trained tokens
     for batch in loader:
-        if count >= budget:
+        if sum(counts) >= budget:
             break
         batch = {k: v.to(device) for k, v in batch.items()}
         ids, labels, extra = inputs(batch) if inputs is not None else (
@@ -102,10 +101,9 @@ def eval_loss_stderr(model, loader, budget: int, loops: int | None, device, auto
         with autocast:
             logits = model(ids, **extra)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        total += float(loss)
-        count += int((labels != IGNORE_INDEX).sum())  # masked (chat) data: its trained tokens
         sums.append(float(loss))
-        counts.append(int((labels != IGNORE_INDEX).sum()))
+        counts.append(int((labels != IGNORE_INDEX).sum()))  # masked (chat) data: trained tokens
+    total, count = sum(sums), sum(counts)
     stderr = significance.ratio_stderr(np.array(sums), np.array(counts)) if sums else math.nan
     return (total / count if count else float("nan")), count, stderr
 

@@ -118,7 +118,7 @@ def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
 
 def trainable_line(model: nn.Module) -> str:
     """Trainable parameters of ``model`` against all (an adapter run trains a few)."""
-    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in seen.values())
-    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    params = list(model.parameters())  # (each shared tensor once)
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     return f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
