@@ -24,7 +24,6 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.ffn.swiglu",
     "kiln.components.ffn.moe",
     "kiln.components.guards.spike_guard",
-    "kiln.components.adapters.lora",
     "kiln.components.models.transformer",
     "kiln.components.models.looped",
     "kiln.components.tokenizers.byte_tokenizer",

@@ -39,7 +39,7 @@ KINDS = (
 
 # The packages whose import registers kiln's built-in components, imported by name on first use
 # (as entry points are), so this leaf imports nothing of kiln. Hooks live on the top floor.
-BUILTIN_PACKAGES = ("kiln.components", "kiln.recipes.hooks")
+BUILTIN_PACKAGES = ("kiln.components", "kiln.components.adapters", "kiln.recipes.hooks")
 
 
 class RegistryError(Exception):

@@ -17,7 +17,7 @@ def __getattr__(name: str):
     # The mesh helpers import torch.distributed's device mesh: on first use only, so that
     # single-process runs never load FSDP2 / DTensor (about 1 s less to the first step).
     if name in ("build_mesh", "mesh_shape"):
-        return getattr(importlib.import_module("kiln.parallelisms.mesh"), name)
+        return getattr(importlib.import_module("kiln.parallelisms.layout.mesh"), name)
     raise AttributeError(f"module 'kiln.parallelisms' has no attribute {name!r}")
 
 

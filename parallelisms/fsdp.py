@@ -52,6 +52,22 @@ def apply_fsdp(model: nn.Module, cfg: ParallelismConfig, mesh: DeviceMesh,
         fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
 
 
+def reshard_after_every_forward(model: nn.Module) -> None:
+    """For a model that never runs backward (a frozen reference): free every gathered
+    parameter after each forward, the root's and the last block's included (FSDP2 keeps those
+    gathered for a backward that never comes)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        def reshard(module, args, output):
+            for m in sharded:
+                m.reshard()
+            return output
+
+        model.register_forward_hook(reshard)
+
+
 def fsdp_summary(cfg: ParallelismConfig, mesh: DeviceMesh) -> str:
     rep, shard, cp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size()
     kind = "HSDP" if rep > 1 else "FSDP2"

@@ -27,6 +27,7 @@ from torch import nn
 
 from kiln.components.distributed import is_dtensor
 from kiln.components.errors import KilnError
+from kiln.components.protocols import adapter_layers
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -50,9 +51,8 @@ def _init_weights(model: nn.Module) -> None:
             "protocol, docs/design.md), or set parallelism.meta_init = false"
         )
     init()
-    for module in model.modules():  # adapters added to the built model (LoRA) after it
-        if callable(reset := getattr(module, "reset_adapter", None)):
-            reset()
+    for base, _, adapter in adapter_layers(model).values():  # added after the model's init
+        adapter.reset_adapter(base)
 
 
 @torch.no_grad()

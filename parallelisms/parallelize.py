@@ -42,7 +42,7 @@ from kiln.parallelisms.config import ParallelismConfig
 from kiln.parallelisms.float8 import apply_float8, float8_emulated, float8_post_optimizer_step
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
 from kiln.parallelisms.layout.check import model_problems, raise_problems
-from kiln.parallelisms.mesh import layout
+from kiln.parallelisms.layout.mesh import layout
 
 if TYPE_CHECKING:  # FSDP2, DTensor plans and the mesh are imported when used: single-process
     # runs skip them (about 1 s to the first step on a small CPU)
@@ -205,7 +205,7 @@ def parallelize(
         plan.notes.append(note)
     if (fsdp or shape.tp > 1 or shape.cp > 1 or shape.pp > 1
             or 1 < grad_ranks < world.world_size):
-        from kiln.parallelisms.mesh import build_mesh
+        from kiln.parallelisms.layout.mesh import build_mesh
 
         plan.mesh = mesh or build_mesh(cfg, world.world_size, world.device.type)
     if shape.cp > 1:
@@ -225,7 +225,7 @@ def parallelize(
 
         plan.parts.append(fsdp_summary(cfg, plan.mesh))
     elif grad_ranks > 1:
-        from kiln.parallelisms.mesh import dp_mesh
+        from kiln.parallelisms.layout.mesh import dp_mesh
 
         plan.replicated = True
         plan.dp_group = dp_mesh(plan.mesh).get_group() if plan.mesh is not None else None
@@ -246,7 +246,7 @@ def parallelize(
 
     if shape.ep > 1:
         from kiln.parallelisms.expert_parallel import apply_expert_parallel
-        from kiln.parallelisms.mesh import expert_mesh
+        from kiln.parallelisms.layout.mesh import expert_mesh
 
         plan.ep = apply_expert_parallel(model, ep_mesh or expert_mesh(shape, world.device.type),
                                         shape.dp)
@@ -266,7 +266,7 @@ def parallelize(
         plan.pipeline.loss_context = plan.loss_context
     if fsdp:
         from kiln.parallelisms.fsdp import apply_fsdp
-        from kiln.parallelisms.mesh import fsdp_mesh
+        from kiln.parallelisms.layout.mesh import fsdp_mesh
 
         ignored = set(plan.ep.params) if plan.ep is not None else None
         roots = plan.pipeline.parts if plan.pipeline is not None else None

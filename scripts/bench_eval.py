@@ -118,8 +118,8 @@ def kiln_task(kind: str, path: Path, **values):
 def kiln_scorer(folder: Path):
     """kiln's in-loop scorer on the Hugging Face folder's weights (imported); its tokenizer."""
     from kiln.components.tasks.scorer import Scorer
-    from kiln.recipes.inference.saved_model import open_model
     from kiln.recipes.inference.task_plans import greedy_generate, model_context
+    from kiln.recipes.loading.checkpoint_model import open_model
 
     recipe, tokenizer, model, _ = open_model(folder)
     model.eval()

@@ -45,7 +45,7 @@ def main() -> int:
 
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.recipes.inference.generate import Sampling, generate
-    from kiln.recipes.inference.saved_model import load_model
+    from kiln.recipes.loading.checkpoint_model import load_model
 
     _, tokenizer, model = load_model(find_checkpoint(work / "run"))
     model.eval()

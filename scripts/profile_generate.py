@@ -31,7 +31,7 @@ def main() -> None:
     if args.side == "kiln":
         from kiln.checkpointing.resume import find_checkpoint
         from kiln.recipes.inference.generate import Sampling, generate
-        from kiln.recipes.inference.saved_model import load_model
+        from kiln.recipes.loading.checkpoint_model import load_model
 
         _, _, model = load_model(find_checkpoint(args.work / "run"),
                                  min_seq_len=32 + args.new_tokens)

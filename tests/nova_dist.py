@@ -243,7 +243,7 @@ def case_tied_transformer(rank: int) -> dict:
 
 def case_init_check(rank: int) -> dict:
     from kiln.components.errors import KilnError
-    from kiln.recipes.training.init_check import check_identical_init
+    from kiln.parallelisms.health.init_check import check_identical_init
 
     model = _mats(False)
     ok = check_identical_init(model)

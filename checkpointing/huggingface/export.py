@@ -30,8 +30,8 @@ from kiln.checkpointing.huggingface import config as hf_config
 from kiln.checkpointing.huggingface import files as hf_files
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.components import distributed
-from kiln.components.adapters.lora import is_adapter
 from kiln.components.errors import CheckpointError, RecipeError
+from kiln.components.protocols import adapter_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +61,9 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
             f"{out_dir}: folder exists and is not empty; export into a new or empty folder, or "
             "pass --force to overwrite only the export's files (weights, config.json, "
             "generation_config.json, tokenizer files, recipe.toml) in it")
-    if any(is_adapter(n) for n, _ in model.named_parameters()):
+    if adapter_layers(model):
         raise CheckpointError(
-            "export: the model has LoRA adapters; `kiln export CHECKPOINT OUT_DIR` merges them "
+            "export: the model has adapters; `kiln export CHECKPOINT OUT_DIR` merges them "
             "into the weights (or --format peft writes them alone)")
     reason = hf_layout.hf_incompatibility(model)
     if fmt == "hf" and reason:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.components.adapters.lora import is_adapter
+from kiln.components.protocols import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
 
 
@@ -168,8 +168,9 @@ def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     clean name, in the state dict's order."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
+    adapters = adapter_parameter_names(model)  # merged or exported on their own
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen or is_adapter(name):  # adapters: merged or exported on their own
+        if id(t) in seen or name in adapters:
             continue
         seen.add(id(t))
         out[clean_name(name)] = t

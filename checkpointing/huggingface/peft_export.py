@@ -1,12 +1,13 @@
-"""A model's LoRA adapters as a ``peft`` adapter folder: ``adapter_config.json`` and
+"""A model's adapters (LoRA, DoRA) as a ``peft`` adapter folder: ``adapter_config.json`` and
 ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, folder)`` on the
 Hugging Face export of the base model.
 
 Each adapted kiln layer maps to its Hugging Face module through the export layout
 (``layout.parts``): ``layers.N.attention.wq`` is ``model.layers.N.self_attn.q_proj``, saved as
 ``base_model.model.<module>.lora_A.weight`` (rank, in) and ``.lora_B.weight`` (out, rank), the
-names peft writes. ``B``'s rows follow the base weight's rows, so those of ``wq`` / ``wk`` get
-the same RoPE permutation (``to_hf``); ``A`` acts on the layer's input, whose order both layouts
+names peft writes (DoRA adds ``.lora_magnitude_vector`` (out,)). ``B``'s rows and the
+magnitude's follow the base weight's rows, so those of ``wq`` / ``wk`` get the same RoPE
+permutation (``to_hf``); ``A`` acts on the layer's input, whose order both layouts
 share. ``target_modules`` is a regular expression naming exactly the adapted modules, so peft
 adds no adapter where kiln had none.
 """
@@ -27,21 +28,18 @@ from torch import nn
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
+from kiln.components.protocols import adapter_layers
 from kiln.parallelisms.blocks import clean_name
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 
 
-def adapters(model: nn.Module) -> dict[str, nn.Module]:
-    """Clean module name -> its adapter (a child ``lora`` with ``A``, ``B`` and ``scale``)."""
-    return {clean_name(n): m.lora for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and hasattr(getattr(m, "lora", None), "A")}
-
-
-def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str], float, int]:
-    """(peft's tensors by name, the Hugging Face modules adapted, lora_alpha, r)."""
-    found = adapters(model)
+def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(peft's tensors by name, the Hugging Face modules adapted). Each adapter names its own
+    tensors (``AdapterLayer.peft_tensors``); those whose rows follow the base weight's output
+    rows get the layout's permutation."""
+    found = adapter_layers(model)
     if not found:
         raise CheckpointError("--format peft: the model has no adapters ([adapter] table); "
                               "export its weights with --format hf")
@@ -50,43 +48,44 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str], 
         raise CheckpointError(f"--format peft: the model has no Hugging Face layout ({reason})")
     parts = hf_layout.parts(model)
     out: dict[str, torch.Tensor] = {}
-    modules, scales, ranks = [], set(), set()
-    for name, pair in found.items():
-        got = parts.get(f"{name}.weight", [])
+    modules = []
+    for name, (_, _, layer) in found.items():
+        got = parts.get(f"{clean_name(name)}.weight", [])
         if len(got) != 1:
             raise CheckpointError(
-                f"--format peft: {name} is made of {len(got)} Hugging Face tensors (a fused "
-                "wqkv); peft adapts one module at a time: export merged weights instead")
+                f"--format peft: {clean_name(name)} is made of {len(got)} Hugging Face tensors "
+                "(a fused wqkv); peft adapts one module at a time: export merged weights "
+                "instead")
         part = got[0]
         module = part.hf_name.removesuffix(".weight")
-        a, b = pair.A.detach().float().cpu(), pair.B.detach().float().cpu()
-        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
-        out[f"base_model.model.{module}.lora_B.weight"] = hf_layout.to_hf(b, part.heads) \
-            .contiguous()
+        for suffix, (tensor, output_rows) in layer.peft_tensors().items():
+            t = tensor.detach().float().cpu()
+            out[f"base_model.model.{module}.{suffix}"] = (
+                hf_layout.to_hf(t, part.heads) if output_rows else t).contiguous()
         modules.append(module)
-        scales.add(pair.scale)
-        ranks.add(a.shape[0])
-    if len(ranks) != 1 or len(scales) != 1:
-        raise CheckpointError("--format peft: the adapters differ in rank or scale")
-    r = ranks.pop()
-    return out, modules, scales.pop() * r, r
+    return out, modules
 
 
-def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, dropout: float = 0.0,
+def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, fields: dict[str, Any],
                 force: bool = False) -> dict[str, Any]:
-    """Write the adapter folder; ``base`` names the base model (``checkpoint.init_from``)."""
+    """Write the adapter folder: ``fields`` are the adapter's own (``peft_type``, ``r``,
+    ``lora_alpha``, ... from ``AdapterContract.peft_config``); ``base`` names the base model
+    (``checkpoint.init_from``). The base's weights are not read: only the adapters' tensors and
+    the layout's names."""
     out_dir = Path(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise CheckpointError(f"{out_dir}: folder exists and is not empty; export into a new "
                               "or empty folder, or pass --force")
-    tensors, modules, alpha, r = peft_tensors(model)
+    if not fields:
+        raise CheckpointError("--format peft: this adapter type has no peft form; export the "
+                              "merged weights instead (--format hf)")
+    tensors, modules = peft_tensors(model)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
-        "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
+        "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False,
         "target_modules": "(" + "|".join(re.escape(m) for m in modules) + ")",
         "base_model_name_or_path": base, "inference_mode": True, "modules_to_save": None,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-        "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+        "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, **fields,
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.{secrets.token_hex(6)}.kiln-export"
@@ -106,5 +105,5 @@ def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, dropout: fl
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return {"layout": "peft", "family": "lora", "tensors": len(tensors), "why_not_hf": "",
-            "files": [CONFIG, WEIGHTS]}
+    return {"layout": "peft", "family": config["peft_type"].lower(), "tensors": len(tensors),
+            "why_not_hf": "", "files": [CONFIG, WEIGHTS]}

@@ -42,12 +42,14 @@ def logits(hidden: torch.Tensor, output: nn.Module, cap: float) -> torch.Tensor:
 @runtime_checkable
 class HeadExtension(Protocol):
     """A trainable addition to the output layer that is a product of the hidden states, held
-    as a child module of it (a low-rank adapter on ``output``). ``extend_head(hidden)`` returns
-    ``(extra_hidden (..., r), extra_weight (V, r))`` whose product ``extra_hidden @
-    extra_weight.T`` is the addition to the logits: the chunked loss then sees the adapted
-    projection by concatenation, and the gradient reaches the addition's parameters."""
+    as a child module of it (an adapter on ``output``). ``extend_head(hidden, weight)``, with
+    the head's own (V, D) ``weight``, returns ``(extra_hidden (..., r), extra_weight (V, r))``
+    whose product ``extra_hidden @ extra_weight.T`` is the addition to the logits: the chunked
+    loss then sees the adapted projection by concatenation, and the gradient reaches the
+    addition's parameters."""
 
-    def extend_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def extend_head(self, hidden: torch.Tensor, weight: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def head_operands(hidden: torch.Tensor, output: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,7 @@ def head_operands(hidden: torch.Tensor, output: nn.Module) -> tuple[torch.Tensor
         return hidden, output.weight
     hs, ws = [hidden], [output.weight]
     for extension in extras:
-        h, w = extension.extend_head(hidden)
+        h, w = extension.extend_head(hidden, output.weight)
         hs.append(h.to(hidden.dtype))
         ws.append(w.to(output.weight.dtype))
     return torch.cat(hs, dim=-1), torch.cat(ws, dim=1)

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
-from kiln.components.protocols import StepContext, StepResult
+from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 
 
@@ -40,7 +40,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @register("step", "segmented_bptt")
-class SegmentedBPTT:
+class SegmentedBPTT(StepContract):
     """Loops in segments of K, each with its own backward, guard check and optimizer step."""
 
     Config = SegmentedBPTTConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kiln.components.base import ComponentConfig
-from kiln.components.protocols import StepContext, StepResult
+from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 
 
@@ -20,7 +20,7 @@ class StandardStepConfig(ComponentConfig):
 
 
 @register("step", "standard")
-class StandardStep:
+class StandardStep(StepContract):
     """Forward/backward every micro-batch, then one clipped, guarded optimizer step."""
 
     Config = StandardStepConfig

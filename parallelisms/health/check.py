@@ -93,18 +93,18 @@ def process_groups(pcfg, world) -> tuple[list, object | None, object | None]:
     """(groups to check, training mesh, expert mesh): the world, plus each mesh dimension whose
     ranks are a proper subset of it (a dimension spanning every rank repeats the world)."""
     from kiln.parallelisms.health.collectives import Group
-    from kiln.parallelisms.mesh import MESH_DIMS, layout
+    from kiln.parallelisms.layout.mesh import MESH_DIMS, layout
 
     groups = [Group("world", None, list(range(world.world_size)))]
     shape = layout(pcfg, world.world_size)
     mesh = ep_mesh = None
     if any(1 < size < world.world_size for size in shape.shape):
-        from kiln.parallelisms.mesh import build_mesh
+        from kiln.parallelisms.layout.mesh import build_mesh
 
         mesh = build_mesh(pcfg, world.world_size, world.device.type)
         groups += mesh_groups(mesh, MESH_DIMS, world.world_size)
     if shape.ep > 1:
-        from kiln.parallelisms.mesh import expert_mesh
+        from kiln.parallelisms.layout.mesh import expert_mesh
 
         ep_mesh = expert_mesh(shape, world.device.type)
         groups += mesh_groups(ep_mesh, ("ep_replicate", "ep"), world.world_size)

@@ -77,7 +77,7 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     complete_model(model)
     checks.check_model(recipe, model, tokenizer)
     if recipe.adapter is not None:
-        lines.append(checks.add_adapter(recipe, model))
+        lines.append(checks.add_adapter(recipe, model)[1])
     raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp)
                    + pipeline_problems(recipe.parallelism, tr, model, bp.grad_accum,
                                        recipe.checkpoint, getattr(recipe.model, "attention",
@@ -97,7 +97,7 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
-    step = tr.step.build()
+    step = checks.build_step(recipe)
     if run_data is not None:
         weighted = checks.token_weighted(recipe, run_data.dataset, step, shape)
         if weighted and (line := run_data.dataset.describe()):

@@ -28,8 +28,8 @@ from kiln.components.errors import RecipeError
 from kiln.components.tasks.bits_per_byte import windows
 from kiln.components.tasks.common import left_truncate
 from kiln.components.tasks.scorer import Scorer
-from kiln.recipes.inference.saved_model import open_model
 from kiln.recipes.inference.task_plans import greedy_generate, model_context
+from kiln.recipes.loading.checkpoint_model import open_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODEL_ARGS = {  # name -> help (kiln harness --help)

@@ -49,7 +49,7 @@ def recipe_evals(run: str, step: int, overrides: list[str]) -> tuple[dict, str]:
     from kiln.checkpointing import layout
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.recipes.config.files import load_recipe
-    from kiln.recipes.inference.saved_model import is_hf_folder
+    from kiln.recipes.loading.checkpoint_model import is_hf_folder
 
     path = Path(run)
     if is_hf_folder(path):
@@ -136,7 +136,7 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
     to ``downstream_eval.jsonl`` and its request file removed."""
     from kiln.recipes.config.loader import Layered
     from kiln.recipes.config.resolve import build_config
-    from kiln.recipes.inference.saved_model import open_model
+    from kiln.recipes.loading.checkpoint_model import open_model
 
     files = sorted(run.glob("pending_downstream_eval*.json"),
                    key=lambda p: (p.name == PENDING, p.name))

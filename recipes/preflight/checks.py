@@ -17,9 +17,9 @@ from typing import Any
 from torch import nn
 
 from kiln.components.errors import RecipeError
-from kiln.components.protocols import complete_dataset
+from kiln.components.protocols import AdapterContract, complete_dataset, complete_step
 from kiln.parallelisms.layout.check import raise_problems, training_problems
-from kiln.parallelisms.mesh import Layout, layout
+from kiln.parallelisms.layout.mesh import Layout, layout
 from kiln.recipes.hooks.evaluate import eval_sources, split_loader
 from kiln.recipes.preflight import batch_plan
 
@@ -79,9 +79,10 @@ def check_model(recipe, model: nn.Module, tokenizer) -> None:
             "training.loss_chunk_tokens = 0")
 
 
-def add_adapter(recipe, model: nn.Module) -> str:
+def add_adapter(recipe, model: nn.Module) -> tuple[AdapterContract, str]:
     """``[adapter]``: check it can run with this recipe, freeze ``model`` and add the adapters
-    (before parallelize, so FSDP2 shards them with their blocks); a line for the log."""
+    (before parallelize, so FSDP2 shards them with their blocks); (the adapter, a line for the
+    log)."""
     p, adapter = recipe.parallelism, recipe.adapter
     why = ("parallelism.tp > 1" if p.tp > 1 else "parallelism.pp > 1" if p.pp > 1
            else f"parallelism.float8 = {p.float8!r}" if p.float8 != "off" else "")
@@ -95,7 +96,12 @@ def add_adapter(recipe, model: nn.Module) -> str:
                           "adapters, --format peft writes them alone)")
     built = adapter.build()
     built.check_base(recipe.checkpoint.init_from)
-    return built.apply(model)
+    return built, built.apply(model)
+
+
+def build_step(recipe):
+    """The step component, with the step contract's defaults a plugin step lacks."""
+    return complete_step(recipe.training.step.build())
 
 
 def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
@@ -106,7 +112,7 @@ def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
         return False
     why = ("parallelism.cp > 1" if shape.cp > 1
            else "pipeline parallelism" if shape.pp > 1
-           else "" if getattr(step_fn, "token_weighted", False)
+           else "" if step_fn.token_weighted
            else f"training.step.type = {recipe.training.step.type!r}")
     if why:
         raise RecipeError(

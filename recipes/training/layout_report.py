@@ -16,8 +16,8 @@ import torch
 
 from kiln.components.optimizers.memory import optimizer_state_bytes
 from kiln.parallelisms.layout.check import chunked_loss_note, training_problems
+from kiln.parallelisms.layout.mesh import layout
 from kiln.parallelisms.layout.plan import dry_parallelize, fake_world, local_bytes, local_numel
-from kiln.parallelisms.mesh import layout
 from kiln.recipes.training.activation_memory import measure
 from kiln.recipes.training.optimizer_set import OptimizerSet
 

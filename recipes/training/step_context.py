@@ -136,6 +136,23 @@ class TrainStepContext:
         rows = batch.get("source_ids") if self.source_losses is not None else None
         return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels, rows=rows)
 
+    def token_logprobs(self, batch: dict[str, torch.Tensor],
+                       model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each trained token's log-probability of its label through ``model`` (the policy by
+        default), fp32 (B, T), and the trained mask; whole logits, so not under pipeline or
+        tensor parallelism (their logits live on other ranks or are sharded)."""
+        if self.parallel.pipeline is not None or self.parallel.tp is not None:
+            raise TrainingAborted("token log-probabilities need whole logits on every rank: "
+                                  "not under pipeline or tensor parallelism yet")
+        model = self.model if model is None else model
+        ids, labels, extra = self.model_inputs(batch)
+        with self.autocast:
+            logits = model(ids, **extra)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        trained = labels != IGNORE_INDEX
+        picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return picked * trained, trained
+
     def stage_loss(self, run, labels: torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``run(**kw)`` (the model's or last pipeline stage's forward), chunked via

@@ -17,7 +17,6 @@ import torch
 
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
-from kiln.components.adapters.lora import is_adapter
 from kiln.components.protocols import Hook, complete_model
 from kiln.parallelisms.health.check import run_health_check
 from kiln.parallelisms.layout.check import chunked_loss_note
@@ -33,12 +32,8 @@ from kiln.recipes.training.model_inputs import ModelInputs
 from kiln.recipes.training.optimizer_set import OptimizerSet
 from kiln.recipes.training.run_hooks import CloseLoader, WriteRecipe
 from kiln.recipes.training.run_layout import run_layout
+from kiln.recipes.training.step_build import StepBuild
 from kiln.recipes.training.step_context import Progress, TrainStepContext
-
-
-def _place(spec: str) -> str:
-    """An ``init_from`` as a comparable place: a Hub path as written, a folder resolved."""
-    return spec if spec.startswith("hf://") else str(Path(spec).expanduser().resolve())
 
 
 class Trainer:
@@ -86,15 +81,17 @@ class Trainer:
             self.print(line)
         phase("data")
         self.model = self._build_model()
-        # A LoRA run from init_from checkpoints its adapters only: the frozen base is the
+        # An adapter run from init_from checkpoints its adapters only: the frozen base is the
         # init_from weights, read again on resume.
+        self.adapter = None  # the built [adapter] (AdapterContract)
         self.saved_params = None
         self.base_record: dict | None = None  # its base's init_from and fingerprint
         self.parent: dict | None = None  # the run whose weights this one starts from, if any
         if recipe.adapter is not None:
-            self.print(checks.add_adapter(recipe, self.model))
+            self.adapter, line = checks.add_adapter(recipe, self.model)
+            self.print(line)
             if recipe.checkpoint.init_from:
-                self.saved_params = is_adapter
+                self.saved_params = self.adapter.owns
         phase("model build")
         self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))  # whole model
         self.num_params = self.model.num_params()  # (before a pipeline split)
@@ -102,7 +99,11 @@ class Trainer:
         phase("parallelize")
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
-        self.step_fn = tr.step.build()
+        self.step_fn = checks.build_step(recipe)
+        build = StepBuild(self)
+        self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
+        for line in build.lines:
+            self.print(line)
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
@@ -198,7 +199,7 @@ class Trainer:
                 replica_max_params=pcfg.replica_init_max_params, pipeline=self.parallel.pipeline,
             ))
         if self.recipe.training.init_check and self.world.distributed:
-            from kiln.recipes.training.init_check import check_identical_init
+            from kiln.parallelisms.health.init_check import check_identical_init
 
             details.append(check_identical_init(self.model, self.parallel.stage_group))
         self.compiled_losses = {}
@@ -239,11 +240,17 @@ class Trainer:
         if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
             return  # (an adapters-only checkpoint needs its base read again)
         from kiln.checkpointing.resume import check_base
-        from kiln.recipes.inference.pretrained import load_pretrained
+        from kiln.recipes.loading.init_from import load_pretrained, place
 
-        load_pretrained(self)
-        if resumed and (line := check_base(Path(resumed), self.base_record, _place)):
+        started = load_pretrained(self.model, self.recipe, is_main=self.world.is_main,
+                                  adapters_only=self.saved_params is not None)
+        for line in started.lines:
             self.print(line)
+        self.base_record, self.parent = started.base_record, started.parent or self.parent
+        if resumed and (line := check_base(Path(resumed), self.base_record, place)):
+            self.print(line)
+        if not resumed and self.adapter is not None:
+            self.adapter.on_base_loaded(self.model)  # e.g. DoRA's magnitudes: the base's norms
 
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property

@@ -50,7 +50,7 @@ def kiln(p: dict) -> dict:
 
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.recipes.inference.generate import Sampling, generate
-    from kiln.recipes.inference.saved_model import load_model
+    from kiln.recipes.loading.checkpoint_model import load_model
 
     set_threads(p["threads"])
     work = Path(p["work"])

@@ -32,7 +32,7 @@ def _batch():
 def kiln_model(work: Path, lora: bool = True):
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.components.adapters.lora import LoRA, LoRAConfig
-    from kiln.recipes.inference.saved_model import load_model
+    from kiln.recipes.loading.checkpoint_model import load_model
 
     _, _, model = load_model(find_checkpoint(work / "run"))
     if lora:

@@ -142,8 +142,8 @@ def test_peak_memory_per_device_type(monkeypatch):
 
 
 def test_the_commands_offer_the_same_devices_as_the_recipe():
-    from kiln.recipes.commands import eval as eval_cmd
-    from kiln.recipes.commands import generate
+    from kiln.recipes.commands.models import eval as eval_cmd
+    from kiln.recipes.commands.models import generate
     from kiln.recipes.config.schema import TrainingConfig
 
     field = TrainingConfig.model_fields["device"].annotation

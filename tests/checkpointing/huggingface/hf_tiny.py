@@ -45,7 +45,7 @@ def ids(n: int = 2, t: int = 16, vocab: int = 300, seed: int = 0) -> torch.Tenso
 def kiln_model(folder: Path, seq_len: int = 32, *overrides: str):
     """The kiln model of `kiln import FOLDER`'s recipe (random weights, on the CPU)."""
     from kiln.recipes.config.files import load_recipe
-    from kiln.recipes.inference.pretrained import import_recipe
+    from kiln.recipes.loading.hf_recipe import import_recipe
 
     recipe_path = Path(folder).with_suffix(".toml")
     import_recipe(str(folder), recipe_path, seq_len=seq_len)

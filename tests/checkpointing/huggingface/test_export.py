@@ -20,7 +20,7 @@ from kiln.components.positions.rope import RoPE, RoPEConfig
 from kiln.recipes.cli import main
 from kiln.recipes.config.files import load_recipe, render_recipe
 from kiln.recipes.inference.saved_model import export_checkpoint as export
-from kiln.recipes.inference.saved_model import load_model
+from kiln.recipes.loading.checkpoint_model import load_model
 from tests.checkpointing.toy import ToyState
 from tests.conftest import CONFIGS
 

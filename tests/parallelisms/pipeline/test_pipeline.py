@@ -13,7 +13,7 @@ import torch
 from kiln.checkpointing import rank_json
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.parallelisms.mesh import MESH_DIMS, layout
+from kiln.parallelisms.layout.mesh import MESH_DIMS, layout
 from kiln.parallelisms.pipeline.checks import pipeline_problems
 from kiln.parallelisms.pipeline.schedule import bubble_fraction, microbatch_problem
 from kiln.parallelisms.pipeline.split import (

@@ -8,7 +8,7 @@ import torch
 
 from kiln.recipes.cli import main
 from kiln.recipes.inference.generate import Sampling, generate, sample
-from kiln.recipes.inference.saved_model import load_model
+from kiln.recipes.loading.checkpoint_model import load_model
 from tests.checkpointing.huggingface.hf_tiny import LLAMA3, kiln_from_hf, save_tiny
 from tests.checkpointing.huggingface.test_export import TINY, checkpoint
 

@@ -102,7 +102,7 @@ def run(args) -> int:
     from kiln.components.devices import pick_device
     from kiln.recipes.config.files import load_recipe
     from kiln.recipes.inference.generate import Sampling, generate
-    from kiln.recipes.inference.saved_model import load_model
+    from kiln.recipes.loading.checkpoint_model import load_model
 
     prompts = _prompts(args)
     if args.max_new_tokens < 1:

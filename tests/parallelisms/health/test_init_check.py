@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.recipes.training.init_check import check_identical_init, fingerprint
+from kiln.parallelisms.health.init_check import check_identical_init, fingerprint
 
 
 def test_fingerprint_covers_parameters_buffers_and_the_rng():

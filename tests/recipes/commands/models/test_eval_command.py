@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.commands.eval import parse_loops, verdict
+from kiln.recipes.commands.models.eval import parse_loops, verdict
 
 
 @pytest.mark.parametrize("losses, better", [
@@ -44,7 +44,7 @@ def test_a_document_masked_run_is_evaluated_with_its_mask():
     import torch.nn.functional as F
 
     from kiln.components.attention.context import build_context
-    from kiln.recipes.commands.eval import eval_loss
+    from kiln.recipes.commands.models.eval import eval_loss
     from kiln.recipes.training.model_inputs import ModelInputs
     from tests.parallelisms.tiny import VOCAB, tiny_model
 
@@ -69,7 +69,7 @@ def test_eval_loss_of_masked_labels_is_the_mean_over_the_trained_tokens():
     import torch.nn.functional as F
 
     from kiln.components.models.lm_head import IGNORE_INDEX
-    from kiln.recipes.commands.eval import eval_loss
+    from kiln.recipes.commands.models.eval import eval_loss
     from tests.parallelisms.tiny import VOCAB, tiny_model
 
     model = tiny_model().eval()

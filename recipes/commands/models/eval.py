@@ -115,7 +115,7 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.components.devices import pick_device
     from kiln.recipes.config.files import load_recipe
-    from kiln.recipes.inference.saved_model import load_model
+    from kiln.recipes.loading.checkpoint_model import load_model
 
     ckpt = find_checkpoint(Path(run))
     recipe, tokenizer, model = load_model(ckpt)
@@ -190,7 +190,7 @@ def run_tasks(args) -> int:
     from kiln.recipes.inference import task_eval
 
     if args.harness:
-        from kiln.recipes.commands.harness import run_harness
+        from kiln.recipes.commands.models.harness import run_harness
 
         if not args.run:
             raise RecipeError("--harness needs RUN (a run, checkpoint or Hugging Face folder)")
@@ -204,7 +204,7 @@ def run_tasks(args) -> int:
         print(json.dumps(_json_safe(done)) if args.json else
               "\n".join(task_eval.render(d["label"], d["tasks"]) for d in done))
         return 0
-    from kiln.recipes.inference.saved_model import open_model
+    from kiln.recipes.loading.checkpoint_model import open_model
 
     task_overrides = [o for o in args.overrides if o.lstrip("-").startswith("evals.")]
     model_overrides = [o for o in args.overrides if o not in task_overrides or not args.task_file]

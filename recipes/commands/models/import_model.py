@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kiln.recipes.inference.pretrained import import_recipe
+    from kiln.recipes.loading.hf_recipe import import_recipe
 
     summary = import_recipe(args.source, Path(args.out), seq_len=args.seq_len,
                             ignore=tuple(args.ignore_field))

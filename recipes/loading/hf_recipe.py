@@ -1,6 +1,7 @@
-"""Starting from a pretrained Hugging Face model: ``kiln import`` writes the recipe matching a
-model's config.json, and ``checkpoint.init_from`` loads its weights into a fresh run (format
-conversion lives in ``checkpointing.hf_*``; this module wires it into recipes and the trainer)."""
+"""The recipe of a Hugging Face model: ``kiln import`` writes the recipe matching a model's
+config.json (its architecture as kiln components, its tokenizer, ``checkpoint.init_from``), and
+``differences`` says where a recipe's model is not the one a config.json describes (format
+conversion lives in ``checkpointing/huggingface``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from kiln.recipes.config.files import load_recipe, to_dict, write_text_atomic
 from kiln.recipes.config.loader import Layered
 from kiln.recipes.config.resolve import build_config
 from kiln.recipes.config.schema import Recipe
-from kiln.recipes.runs import lineage
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -47,29 +47,6 @@ def differences(config_table: dict[str, Any], recipe_table: dict[str, Any]) -> l
     want, have = _flat(resolved_model_table(config_table)), _flat(recipe_table)
     return [f"model.{k}: {want.get(k)!r} for config.json, {have.get(k)!r} in the recipe"
             for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
-
-
-def load_pretrained(trainer) -> None:
-    """Load ``checkpoint.init_from`` into the trainer's (built, parallelized) model."""
-    cfg, world = trainer.recipe.checkpoint, trainer.world
-    spec = cfg.init_from
-    folder = hf_import.source_folder(spec, is_main=world.is_main, token_env=cfg.hub_token_env)
-    config = hf_import.read_config(folder)
-    table = hf_config.model_table(config, spec, tuple(cfg.init_from_ignore))
-    hf_config.check_context(config, spec, trainer.recipe.training.seq_len)
-    recipe_table = to_dict(trainer.recipe)["model"]
-    if not recipe_table.get("vocab_size"):  # 0: the tokenizer's size, as built
-        recipe_table["vocab_size"] = getattr(trainer.model, "vocab_size", 0)
-    for line in differences(table, recipe_table):
-        trainer.print(f"kiln: note: init_from differs: {line}")
-    n = hf_import.load_weights(trainer.model, folder, config, label=spec)
-    trainer.print(f"kiln: initial weights from {spec} ({n} tensors)")
-    if trainer.saved_params is not None:  # adapters-only checkpoints: on this base alone
-        trainer.base_record = {"init_from": spec,
-                               "fingerprint": hf_import.content_fingerprint(Path(folder))}
-    source = lineage.export_source(Path(folder))  # a kiln export: the run it came from
-    if source is not None:
-        trainer.parent = {**source, "how": "init_from"}
 
 
 def _config_ids(config: dict[str, Any], key: str) -> list[int]:

@@ -4,7 +4,7 @@ import pytest
 
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.parallelisms.mesh import mesh_shape
+from kiln.parallelisms.layout.mesh import mesh_shape
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_zero_shard_rejected():
 
 
 def test_expert_parallel_borrows_data_parallel_ranks():
-    from kiln.parallelisms.mesh import layout
+    from kiln.parallelisms.layout.mesh import layout
 
     shape = layout(ParallelismConfig(tp=2, ep=2), 8)
     assert (shape.shape, shape.ep, shape.dp) == ((1, 1, 4, 1, 2), 2, 4)
@@ -46,8 +46,8 @@ def test_expert_parallel_borrows_data_parallel_ranks():
 
 
 def test_context_parallel_sits_between_data_and_tensor_parallel():
+    from kiln.parallelisms.layout.mesh import build_mesh, dp_mesh, fsdp_mesh, layout
     from kiln.parallelisms.layout.plan import fake_world
-    from kiln.parallelisms.mesh import build_mesh, dp_mesh, fsdp_mesh, layout
 
     shape = layout(ParallelismConfig(cp=2, tp=2), 8)
     assert shape.shape == (1, 1, 2, 2, 2) and (shape.dp, shape.grad_ranks) == (2, 4)

@@ -1,0 +1,75 @@
+"""What a step may ask for before the first step (``protocols.StepBuildContext``): the policy,
+and frozen models built and sharded as the policy is (a reference for a preference loss or a KL
+term, a teacher). The step takes them in ``setup`` and holds them; the trainer stays one loop.
+
+A frozen model is a second build of the recipe's model (without adapters) through the same
+``parallelize`` call, so its parameters have the policy's placements and a rank holds its own
+shard of both. ``"initial"`` gives the policy's starting weights: ``checkpoint.init_from`` when
+the run names one, else a copy of the policy's weights taken before any resume (its seeded
+initialisation), so a resumed run gets the same reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.components.errors import RecipeError
+from kiln.components.protocols import StepBuildContext
+
+
+class StepBuild(StepBuildContext):
+    """The trainer's ``StepBuildContext``: call it before the run resumes."""
+
+    def __init__(self, trainer) -> None:
+        self._trainer = trainer
+        self.policy: nn.Module = trainer.model
+        self.device: torch.device = trainer.device
+        self.lines: list[str] = []  # for the start-up log
+
+    def frozen_model(self, source: str = "initial") -> nn.Module:
+        from kiln.parallelisms import materialize, parallelize
+        from kiln.parallelisms.fsdp import reshard_after_every_forward
+        from kiln.recipes.loading.init_from import Source
+
+        t = self._trainer
+        recipe, pcfg = t.recipe, t.recipe.parallelism
+        if t.parallel.pipeline is not None:
+            raise RecipeError("training.step: a frozen model (reference, teacher) is not "
+                              "supported with parallelism.pp > 1 yet; train without pipeline "
+                              "parallelism")
+        model = t._build_model()
+        pcfg = pcfg.model_copy(update={"reshard_after_forward": "always"})  # no backward comes
+        plan = parallelize(
+            model, pcfg, t.world, mesh=t.health.mesh, ep_mesh=t.health.ep_mesh,
+            training=recipe.training, grad_accum=t.plan.grad_accum, checkpoint=recipe.checkpoint,
+            attention=getattr(recipe.model, "attention", None))
+        if pcfg.meta_init:
+            materialize(model, t.device, recipe.training.seed, mode=pcfg.init_mode,
+                        replica_max_params=pcfg.replica_init_max_params, pipeline=plan.pipeline)
+        spec = recipe.checkpoint.init_from if source == "initial" else source
+        if spec:
+            n = Source.open(recipe, is_main=t.world.is_main, spec=spec).load(model)
+            what = f"{spec} ({n} tensors)"
+        else:
+            _copy_weights(self.policy, model)
+            what = "the policy's initial weights"
+        for p in model.parameters():
+            p.requires_grad_(False)
+        reshard_after_every_forward(model)
+        model.eval()
+        self.lines.append(f"step: a frozen model from {what}, sharded as the policy")
+        return model
+
+
+@torch.no_grad()
+def _copy_weights(policy: nn.Module, frozen: nn.Module) -> None:
+    """Every parameter and buffer of ``frozen`` from the policy's of the same name (the same
+    placements: each rank copies its own shard); the policy's adapters have no counterpart."""
+    have = dict(policy.named_parameters())
+    have.update(policy.named_buffers())
+    for name, t in [*frozen.named_parameters(), *frozen.named_buffers()]:
+        if name not in have:
+            raise RecipeError(f"training.step: the frozen model's {name} has no counterpart in "
+                              "the policy; it cannot start from the policy's weights")
+        t.copy_(have[name])
