@@ -4,4 +4,5 @@ on first use)."""
 
 BUILTINS: tuple[str, ...] = (
     "kiln.components.adapters.lora",
+    "kiln.components.adapters.dora",
 )

@@ -1,8 +1,9 @@
 """Fine-tuning in the combination matrix (``test_combinations``): every family on ``chat`` data
-(token-weighted, masked loss), with full weights or LoRA, under every activation checkpointing
-mode, and float8 with full weights: finite, and recomputation changes no loss. LoRA with
-float8, and masked data with a step that cannot weight tokens, are refused with one clear line.
-The 2-process FSDP2 runs (full and LoRA, the 1-process losses) are in ``test_sft_recipe``."""
+(token-weighted, masked loss), with full weights, LoRA or DoRA, under every activation
+checkpointing mode, and float8 with full weights: finite, and recomputation changes no loss.
+An adapter with float8, and masked data with a step that cannot weight tokens, are refused with
+one clear line. The 2-process FSDP2 runs (full, LoRA and DoRA: the 1-process losses) are in
+``test_sft_recipe``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tests.recipes.test_combinations import STEPS, TINY, ac_modes, discovered, t
 
 CHAT = ("--data.type=chat", "--data.template=chatml", "--data.builtin_rows=200",
         "--training.seq_len=128", "--training.global_batch=2", "--training.micro_batch=1")
-MODES = {"full": (), "lora": ("--adapter.rank=4", "--adapter.allow_random_base=true")}
+MODES = {"full": (), "lora": ("--adapter.rank=4", "--adapter.allow_random_base=true"),
+         "dora": ("--adapter.type=dora", "--adapter.rank=4", "--adapter.allow_random_base=true")}
 
 
 def chat_recipe(family: str, folder, *extra: str):
@@ -38,8 +40,8 @@ _reference: dict[tuple, list[float]] = {}
     for f8 in ("off", "rowwise") for ac in ac_modes()])
 def test_fine_tuning_trains_in_every_combination(tmp_path, family, mode, float8, ac):
     args = [*MODES[mode], *ac_modes()[ac], f"--parallelism.float8={float8}"]
-    if mode == "lora" and float8 != "off":
-        with pytest.raises(RecipeError, match=r"\[adapter\] lora: not with parallelism.float8"):
+    if mode != "full" and float8 != "off":
+        with pytest.raises(RecipeError, match=rf"\[adapter\] {mode}: not with parallelism.float8"):
             train(chat_recipe(family, tmp_path / "run", *args))
         return
     losses, trainer = train(chat_recipe(family, tmp_path / "run", *args))

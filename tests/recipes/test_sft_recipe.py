@@ -87,6 +87,9 @@ LORA = ["--adapter.rank=4", "--adapter.alpha=8", "--optimizer.lr=3e-2",
         "--adapter.allow_random_base=true"]
 
 
+DORA = ["--adapter.type=dora", *LORA]
+
+
 class Weights(Hook):
     """The model's parameters when training starts and when it ends."""
 
@@ -225,6 +228,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
         losses = {"full": rec.losses}
         rec, _ = _run(f"{folder}/lora", extra=[*LORA, "--parallelism.fsdp=on"])
         losses["lora"] = rec.losses
+        rec, _ = _run(f"{folder}/dora", extra=[*DORA, "--parallelism.fsdp=on"])
+        losses["dora"] = rec.losses
     finally:
         with open(f"{folder}/rank{rank}.json", "w") as f:
             json.dump(losses, f)
@@ -233,11 +238,13 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_give_the_one_process_losses(full, lora, tmp_path):
-    """Full fine-tuning and LoRA under FSDP2 on 2 processes: the 1-process losses."""
+    """Full fine-tuning, LoRA and DoRA under FSDP2 on 2 processes: the 1-process losses (DoRA's
+    row norms run on sharded weights)."""
+    dora, _ = _run(tmp_path / "dora1", extra=DORA)
     forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
-    for key, (_, ref, _) in (("full", full), ("lora", lora)):
+    for key, ref in (("full", full[1]), ("lora", lora[1]), ("dora", dora)):
         assert [ranks[0][key][str(s)] for s in range(1, 9)] == pytest.approx(
             [ref.losses[s] for s in range(1, 9)], rel=1e-5), key
 
