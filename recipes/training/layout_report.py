@@ -1,13 +1,13 @@
 """The per-rank memory part of ``kiln validate RECIPE --world-size N`` (the layout planner).
 
 The model is built on the meta device and parallelized for N fake ranks
-(``kiln.parallelisms.layout.plan``); the report gives the mesh, and rank 0's parameter, gradient
-and optimizer-state bytes. Optimizer state per element is measured, not assumed: each optimizer
-of the recipe takes one step on a probe matrix in this process, and its state bytes per element
-(moments, momentum, 8-bit codes and scales) scale rank 0's elements routed to it. Activations of
-one micro-batch are measured on the meta device (``activation_memory``) at the recipe's
-``parallelism.cp`` and at the other context-parallel degrees the world size allows, to pick cp
-for a long context; ``kiln bench`` measures a real run.
+(``kiln.recipes.preflight.layout_plan``); the report gives the mesh, and rank 0's parameter,
+gradient and optimizer-state bytes. Optimizer state per element is measured, not assumed: each
+optimizer of the recipe takes one step on a probe matrix in this process, and its state bytes
+per element (moments, momentum, 8-bit codes and scales) scale rank 0's elements routed to it.
+Activations of one micro-batch are measured on the meta device (``activation_memory``) at the
+recipe's ``parallelism.cp`` and at the other context-parallel degrees the world size allows, to
+pick cp for a long context; ``kiln bench`` measures a real run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from kiln.components.optimizers.memory import optimizer_state_bytes
 from kiln.parallelisms.layout.check import chunked_loss_note, training_problems
 from kiln.parallelisms.layout.mesh import layout
-from kiln.parallelisms.layout.plan import dry_parallelize, fake_world, local_bytes, local_numel
+from kiln.recipes.preflight.layout_plan import dry_parallelize, fake_world, local_bytes, local_numel
 from kiln.recipes.training.activation_memory import measure
 from kiln.recipes.training.optimizer_set import OptimizerSet
 

@@ -20,7 +20,7 @@ from kiln.components import distributed, registry
 from kiln.components.base import default_config
 from kiln.parallelisms import ParallelismConfig, materialize, parallelize
 from kiln.parallelisms.layout.mesh import layout
-from kiln.parallelisms.layout.plan import dry_parallelize, fake_world, local_bytes
+from kiln.recipes.preflight.layout_plan import dry_parallelize, fake_world, local_bytes
 from tests.parallelisms.tiny import SEQ, VOCAB, batches, init_gloo, tiny_model
 
 STEPS, GLOBAL_BATCH, SEED, CLIP = 4, 4, 7, 0.5

@@ -47,7 +47,7 @@ def test_expert_parallel_borrows_data_parallel_ranks():
 
 def test_context_parallel_sits_between_data_and_tensor_parallel():
     from kiln.parallelisms.layout.mesh import build_mesh, dp_mesh, fsdp_mesh, layout
-    from kiln.parallelisms.layout.plan import fake_world
+    from kiln.recipes.preflight.layout_plan import fake_world
 
     shape = layout(ParallelismConfig(cp=2, tp=2), 8)
     assert shape.shape == (1, 1, 2, 2, 2) and (shape.dp, shape.grad_ranks) == (2, 4)

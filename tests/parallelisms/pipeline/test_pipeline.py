@@ -128,7 +128,7 @@ def test_looped_models_and_segmented_steps_are_refused():
 
 def test_kiln_train_refuses_the_same_through_parallelize():
     """The trainer's refusal comes from ``parallelize`` (run here on a fake 2-rank world)."""
-    from kiln.parallelisms.layout.plan import dry_parallelize, fake_world
+    from kiln.recipes.preflight.layout_plan import dry_parallelize, fake_world
 
     recipe = _recipe("--parallelism.pp=2", "--parallelism.pp_split=[3,3]")
     with fake_world(2), pytest.raises(RecipeError, match=r"pp_split = \[3, 3\] does not cover"):
