@@ -86,6 +86,7 @@ def eval_loss(model, loader, budget: int, loops: int | None, device, autocast,
     return loss, count
 
 
+@torch.no_grad()
 def eval_loss_stderr(model, loader, budget: int, loops: int | None, device, autocast,
                      inputs=None) -> tuple[float, int, float]:
     """``eval_loss`` and its standard error over the batches (NaN for one batch)."""
