@@ -38,9 +38,10 @@ class CheckpointConfig(Config):
         'run folder, or "hf://OWNER/REPO[/step_XXXXXXX]" to download one from the Hub',
     )
     init_from: str = Field(
-        "", description='initial weights of a fresh run: a Hugging Face model folder or '
-        '"hf://OWNER/NAME[@REVISION]" (config.json + safetensors; see `kiln import`); a run '
-        "that resumes its own checkpoint ignores it"
+        "", description='initial weights of a fresh run: a Hugging Face model folder, '
+        '"hf://OWNER/NAME[@REVISION]" (config.json + safetensors; see `kiln import`), or a '
+        "kiln checkpoint or run folder (its newest complete checkpoint; an adapters-only one "
+        "arrives merged); a run that resumes its own checkpoint ignores it"
     )
     init_from_ignore: list[str] = Field(
         default_factory=list, description="config.json fields to accept although kiln does not "

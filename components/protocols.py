@@ -111,8 +111,8 @@ class StepBuildContext(Protocol):
         """A frozen model (no gradients, eval mode) built and sharded as the policy is.
         ``"initial"``: the policy's starting weights (``checkpoint.init_from``, else its seeded
         initialisation; the same after a resume), without adapters: the reference of a
-        preference loss or a KL term. Else a Hugging Face folder of the policy's architecture
-        (a teacher). Call it in ``setup`` and keep the model."""
+        preference loss or a KL term. Else what ``init_from`` may name, of the policy's
+        architecture (a teacher). Call it in ``setup`` and keep the model."""
 
 
 class StepContract:

@@ -82,7 +82,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor to fill, its global offset, its shape) of a parameter or DTensor shard."""
     if isinstance(t, DTensor):
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
@@ -132,7 +132,7 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                 raise CheckpointError(f"{label}: {hf_name} has shape "
                                       f"{list(files.shape(hf_name))}, the recipe's model "
                                       f"needs {list(want)} (for {name})")
-        local, offset, shape = _region(t)
+        local, offset, shape = local_region(t)
         if local.numel():
             local.copy_(files.read_rows(parts, offset, shape).to(local.dtype))
     return len(needed)

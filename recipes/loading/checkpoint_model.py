@@ -1,59 +1,16 @@
-"""A saved model rebuilt for use: a kiln checkpoint from the recipe it holds (an adapters-only
-one on its base), or a Hugging Face folder through the recipe ``kiln import`` writes for it. For
-``kiln eval``, ``kiln export`` and ``kiln generate``."""
+"""A saved model opened for use by ``kiln eval``, ``kiln export`` and ``kiln generate``: a run
+folder (its newest checkpoint, or a step), a checkpoint folder (``weights.load_model``), or a
+Hugging Face folder through the recipe ``kiln import`` writes for it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-from kiln.checkpointing import layout, storage
+from kiln.checkpointing import layout
 from kiln.checkpointing.huggingface import files as hf_files
 from kiln.components.models.block import padded_vocab
-from kiln.components.protocols import adapter_layers
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.loading.init_from import load_adapter_base
-
-
-def load_model(checkpoint: Path, *, min_seq_len: int = 0, base: bool = True):
-    """(recipe, tokenizer, model with the checkpoint's weights on the CPU). ``min_seq_len``
-    lengthens the position tables of a model whose length follows training.seq_len (model
-    max_seq_len = 0), e.g. to generate past the trained context. An adapters-only checkpoint's
-    frozen base is read from its ``init_from``; ``base = False`` leaves those weights
-    unallocated, for what reads the adapters alone (``--format peft``)."""
-    layout.verify(checkpoint, hashes=True)
-    recipe = load_recipe(checkpoint)
-    tokenizer = recipe.tokenizer.build()
-    seq_len = max(recipe.training.seq_len, min_seq_len)
-    adapter = recipe.adapter.build() if recipe.adapter is not None else None
-    with torch.device("meta"):
-        model = recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
-                                   seq_len=seq_len)
-        if adapter is not None:  # its tensors are in the checkpoint too
-            adapter.apply(model)
-    adapters_only = adapter is not None and bool(recipe.checkpoint.init_from)
-    if adapters_only and not base:  # the adapters alone: the base stays on the meta device
-        for _, _, layer in adapter_layers(model).values():
-            layer.to_empty(device="cpu")
-    else:
-        model = model.to_empty(device="cpu")
-    if adapters_only:  # the base: from init_from
-        sd = {k: v for k, v in model.state_dict().items() if adapter.owns(k)}
-        if base:
-            load_adapter_base(model, recipe, checkpoint)
-    else:
-        sd = get_model_state_dict(model)
-    tensors, _ = storage.split_tree({"model": sd})
-    storage.load_tensors(tensors, checkpoint, no_dist=True,
-                         hint=" -- cannot load the model's weights from the recipe it holds")
-    model.load_state_dict(tensors["model"], strict=False)
-    for module in model.modules():  # non-persistent buffers (RoPE tables) are derived
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
-    return recipe, tokenizer, model
+from kiln.recipes.loading.weights import load_model
 
 
 def load_hf_folder(folder: Path, overrides: list[str] | tuple[str, ...] = ()):

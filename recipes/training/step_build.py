@@ -30,7 +30,7 @@ class StepBuild(StepBuildContext):
     def frozen_model(self, source: str = "initial") -> nn.Module:
         from kiln.parallelisms import materialize, parallelize
         from kiln.parallelisms.fsdp import reshard_after_every_forward
-        from kiln.recipes.loading.init_from import Source
+        from kiln.recipes.loading.weights import Source
 
         t = self._trainer
         recipe, pcfg = t.recipe, t.recipe.parallelism

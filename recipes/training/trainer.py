@@ -240,7 +240,8 @@ class Trainer:
         if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
             return  # (an adapters-only checkpoint needs its base read again)
         from kiln.checkpointing.resume import check_base
-        from kiln.recipes.loading.init_from import load_pretrained, place
+        from kiln.recipes.loading.init_from import load_pretrained
+        from kiln.recipes.loading.weights import place
 
         started = load_pretrained(self.model, self.recipe, is_main=self.world.is_main,
                                   adapters_only=self.saved_params is not None)

@@ -1,6 +1,7 @@
 """Hugging Face import and export under FSDP2 on 2 gloo processes: with meta-device init each
 rank reads only its own slices and the gathered model equals a 1-process import bit for bit;
-the export is written by both ranks (each its own files) and equals a 1-process export."""
+the export is written by both ranks (each its own files) and equals a 1-process export. A
+whole model copied into the sharded one (``init_from`` = a kiln checkpoint) equals it too."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         full = full_params(model)
         if rank == 0:
             torch.save(full, tmp_path / "full.pt")
+        # init_from = a kiln checkpoint: each rank copies its shard of the whole CPU model
+        from kiln.recipes.loading.weights import copy_whole
+
+        with torch.device("meta"):
+            copied = kiln_model(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+        parallelize(copied, ParallelismConfig(), world)
+        materialize(copied, "cpu", 1, mode="sharded")
+        copy_whole(kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true"), copied,
+                   label="whole")
+        full = full_params(copied)
+        if rank == 0:
+            torch.save(full, tmp_path / "copied.pt")
         written = []
         save = hf_files.save_safetensors
         hf_files.save_safetensors = lambda tensors, path, metadata: (
@@ -74,8 +87,10 @@ def test_fsdp2_import_and_export_on_two_processes_equal_one(tmp_path):
     one = kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert full.keys() == one.state_dict().keys()
+    copied = torch.load(tmp_path / "copied.pt", weights_only=True)
     for name, t in one.state_dict().items():
         assert torch.equal(full[name], t), name
+        assert torch.equal(copied[name], t), name
     for r in ranks:  # each rank read about half of the model (whole RoPE heads: a little more)
         assert r["read"] < 0.6 * r["total"], r
     assert ranks[0]["written"] and ranks[1]["written"]
