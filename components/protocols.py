@@ -107,6 +107,10 @@ class StepBuildContext(Protocol):
     policy: nn.Module  # the model the step trains, parallelized
     device: torch.device
 
+    def without_adapters(self) -> AbstractContextManager | None:
+        """With ``[adapter]``: a context within which the policy computes its frozen base (the
+        reference of a preference loss, no second copy of the weights); else None."""
+
     def frozen_model(self, source: str = "initial") -> nn.Module:
         """A frozen model (no gradients, eval mode) built and sharded as the policy is.
         ``"initial"``: the policy's starting weights (``checkpoint.init_from``, else its seeded
@@ -251,7 +255,10 @@ class AdapterLayer(nn.Module):
     """What an adapter adds to one ``nn.Linear``: a child module of that layer, whose output a
     forward hook adapts (``adapt``). The base layer keeps its weight and name, so pretrained
     checkpoints load as before; the layer is passed in where the adapter needs its weight (a
-    child holding its parent would be a module cycle)."""
+    child holding its parent would be a module cycle). ``enabled`` False: the layer computes
+    its base alone (``AdapterContract.disabled``)."""
+
+    enabled: bool = True
 
     def adapt(self, base: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The adapted output of ``base`` for input ``x``, whose own output is ``out``."""
@@ -317,6 +324,11 @@ class AdapterContract:
 
     def on_base_loaded(self, model: nn.Module) -> None:
         """After ``checkpoint.init_from`` replaced the base weights of a fresh run."""
+
+    def disabled(self, model: nn.Module) -> AbstractContextManager:
+        """Within it, ``model`` computes its frozen base's function (the adapters add nothing):
+        the reference of a preference loss without a second copy of the weights."""
+        raise NotImplementedError
 
     def merge(self, model: nn.Module) -> int:
         """Fold every adapter into its base weight and remove it: the model then computes the

@@ -70,9 +70,24 @@ class LowRankLayer(AdapterLayer):
 def _adapt(module: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """The forward hook of an adapted layer: its adapter child adapts the output."""
     for child in module.children():
-        if isinstance(child, AdapterLayer):
+        if isinstance(child, AdapterLayer) and child.enabled:
             out = child.adapt(module, args[0], out)
     return out
+
+
+class Disabled:
+    """``with`` it, the layers' adapters add nothing; reusable (a step enters it every step)."""
+
+    def __init__(self, layers: list[AdapterLayer]) -> None:
+        self.layers = layers
+
+    def __enter__(self) -> None:
+        for layer in self.layers:
+            layer.enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.layers:
+            layer.enabled = True
 
 
 class LinearAdapter(AdapterContract):
@@ -144,6 +159,9 @@ class LinearAdapter(AdapterContract):
     def on_base_loaded(self, model: nn.Module) -> None:
         for base, _, layer in adapter_layers(model).values():
             layer.on_base_loaded(base)
+
+    def disabled(self, model: nn.Module) -> Disabled:
+        return Disabled([layer for _, _, layer in adapter_layers(model).values()])
 
     def merge(self, model: nn.Module) -> int:
         merged = 0

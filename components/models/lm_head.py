@@ -48,6 +48,8 @@ class HeadExtension(Protocol):
     loss then sees the adapted projection by concatenation, and the gradient reaches the
     addition's parameters."""
 
+    enabled: bool  # False: the head is the output layer's own (adapters switched off)
+
     def extend_head(self, hidden: torch.Tensor, weight: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -56,7 +58,7 @@ def head_operands(hidden: torch.Tensor, output: nn.Module) -> tuple[torch.Tensor
     """What a model passes to ``head(hidden, weight, softcap)``: the final-norm output and the
     head's matrix, both widened by every ``HeadExtension`` on ``output``, so that
     ``hidden @ weight.T`` is the ``output`` module's own result (B, T, D + r), (V, D + r)."""
-    extras = [m for m in output.children() if isinstance(m, HeadExtension)]
+    extras = [m for m in output.children() if isinstance(m, HeadExtension) and m.enabled]
     if not extras:
         return hidden, output.weight
     hs, ws = [hidden], [output.weight]

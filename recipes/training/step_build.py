@@ -11,6 +11,8 @@ initialisation), so a resumed run gets the same reference.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
 
@@ -26,6 +28,14 @@ class StepBuild(StepBuildContext):
         self.policy: nn.Module = trainer.model
         self.device: torch.device = trainer.device
         self.lines: list[str] = []  # for the start-up log
+
+    def without_adapters(self) -> AbstractContextManager | None:
+        adapter = self._trainer.adapter
+        if adapter is None:
+            return None
+        self.lines.append("step: the reference is the policy with its adapters switched off "
+                          "(no second copy)")
+        return adapter.disabled(self.policy)
 
     def frozen_model(self, source: str = "initial") -> nn.Module:
         from kiln.parallelisms import materialize, parallelize

@@ -8,6 +8,7 @@ is the same after a resume."""
 from __future__ import annotations
 
 import io
+from typing import Literal
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ TOY = "toy_drift_penalty"
 
 class DriftPenaltyConfig(ComponentConfig):
     beta: float = 1.0
+    reference: Literal["copy", "adapters_off"] = "copy"
 
 
 class DriftPenalty(StepContract):
@@ -37,7 +39,18 @@ class DriftPenalty(StepContract):
         self.reference = None
 
     def setup(self, build) -> None:
-        self.reference = build.frozen_model()
+        if self.cfg.reference == "copy":
+            self.reference = build.frozen_model()
+        else:
+            self.adapters_off = build.without_adapters()
+            assert self.adapters_off is not None, "adapters_off needs an [adapter]"
+
+    def reference_logprobs(self, ctx, batch):
+        with torch.no_grad():
+            if self.reference is not None:
+                return ctx.token_logprobs(batch, self.reference)[0]
+            with self.adapters_off:  # the policy itself, its adapters switched off
+                return ctx.token_logprobs(batch)[0]
 
     def __call__(self, ctx, micro_batches):
         ctx.zero_grad()
@@ -48,8 +61,7 @@ class DriftPenalty(StepContract):
             with ctx.grad_sync(i == n - 1):
                 ce = ctx.forward_loss(batch)
                 mine, trained = ctx.token_logprobs(batch)
-                with torch.no_grad():
-                    ref, _ = ctx.token_logprobs(batch, self.reference)
+                ref = self.reference_logprobs(ctx, batch)
                 drift = ((mine - ref) ** 2 * trained).sum() / trained.sum()
                 ((ce + self.cfg.beta * drift) / n).backward()
             ce_total += ce.detach() / n
@@ -139,6 +151,31 @@ def test_with_init_from_and_adapters_the_reference_is_the_base_without_them(tmp_
     for name, p in model.named_parameters():
         assert torch.equal(reference[name], p.detach()), name  # init_from's, not the seed's
     assert drift.drift[1] == 0.0 and drift.drift[4] > 0  # B = 0: the policy starts as the base
+
+
+def test_with_adapters_the_policy_switched_off_is_the_same_reference_with_no_copy(tmp_path):
+    """The reference as the policy with its LoRA adapters off equals a frozen copy of the base:
+    the same losses, bit for bit, and no second model."""
+    from kiln.components.models.block import padded_vocab
+    from kiln.recipes.inference.saved_model import export_checkpoint
+    from tests.components.adapters.test_lora import _save
+
+    base = load_recipe(CONFIGS / "debug.toml", [*TINY, "--model.tie_embeddings=false"])
+    torch.manual_seed(7)
+    model = base.model.build(vocab_size=padded_vocab(base.model, 258), seq_len=32)
+    export_checkpoint(_save(tmp_path / "base", model, base), tmp_path / "hf")
+    lora = [f"--checkpoint.init_from={tmp_path / 'hf'}", "--adapter.rank=2",
+            '--adapter.targets=["*.attention.wq", "output"]', "--model.tie_embeddings=false"]
+    copy, *_ = _run(tmp_path / "copy", extra=lora)
+    recipe = load_recipe(CONFIGS / "debug.toml", [
+        *TINY, "--training.steps=4", f"--run.folder={tmp_path / 'off'}", *lora,
+        "--training.step.reference=adapters_off"])
+    drift = Drift()
+    trainer = Trainer(recipe, hooks=[drift], out=io.StringIO())
+    assert trainer.step_fn.reference is None  # no second model
+    trainer.fit()
+    assert drift.drift == copy.drift and drift.loss == copy.loss
+    assert drift.drift[1] == 0.0 and drift.drift[4] > 0
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
