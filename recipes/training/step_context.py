@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kiln.components import distributed
 from kiln.components.errors import TrainingAborted
 from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, TokenLosses, chunk_loss_sum
+from kiln.components.models.token_logprobs import LogprobHead, label_logprobs
 from kiln.components.protocols import GuardDecision
 from kiln.components.steps.common import unguarded
 
@@ -139,19 +140,20 @@ class TrainStepContext:
     def token_logprobs(self, batch: dict[str, torch.Tensor],
                        model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each trained token's log-probability of its label through ``model`` (the policy by
-        default), fp32 (B, T), and the trained mask; whole logits, so not under pipeline or
-        tensor parallelism (their logits live on other ranks or are sharded)."""
+        default), fp32 (B, T), and the trained mask. With ``training.loss_chunk_tokens`` the
+        head runs in chunks (``token_logprobs.LogprobHead``: no (B, T, V) logits). Not under
+        pipeline or tensor parallelism yet (logits on other ranks, or sharded)."""
         if self.parallel.pipeline is not None or self.parallel.tp is not None:
             raise TrainingAborted("token log-probabilities need whole logits on every rank: "
                                   "not under pipeline or tensor parallelism yet")
         model = self.model if model is None else model
         ids, labels, extra = self.model_inputs(batch)
         with self.autocast:
-            logits = model(ids, **extra)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        trained = labels != IGNORE_INDEX
-        picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        return picked * trained, trained
+            if self.loss_chunk_tokens:
+                logp = model(ids, head=LogprobHead(labels, self.loss_chunk_tokens), **extra)
+            else:
+                logp = label_logprobs(model(ids, **extra).float(), labels)
+        return logp, labels != IGNORE_INDEX
 
     def stage_loss(self, run, labels: torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""Chunked token log-probabilities: the values and the gradients (hidden states, head weight,
+an adapter on the output layer) of whole logits, for any chunk size, with a soft cap and
+ignored labels; and a step's ``ctx.token_logprobs`` gives the same chunked or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.components.models.lm_head import IGNORE_INDEX, soft_cap
+from kiln.components.models.token_logprobs import (
+    LogprobHead,
+    chunked_token_logprobs,
+    label_logprobs,
+)
+from kiln.recipes.config.files import load_recipe
+from tests.conftest import CONFIGS
+
+
+def _case(cap=0.0):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 7), generator=g)
+    labels[0, :3] = IGNORE_INDEX  # a prompt: no log-prob
+    upstream = torch.randn(2, 7, generator=g)  # a sequence loss's per-token gradient
+    return hidden, weight, labels, upstream
+
+
+def _grads(fn, hidden, weight, upstream):
+    hidden.grad = weight.grad = None
+    out = fn()
+    (out * upstream).sum().backward()
+    return out.detach(), hidden.grad.clone(), weight.grad.clone()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 14, 100])
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+def test_chunked_equals_whole_logits_values_and_gradients(chunk, cap):
+    hidden, weight, labels, upstream = _case()
+    whole = _grads(lambda: label_logprobs(soft_cap(hidden @ weight.t(), cap).float(), labels),
+                   hidden, weight, upstream)
+    chunked = _grads(lambda: chunked_token_logprobs(hidden, weight, labels, cap=cap,
+                                                    chunk_tokens=chunk),
+                     hidden, weight, upstream)
+    assert (whole[0][0, :3] == 0).all() and (whole[0][0, 3:] < 0).all()
+    for a, b in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_graph_only_the_forward_runs():
+    hidden, weight, labels, _ = _case()
+    with torch.no_grad():
+        got = chunked_token_logprobs(hidden, weight, labels, chunk_tokens=4)
+    torch.testing.assert_close(got, label_logprobs((hidden @ weight.t()).detach(), labels))
+    assert not got.requires_grad
+
+
+def test_an_output_adapter_gets_the_gradient_through_the_chunked_head():
+    from tests.components.adapters.test_lora import _output_adapter_model
+
+    model = _output_adapter_model(["output", "*.attention.wq"])
+    ids = torch.randint(0, 264, (2, 12), generator=torch.Generator().manual_seed(2))
+    x, y = ids[:, :-1], ids[:, 1:]
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for head in (None, LogprobHead(y, 5)):
+        model.zero_grad()
+        logp = label_logprobs(model(x).float(), y) if head is None else model(x, head=head)
+        (logp * upstream).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0]["output.lora.A"].abs().sum() > 0
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_steps_token_logprobs_are_the_same_chunked_or_not():
+    from tests.components.steps.trainer_stub import StubTrainer
+
+    recipe = load_recipe(CONFIGS / "debug.toml", ["--model.dim=32", "--model.n_layers=1",
+                                                  "--model.attention.n_heads=2"])
+    torch.manual_seed(0)
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    ids = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+    labels[:, :5] = IGNORE_INDEX
+    batch = {"input_ids": ids, "labels": labels}
+    ctx = StubTrainer(model)
+    whole, trained = ctx.token_logprobs(batch)
+    ctx.loss_chunk_tokens = 7
+    chunked, _ = ctx.token_logprobs(batch)
+    assert trained[:, 5:].all() and not trained[:, :5].any()
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
