@@ -53,7 +53,7 @@ def find_checkpoint(path: Path, key: str = "") -> Path:
         problem = "holds no checkpoint" if not unfinished else (
             f"holds no complete checkpoint ({', '.join(unfinished)}: saves that did not finish)")
     where = f"{key} = {str(path)!r}: the folder {problem}" if key else f"{path} {problem}"
-    also = ', or set resume = "off"' if key else ""
+    also = ', or set resume = "off"' if key == "checkpoint.resume" else ""
     raise CheckpointError(f"{where}; give a run folder (runs/NAME), its checkpoints folder or "
                           f"one step_XXXXXXX folder{also}")
 

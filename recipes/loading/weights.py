@@ -52,6 +52,10 @@ class Source:
         cfg = recipe.checkpoint
         spec = spec or cfg.init_from
         local = Path(spec).expanduser()
+        if not spec.startswith("hf://") and not local.is_dir():
+            raise CheckpointError(
+                f"checkpoint.init_from = {spec!r}: no such folder; name a Hugging Face model "
+                "folder, hf://OWNER/NAME[@REVISION], or a kiln checkpoint or run folder")
         if not spec.startswith("hf://") and not (local / "config.json").is_file() and (
                 (local / layout.MANIFEST).is_file() or (local / "checkpoints").is_dir()):
             return cls(spec, "kiln", find_checkpoint(local, "checkpoint.init_from"), {})

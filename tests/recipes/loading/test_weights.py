@@ -75,6 +75,17 @@ def test_another_model_is_one_error_naming_the_tensor_and_the_key(base, tmp_path
         _run(tmp_path / "y", extra=[f"--checkpoint.init_from={ckpt}", "--model.n_layers=3"])
 
 
+def test_a_missing_or_unfinished_source_is_one_line_naming_init_from(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint.init_from = .*: no such folder; name a "
+                       "Hugging Face model folder, hf://OWNER/NAME.*, or a kiln checkpoint"):
+        _run(tmp_path / "x", extra=[f"--checkpoint.init_from={tmp_path / 'nowhere'}"])
+    (tmp_path / "empty" / "checkpoints" / "step_0000002").mkdir(parents=True)  # never finished
+    with pytest.raises(CheckpointError, match="checkpoint.init_from = .*holds no complete "
+                       "checkpoint") as err:
+        _run(tmp_path / "y", extra=[f"--checkpoint.init_from={tmp_path / 'empty'}"])
+    assert "resume" not in str(err.value)
+
+
 def test_an_adapter_run_on_a_kiln_run_is_refused_once_that_run_trains_on(tmp_path):
     _run(tmp_path / "base")
     lora = ["--adapter.rank=2", f"--checkpoint.init_from={tmp_path / 'base'}"]
