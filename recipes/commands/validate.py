@@ -62,6 +62,7 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     parameter counts, FLOPs/token, optimizer routing, and for more than one process the mesh
     and per-rank memory."""
     shape, bp = checks.plan_layout(recipe, world_size)
+    checks.check_init_from(recipe)
     tr = recipe.training
     tokenizer = recipe.tokenizer.build()
     lines = [batch_plan.describe_budget(tr, bp)]

@@ -12,15 +12,18 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from kiln.checkpointing.layout import newest_complete
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import AdapterContract, complete_dataset, complete_step
 from kiln.parallelisms.layout.check import raise_problems, training_problems
 from kiln.parallelisms.layout.mesh import Layout, layout
 from kiln.recipes.hooks.evaluate import eval_sources, split_loader
+from kiln.recipes.loading.weights import Source
 from kiln.recipes.preflight import batch_plan
 
 
@@ -30,6 +33,22 @@ def plan_layout(recipe, world_size: int) -> tuple[Layout, batch_plan.BatchPlan]:
     shape = layout(recipe.parallelism, world_size)
     raise_problems(training_problems(recipe.training, shape.tp, shape.cp), shape.describe())
     return shape, batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
+
+
+def check_init_from(recipe) -> None:
+    """``checkpoint.init_from`` is there (a Hugging Face folder with its config.json, a kiln
+    checkpoint or run folder with a finished checkpoint) before anything is built. A run that
+    will resume its own checkpoint does not read it, unless it trains adapters on it; a Hub
+    path is fetched when training starts."""
+    cfg = recipe.checkpoint
+    if not cfg.init_from or cfg.init_from.startswith("hf://"):
+        return
+    own = Path(recipe.run.folder) / "checkpoints"
+    resumes = cfg.resume != "off" and (
+        cfg.resume != "auto" or (own.is_dir() and newest_complete(own, warn=False) is not None))
+    if recipe.adapter is None and resumes:
+        return
+    Source.open(recipe)
 
 
 @dataclass

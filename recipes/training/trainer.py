@@ -60,6 +60,7 @@ class Trainer:
         # Rows [data_rank * per_rank, ...) of each global batch are this rank's; checkpoints map
         # the per-row state (carry) and the data cursor by these rows on a layout change.
         self.mesh_layout, self.plan = checks.plan_layout(recipe, self.world.world_size)
+        checks.check_init_from(recipe)  # before anything is built
         self.data_rank = self.mesh_layout.dp_rank(self.world.rank)
         self.data_ranks = self.mesh_layout.dp
         self.progress = Progress()

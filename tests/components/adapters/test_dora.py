@@ -156,5 +156,5 @@ def test_a_dora_run_from_init_from_saves_its_adapters_and_exports_them_without_t
     export_checkpoint(ck, tmp_path / "adapter", fmt="peft")
     names = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert names["base_model_name_or_path"] == str(hf_base) and names["use_dora"]
-    with pytest.raises(CheckpointError, match="init_from = .*: no such folder"):  # merging needs the base
+    with pytest.raises(CheckpointError, match="init_from = .*: no such folder"):  # merging reads it
         export_checkpoint(ck, tmp_path / "merged")

@@ -86,6 +86,18 @@ def test_a_missing_or_unfinished_source_is_one_line_naming_init_from(tmp_path):
     assert "resume" not in str(err.value)
 
 
+def test_a_run_that_resumes_does_not_need_its_init_from_any_more(base, tmp_path):
+    import shutil
+
+    _, ckpt = base
+    source = shutil.copytree(ckpt, tmp_path / "source")
+    whole, _ = _run(tmp_path / "whole", steps=4, extra=[f"--checkpoint.init_from={source}"])
+    _run(tmp_path / "cut", extra=[f"--checkpoint.init_from={source}"])
+    shutil.rmtree(source)  # a full fine-tune resumes from its own checkpoint
+    rest, _ = _run(tmp_path / "cut", steps=4, extra=[f"--checkpoint.init_from={source}"])
+    assert rest == {s: whole[s] for s in (3, 4)}
+
+
 def test_an_adapter_run_on_a_kiln_run_is_refused_once_that_run_trains_on(tmp_path):
     _run(tmp_path / "base")
     lora = ["--adapter.rank=2", f"--checkpoint.init_from={tmp_path / 'base'}"]

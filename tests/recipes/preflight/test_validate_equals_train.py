@@ -48,6 +48,10 @@ BAD = [
      "export_at_end with [adapter]"),
     ("chat-segmented-step", "sft_debug.toml", [*CHAT, "--training.step.type=segmented_bptt"],
      "token-weighted"),
+    ("init-from-missing", "debug.toml", ["--checkpoint.init_from=no/such/model"],
+     "checkpoint.init_from = 'no/such/model': no such folder"),
+    ("lora-base-missing", "sft_debug.toml",
+     [*CHAT, *LORA, "--checkpoint.init_from=no/such/base"], "no such folder"),
 ]
 
 
