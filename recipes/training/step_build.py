@@ -48,7 +48,7 @@ class StepBuild(StepBuildContext):
             raise RecipeError("training.step: a frozen model (reference, teacher) is not "
                               "supported with parallelism.pp > 1 yet; train without pipeline "
                               "parallelism")
-        model = t._build_model()
+        model = t.build_model()
         pcfg = pcfg.model_copy(update={"reshard_after_forward": "always"})  # no backward comes
         plan = parallelize(
             model, pcfg, t.world, mesh=t.health.mesh, ep_mesh=t.health.ep_mesh,

@@ -81,7 +81,7 @@ class Trainer:
         for line in data.lines:
             self.print(line)
         phase("data")
-        self.model = self._build_model()
+        self.model = self.build_model()
         # An adapter run from init_from checkpoints its adapters only: the frozen base is the
         # init_from weights, read again on resume.
         self.adapter = None  # the built [adapter] (AdapterContract)
@@ -130,7 +130,9 @@ class Trainer:
         phase("optimizers, hooks")
 
     # ----------------------------------------------------------------------------- building
-    def _build_model(self) -> torch.nn.Module:
+    def build_model(self) -> torch.nn.Module:
+        """The recipe's model, completed and checked, on the device (or the meta device for
+        meta init): the policy, and a step's frozen models (``step_build``)."""
         tr = self.recipe.training
         from kiln.components.models.block import padded_vocab
 
@@ -237,7 +239,7 @@ class Trainer:
         """``checkpoint.init_from``: pretrained weights for a run that did not resume, or the
         frozen base of an adapters-only checkpoint, checked against the base it was trained on
         (its weights' fingerprint)."""
-        resumed = getattr(self.resumer, "resumed_from", None)
+        resumed = self.resumer.resumed_from if self.resumer is not None else None
         if not self.recipe.checkpoint.init_from or (resumed and self.saved_params is None):
             return  # (an adapters-only checkpoint needs its base read again)
         from kiln.checkpointing.resume import check_base
