@@ -9,7 +9,8 @@ tensor. In every block:
   ``wqkv``) are split column-wise, so a rank computes whole heads (GQA groups stay together; both
   maps of a differential head stay on one rank), and ``wo`` row-wise, reduce-scattered back to
   sequence slices;
-- feed-forward: SwiGLU the same way (``w1``/``w3`` column-wise, ``w2`` row-wise); an MoE layer
+- feed-forward: SwiGLU the same way (``w1``/``w3`` column-wise, ``w2`` row-wise), a two-layer
+  MLP too (``w1`` column-wise, ``w2`` row-wise); an MoE layer
   gets no plan: each rank routes its own sequence slice (``ffn.moe`` sees local tokens).
 
 Model level: ``tok_embeddings`` row-wise (vocabulary shards; the output leaves as sequence
@@ -49,6 +50,7 @@ from kiln.parallelisms.blocks import clean_name, model_blocks
 
 ATTENTION_LINEARS = (("wq", "wk", "wv"), ("wqkv",))
 SWIGLU_LINEARS = ("w1", "w3", "w2")
+MLP_LINEARS = ("w1", "w2")  # a two-layer MLP (GPT-2): up column-wise, down row-wise
 
 
 @dataclass
@@ -226,12 +228,15 @@ def _ffn_plan(ffn: nn.Module, float8: str, sp: Shard, mesh: DeviceMesh) -> tuple
 
     if isinstance(ffn, MoE):
         return {}, False  # routes its own sequence slice; its parameters are summed over tp
-    mods = _linears(ffn, SWIGLU_LINEARS)
-    if mods is None:
+    for names in (SWIGLU_LINEARS, MLP_LINEARS):
+        mods = _linears(ffn, names)
+        if mods is not None:
+            break
+    else:
         raise RecipeError(
             f"tensor parallel has no plan for the feed-forward {type(ffn).__name__} (it needs "
-            "w1/w3/w2 Linear layers, or an MoE); model.ffn.type = swiglu or moe, or "
-            "parallelism.tp = 1"
+            "w1/w3/w2 or w1/w2 Linear layers, or an MoE); model.ffn.type = swiglu, mlp or moe, "
+            "or parallelism.tp = 1"
         )
     f8 = _all_float8(mods, float8)
     if f8:
@@ -240,8 +245,7 @@ def _ffn_plan(ffn: nn.Module, float8: str, sp: Shard, mesh: DeviceMesh) -> tuple
     return {
         "feed_forward": prepare(input_layouts=(sp,), desired_input_layouts=(Replicate(),),
                                 use_local_output=not f8),
-        "feed_forward.w1": col(),
-        "feed_forward.w3": col(),
+        **{f"feed_forward.{n}": col() for n in names[:-1]},  # w1 (and SwiGLU's gate w3)
         "feed_forward.w2": row(output_layouts=sp),
     }, f8
 

@@ -3,7 +3,7 @@ float8 x evaluating before the first step builds a tiny model and takes 2 optimi
 and deterministic. Options that each work alone must also work together (issue 10: MoE under
 activation checkpointing crashed on step 1 while both had passing tests of their own).
 
-The families cover every registered model, attention and feed-forward component; one that no
+The families cover every registered model, attention, feed-forward and norm component; one that no
 family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
 new component is trained in every combination without editing this file. The chunked loss
 (``training.loss_chunk_tokens``) runs in every family beside the unchunked one. The document mask
@@ -61,16 +61,17 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def _names(recipe) -> set[tuple[str, str]]:
     m = recipe.model
-    return {("model", m.type), ("attention", m.attention.type), ("ffn", m.ffn.type)}
+    return {("model", m.type), ("attention", m.attention.type), ("ffn", m.ffn.type),
+            ("norm", m.norm.type)}
 
 
 @functools.cache  # asked once per parametrization and case (a recipe load each family)
 def discovered() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """FAMILIES plus one case per registered model / attention / ffn that none of them uses
+    """FAMILIES plus one case per registered model / attention / ffn / norm that none of them uses
     (computed once; callers read it and never change it)."""
     families = dict(FAMILIES)
     used = set().union(*(_names(load_recipe(CONFIGS / f, o)) for f, o in FAMILIES.values()))
-    for kind in ("model", "attention", "ffn"):
+    for kind in ("model", "attention", "ffn", "norm"):
         for name in registry.names(kind):
             if (kind, name) not in used:
                 swap = (f"--model.type={name}",) if kind == "model" else (
