@@ -20,6 +20,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.norms.rmsnorm",
     "kiln.components.norms.layernorm",
     "kiln.components.positions.rope",
+    "kiln.components.positions.nope",
     "kiln.components.attention.causal",
     "kiln.components.attention.differential",
     "kiln.components.ffn.swiglu",

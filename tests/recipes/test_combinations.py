@@ -3,13 +3,13 @@ float8 x evaluating before the first step builds a tiny model and takes 2 optimi
 and deterministic. Options that each work alone must also work together (issue 10: MoE under
 activation checkpointing crashed on step 1 while both had passing tests of their own).
 
-The families cover every registered model, attention, feed-forward and norm component; one that no
-family names joins the matrix on the dense transformer with its defaults (``discovered``), so a
-new component is trained in every combination without editing this file. The chunked loss
-(``training.loss_chunk_tokens``) runs in every family beside the unchunked one. The document mask
-runs in every family and step under the checkpointing modes. The hang watchdog watches every run
-(on by default). The same cases on 2 gloo processes (FSDP2, tensor, expert, context and pipeline
-parallel, elastic resume, the device check of every collective) are in
+The families cover every registered model, attention, feed-forward, norm and position component;
+one that no family names joins the matrix on the dense transformer with its defaults
+(``discovered``), so a new component is trained in every combination without editing this file.
+The chunked loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one.
+The document mask runs in every family and step under the checkpointing modes. The hang watchdog
+watches every run (on by default). The same cases on 2 gloo processes (FSDP2, tensor, expert,
+context and pipeline parallel, elastic resume, the device check of every collective) are in
 ``test_combinations_distributed``; fine-tuning, data mixtures and float8's kernel in the other
 ``test_combinations_*`` modules.
 """
@@ -62,21 +62,25 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 def _names(recipe) -> set[tuple[str, str]]:
     m = recipe.model
     return {("model", m.type), ("attention", m.attention.type), ("ffn", m.ffn.type),
-            ("norm", m.norm.type)}
+            ("norm", m.norm.type), ("position", m.attention.position.type)}
+
+
+# The recipe key each discovered kind is swapped at (the model's own table by default).
+SWAP_KEYS = {"model": "model.type", "position": "model.attention.position.type"}
 
 
 @functools.cache  # asked once per parametrization and case (a recipe load each family)
 def discovered() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """FAMILIES plus one case per registered model / attention / ffn / norm that none of them uses
+    """FAMILIES plus one case per registered model / attention / ffn / norm / position encoding
+    that none of them uses
     (computed once; callers read it and never change it)."""
     families = dict(FAMILIES)
     used = set().union(*(_names(load_recipe(CONFIGS / f, o)) for f, o in FAMILIES.values()))
-    for kind in ("model", "attention", "ffn", "norm"):
+    for kind in ("model", "attention", "ffn", "norm", "position"):
         for name in registry.names(kind):
             if (kind, name) not in used:
-                swap = (f"--model.type={name}",) if kind == "model" else (
-                    f"--model.{kind}.type={name}",)
-                families[f"{kind}_{name}"] = ("debug.toml", (*DENSE, *swap))
+                key = SWAP_KEYS.get(kind, f"model.{kind}.type")
+                families[f"{kind}_{name}"] = ("debug.toml", (*DENSE, f"--{key}={name}"))
     return families
 
 
