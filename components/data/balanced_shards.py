@@ -21,28 +21,24 @@ shards in stream order with their row counts, the pass queue and the shards seen
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field, NonNegativeInt
+from pydantic import Field
 
 from kiln.components import devices
 from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
-from kiln.components.data.cursor import Cursor, StepCursor, check_cursor
+from kiln.components.data.cursor import StepCursor, check_cursor
 from kiln.components.data.prefetch import Prefetcher
-from kiln.components.data.shard_rows import ShardRows
+from kiln.components.data.shard_rows import DomainCursor, DomainStream, ShardRows
 from kiln.components.data.shard_source import (
     FolderSource,
     HubSource,
     Shard,
     read_shards_json,
-)
-from kiln.components.data.shard_source import (
-    seeded_rng as _rng,
 )
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import DatasetContract
@@ -79,96 +75,6 @@ class BalancedShardsConfig(ComponentConfig):
         True, description="prefetched batches in page-locked memory when CUDA is available "
         "(asynchronous host-to-GPU copies)",
     )
-
-
-class DomainStream:
-    """One domain's endless row stream (shards in stream order, extended one shard at a time)."""
-
-    def __init__(self, ds: BalancedShards, domain: str) -> None:
-        self.ds, self.domain = ds, domain
-        self.entries: list[list] = []  # [shard name, train rows] in stream order
-        self.base = 0  # stream rows before entries[0] (entries already consumed are dropped)
-        self.queue: list[str] = []  # the current pass's remaining shards
-        self.seen: list[str] = []
-        self.passes = 0
-        self._cum: list[int] = [0]
-        self._open: dict[str, tuple[Shard, np.ndarray]] = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"entries": [list(e) for e in self.entries], "base": self.base,
-                "queue": list(self.queue), "seen": list(self.seen), "passes": self.passes}
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.entries = [[str(n), int(r)] for n, r in s["entries"]]
-        self.base, self.passes = int(s["base"]), int(s["passes"])
-        self.queue, self.seen = [str(n) for n in s["queue"]], [str(n) for n in s["seen"]]
-        self._reindex()
-
-    def _reindex(self) -> None:
-        self._cum = [0]
-        for _, rows in self.entries:
-            self._cum.append(self._cum[-1] + rows)
-
-    def _extend(self) -> None:
-        """Append the next shard: list the domain (new shards join this pass), pop one."""
-        if self.ds.cfg.refresh or not self.seen:
-            known = set(self.seen)
-            new = [n for n in self.ds.source.list(self.domain) if n not in known]
-            if new and self.ds.cfg.shuffle:
-                new = list(_rng(self.ds.seed, self.domain, "new", len(self.seen)).permutation(new))
-            self.seen += new
-            self.queue += new
-        if not self.queue:
-            if not self.seen:
-                raise DataError(f"{self.ds.source.where}/{self.domain}: no .npy shards; check "
-                                "the domain names and the folder / repository")
-            self.passes += 1
-            order = sorted(self.seen)
-            if self.ds.cfg.shuffle:
-                order = list(_rng(self.ds.seed, self.domain, self.passes).permutation(order))
-            self.queue = order
-        name = self.queue.pop(0)
-        rows = self.ds.shard(name).rows - self.ds.held_out(self.domain, name)
-        self.entries.append([name, max(rows, 0)])
-        self._cum.append(self._cum[-1] + max(rows, 0))
-
-    def rows(self, ks: np.ndarray, keep_from: int) -> np.ndarray:
-        """Stream rows ``ks`` (int64 (n, seq_len + 1)); drops shards ending before keep_from."""
-        while int(ks.max()) >= self.base + self._cum[-1]:
-            self._extend()
-        out = np.empty((len(ks), self.ds.seq_len + 1), dtype=np.int64)
-        local = ks - self.base
-        idx = np.array([bisect_right(self._cum, int(k)) - 1 for k in local])
-        for e in np.unique(idx):
-            name = self.entries[e][0]
-            mask = idx == e
-            out[mask] = self._read(name, local[mask] - self._cum[e])
-        while len(self.entries) > 1 and self.base + self._cum[1] <= keep_from:
-            self.base += self.entries.pop(0)[1]
-            self._reindex()
-        return out
-
-    def _read(self, name: str, offsets: np.ndarray) -> np.ndarray:
-        if name not in self._open:
-            shard = self.ds.shard(name)
-            skip = self.ds.held_out(self.domain, name)
-            n = shard.rows - skip
-            perm = (_rng(self.ds.seed, self.domain, name).permutation(n) if self.ds.cfg.shuffle
-                    else np.arange(n)) + skip
-            self._open = {k: v for k, v in list(self._open.items())[-1:]}  # keep two open
-            self._open[name] = (shard, perm)
-        shard, perm = self._open[name]
-        return shard.read(perm[offsets])
-
-
-class DomainCursor(Cursor):
-    """What ``DomainStream.state_dict`` writes."""
-
-    entries: list[tuple[str, NonNegativeInt]]
-    base: NonNegativeInt
-    queue: list[str]
-    seen: list[str]
-    passes: NonNegativeInt
 
 
 class BalancedCursor(StepCursor):

@@ -1,4 +1,6 @@
-"""A ``balanced_shards`` dataset read by row number: how a ``mixture`` uses it as one source.
+"""The rows of a ``balanced_shards`` dataset, two ways: by row number (``ShardRows``, how a
+``mixture`` uses it as one source), and as each domain's endless stream of shards
+(``DomainStream``, its own loader's, which picks up shards added while training).
 
 A mixture needs each source's row ``k`` as a pure function of ``k`` (exact shares, resume on any
 layout), so here the shard list is taken once, when the reader opens, and shards added later
@@ -13,12 +15,15 @@ the smallest domain read once, the others in part; ``max_epochs`` counts these.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any
 
 import numpy as np
+from pydantic import NonNegativeInt
 
 from kiln.components.data import documents
-from kiln.components.data.shard_source import seeded_rng
+from kiln.components.data.cursor import Cursor
+from kiln.components.data.shard_source import Shard, seeded_rng
 from kiln.components.errors import DataError
 
 
@@ -105,3 +110,95 @@ class ShardRows:
             self._open[key] = (self.ds.shard(name), perm)
         shard, perm = self._open[key]
         return shard.read(perm[offsets])
+
+
+class DomainStream:
+    """One domain's endless row stream (shards in stream order, extended one shard at a time)."""
+
+    def __init__(self, ds: Any, domain: str) -> None:  # a BalancedShards
+        self.ds, self.domain = ds, domain
+        self.entries: list[list] = []  # [shard name, train rows] in stream order
+        self.base = 0  # stream rows before entries[0] (entries already consumed are dropped)
+        self.queue: list[str] = []  # the current pass's remaining shards
+        self.seen: list[str] = []
+        self.passes = 0
+        self._cum: list[int] = [0]
+        self._open: dict[str, tuple[Shard, np.ndarray]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "base": self.base,
+                "queue": list(self.queue), "seen": list(self.seen), "passes": self.passes}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.entries = [[str(n), int(r)] for n, r in s["entries"]]
+        self.base, self.passes = int(s["base"]), int(s["passes"])
+        self.queue, self.seen = [str(n) for n in s["queue"]], [str(n) for n in s["seen"]]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._cum = [0]
+        for _, rows in self.entries:
+            self._cum.append(self._cum[-1] + rows)
+
+    def _extend(self) -> None:
+        """Append the next shard: list the domain (new shards join this pass), pop one."""
+        if self.ds.cfg.refresh or not self.seen:
+            known = set(self.seen)
+            new = [n for n in self.ds.source.list(self.domain) if n not in known]
+            if new and self.ds.cfg.shuffle:
+                rng = seeded_rng(self.ds.seed, self.domain, "new", len(self.seen))
+                new = list(rng.permutation(new))
+            self.seen += new
+            self.queue += new
+        if not self.queue:
+            if not self.seen:
+                raise DataError(f"{self.ds.source.where}/{self.domain}: no .npy shards; check "
+                                "the domain names and the folder / repository")
+            self.passes += 1
+            order = sorted(self.seen)
+            if self.ds.cfg.shuffle:
+                order = list(seeded_rng(self.ds.seed, self.domain, self.passes).permutation(order))
+            self.queue = order
+        name = self.queue.pop(0)
+        rows = self.ds.shard(name).rows - self.ds.held_out(self.domain, name)
+        self.entries.append([name, max(rows, 0)])
+        self._cum.append(self._cum[-1] + max(rows, 0))
+
+    def rows(self, ks: np.ndarray, keep_from: int) -> np.ndarray:
+        """Stream rows ``ks`` (int64 (n, seq_len + 1)); drops shards ending before keep_from."""
+        while int(ks.max()) >= self.base + self._cum[-1]:
+            self._extend()
+        out = np.empty((len(ks), self.ds.seq_len + 1), dtype=np.int64)
+        local = ks - self.base
+        idx = np.array([bisect_right(self._cum, int(k)) - 1 for k in local])
+        for e in np.unique(idx):
+            name = self.entries[e][0]
+            mask = idx == e
+            out[mask] = self._read(name, local[mask] - self._cum[e])
+        while len(self.entries) > 1 and self.base + self._cum[1] <= keep_from:
+            self.base += self.entries.pop(0)[1]
+            self._reindex()
+        return out
+
+    def _read(self, name: str, offsets: np.ndarray) -> np.ndarray:
+        if name not in self._open:
+            shard = self.ds.shard(name)
+            skip = self.ds.held_out(self.domain, name)
+            n = shard.rows - skip
+            shuffled = self.ds.cfg.shuffle
+            perm = (seeded_rng(self.ds.seed, self.domain, name).permutation(n) if shuffled
+                    else np.arange(n)) + skip
+            self._open = {k: v for k, v in list(self._open.items())[-1:]}  # keep two open
+            self._open[name] = (shard, perm)
+        shard, perm = self._open[name]
+        return shard.read(perm[offsets])
+
+
+class DomainCursor(Cursor):
+    """What ``DomainStream.state_dict`` writes."""
+
+    entries: list[tuple[str, NonNegativeInt]]
+    base: NonNegativeInt
+    queue: list[str]
+    seen: list[str]
+    passes: NonNegativeInt
