@@ -82,6 +82,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         return f"model is {type(model).__name__}, not the dense transformer"
     if model.logit_softcap:
         return "logit soft-capping"
+    if model.pos_embeddings is not None:
+        return "learned absolute positions"
     if type(model.norm) is not RMSNorm or model.norm.weight is None:
         return "final norm is not RMSNorm with a weight"
     eps = model.norm.eps

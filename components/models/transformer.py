@@ -24,7 +24,9 @@ from torch import nn
 
 from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
+from kiln.components.models.absolute_positions import AbsolutePositions
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,
@@ -48,6 +50,9 @@ class TransformerConfig(ComponentConfig):
         "the padded rows are never targets")
     max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
     tie_embeddings: bool = Field(False, description="share one matrix for input and output")
+    absolute_positions: bool = Field(
+        False, description="learned absolute position embeddings added to the token embeddings "
+        "(GPT-2), model.max_seq_len rows; usually with attention.position.type = \"none\"")
     logit_softcap: float = Field(0.0, ge=0, description="logits = cap*tanh(logits/cap); 0 = off")
     init_std: float = Field(0.02, gt=0, description="std of the block weight init")
     depth_init: bool = Field(
@@ -61,6 +66,9 @@ class TransformerConfig(ComponentConfig):
     @model_validator(mode="after")
     def _check(self) -> TransformerConfig:
         check_block_shapes(self)
+        if self.absolute_positions and not self.max_seq_len:
+            raise ValueError("absolute_positions = true needs model.max_seq_len (the rows of the "
+                             "learned position table, GPT-2's n_positions, e.g. 1024)")
         return self
 
 
@@ -76,6 +84,11 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
     def __init__(self, cfg: TransformerConfig, *, vocab_size: int, seq_len: int) -> None:
         super().__init__()
         self.vocab_size, self.max_seq_len = resolve_sizes("transformer", cfg, vocab_size, seq_len)
+        if cfg.absolute_positions and seq_len > self.max_seq_len:
+            raise RecipeError(
+                f"a sequence of {seq_len} tokens (training.seq_len, or the length asked to "
+                f"generate) is longer than model.max_seq_len = {self.max_seq_len}, the rows of "
+                "the learned position table: raise model.max_seq_len or use shorter sequences")
         self.dim, self.n_layers = cfg.dim, cfg.n_layers
         self.tied = cfg.tie_embeddings
         self.logit_softcap = cfg.logit_softcap
@@ -86,11 +99,16 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         # to_empty() on a meta-built model. (CPU generator; build on meta for other devices.)
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(self.vocab_size, dim)
+            self.pos_embeddings = (AbsolutePositions(self.max_seq_len, dim)
+                                   if cfg.absolute_positions else None)
             self.layers = build_blocks(cfg, n, self.max_seq_len)
             self.norm = cfg.norm.build(dim=dim)
             self.output = nn.Linear(dim, self.vocab_size, bias=False)
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
+        if self.pos_embeddings is not None:  # a pipeline's first stage holds it too
+            self.pipeline_ends = {**self.pipeline_ends,
+                                  "first": ("tok_embeddings", "pos_embeddings")}
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
 
@@ -104,6 +122,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         std = self.init_std
         if self.tok_embeddings is not None:  # None: a pipeline stage without it
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std if self.tied else 1.0)
+        if self.pos_embeddings is not None:
+            nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=std)
         init_blocks(self.blocks(), std, self.depth_init,
                     indices=[int(k) for k in self.layers], n_layers=self.n_layers)
         if self.norm is not None:
@@ -127,6 +147,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         previous stage's hidden states (B, T, dim); to logits / ``head(...)`` when ``last``,
         else to hidden states (B, T, dim)."""
         h = self.tok_embeddings(x) if first else x  # (B, T, dim)
+        if first and self.pos_embeddings is not None:
+            h = self.pos_embeddings(h, context)
         for key in keys:
             h = self.layers[key](h, context=context)
         if not last:
@@ -144,6 +166,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             n -= idle_expert_params(self)
         if exclude_embeddings and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
+        if exclude_embeddings and self.pos_embeddings is not None:
+            n -= self.pos_embeddings.weight.numel()
         return n
 
     def param_summary(self) -> dict[str, int]:
@@ -165,6 +189,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         mixing matmuls (those without parameters); otherwise 12 * n_heads * head_dim * T is used.
         """
         n = self.num_params(exclude_embeddings=not self.tied, active_only=True)
+        if self.tied and self.pos_embeddings is not None:  # a lookup table: no matmul
+            n -= self.pos_embeddings.weight.numel()
         return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in self.blocks()))
 
 

@@ -37,6 +37,12 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             "a rank's chunks); set model.carry = false or parallelism.cp = 1")
     if tp <= 1:
         return problems
+    if getattr(model, "pos_embeddings", None) is not None:
+        problems.append(
+            f"model.absolute_positions = true cannot run with parallelism.tp = {tp} yet: the "
+            "position table is added after the token embeddings, whose output tensor parallel "
+            "splits by sequence; set parallelism.tp = 1 (FSDP2, context and pipeline parallel "
+            "run it)")
     vocab = getattr(model, "vocab_size", None)
     if vocab:
         _divides(problems, vocab, "model.vocab_size", tp, "tp",

@@ -1,8 +1,8 @@
 """Context parallelism (``parallelism.cp``): the load-balanced chunks, the refusals, and gloo
 processes against one process — cp = 2 equals one process to rtol 1e-5 with and without the
-document mask and with per-block compile, checkpoints move between cp = 2 and cp = 1 both ways,
-and cp 2 x tp 2 on four processes. One spawn per world size runs all its parts (the
-multi-process tests are few)."""
+document mask, with learned absolute positions and with per-block compile, checkpoints move
+between cp = 2 and cp = 1 both ways, and cp 2 x tp 2 on four processes. One spawn per world size
+runs all its parts (the multi-process tests are few)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.checkpointing.elastic import StopAfter
 from tests.components.data.conftest import write_corpus
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port, rank_env
-from tests.recipes.test_combinations import DENSE, TINY
+from tests.recipes.test_combinations import DENSE, FAMILIES, TINY
 
 N, K = 4, 2  # steps; the cut runs save at K and stop
 MASK = ("--model.attention.document_mask=true", "--model.attention.positions=per_document")
@@ -114,7 +114,8 @@ def _case(folder, corpus, *extra):
                    f"--checkpoint.interval={K}", *extra)
 
 
-TWO = {"plain": (), "mask": MASK}
+# gpt2: learned absolute positions, each rank adding the rows of its own positions
+TWO = {"plain": (), "gpt2": FAMILIES["gpt2"][1], "mask": MASK}  # mask last: its log is read
 
 
 def _worker(rank: int, world: int, port: int, folder: str, parts: dict) -> None:
