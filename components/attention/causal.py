@@ -45,6 +45,8 @@ class CausalAttentionConfig(ComponentConfig):
     bias: bool = Field(False, description="biases on the q/k/v/o projections")
     qkv_bias: bool = Field(False, description="biases on q/k/v only (Qwen2); o stays bias-free")
     head_dim: int = Field(0, ge=0, description="width of a head (0 = dim / n_heads)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities "
+                           "while training (GPT-2: 0.1; 0 = off)")
     qk_norm_eps: float = Field(1e-5, gt=0, description="eps of the QK-norm RMSNorms")
     position: Sub("position") = component("position", "rope", "position encoding of q and k")
     document_mask: bool = Field(
@@ -132,6 +134,7 @@ class CausalAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.position = cfg.position.build(head_dim=self.head_dim, max_seq_len=max_seq_len)
+        self.dropout_p = cfg.dropout
         self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -165,7 +168,8 @@ class CausalAttention(nn.Module):
                 q, k = self.position(q, k, **context.rope_args())
                 k, v = context.gather(k), context.gather(v)  # (B, T_all, Hk, D)
             # SDPA wants (B, H, T, D); a transpose is a view.
-            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context)
+            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context,
+                       dropout_p=self.dropout_p if self.training else 0.0)
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)

@@ -169,9 +169,10 @@ def _flex(q, k, v, block_mask, gqa: bool) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         context: AttentionContext | None = None) -> torch.Tensor:
+         context: AttentionContext | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of q (B, H, Tq, D) over k, v (B, Hk, T, D[v]) by the context's mask: causal
-    without one. kv heads broadcast to q heads (GQA) without copies.
+    without one. kv heads broadcast to q heads (GQA) without copies. ``dropout_p``: dropout on
+    the attention probabilities (pass 0 outside training).
 
     `enable_gqa` was as fast as `repeat_interleave` on CPU and does not materialise repeats.
     On CPU with bf16 inputs and small heads (D <= 32) the attention runs in fp32: the CPU
@@ -181,11 +182,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = k.shape[1] != q.shape[1]
     mask = None if context is None else context.mask
     if mask is not None and context.kernel == "flex":
+        if dropout_p:
+            raise RecipeError("model.attention.dropout: the flex kernel has no attention "
+                              "dropout; set model.attention.mask_kernel = \"sdpa\" or dropout 0")
         return _flex(q, k, v, mask, gqa)
     if mask is not None and mask.dtype != q.dtype and not (
             q.device.type == "cpu" and q.shape[-1] <= 32):  # else the fp32 path below
         mask = mask.to(q.dtype)
     kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
+    kw["dropout_p"] = dropout_p
     if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] <= 32:
         with torch.autocast("cpu", enabled=False):
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa,

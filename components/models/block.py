@@ -38,7 +38,7 @@ class Block(nn.Module):
 
     def __init__(
         self, *, attention: nn.Module, feed_forward: nn.Module, attention_norm: nn.Module,
-        ffn_norm: nn.Module, dim: int, layerscale_init: float = 0.0,
+        ffn_norm: nn.Module, dim: int, layerscale_init: float = 0.0, dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.attention = attention
@@ -51,6 +51,8 @@ class Block(nn.Module):
             self.ffn_scale = nn.Parameter(torch.full((dim,), layerscale_init))
         else:
             self.attention_scale = self.ffn_scale = None
+        # GPT-2's residual dropout: on the attention's and the feed-forward's outputs
+        self.dropout = nn.Dropout(dropout) if dropout else None
 
     def init_weights(self, std: float, out_std: float) -> None:
         init_component(self.attention_norm, std, out_std)
@@ -66,14 +68,20 @@ class Block(nn.Module):
         handed to the attention; None = plain causal (an attention without the keyword works)."""
         h = self.attention_norm(x)
         a = self.attention(h) if context is None else self.attention(h, context=context)
+        if self.dropout is not None:
+            a = self.dropout(a)
         x = x + a if self.attention_scale is None else x + self.attention_scale * a
         f = self.feed_forward(self.ffn_norm(x))
+        if self.dropout is not None:
+            f = self.dropout(f)
         return x + f if self.ffn_scale is None else x + self.ffn_scale * f
 
 
-def build_blocks(cfg: Any, n_layers: int, max_seq_len: int) -> nn.ModuleDict:
+def build_blocks(cfg: Any, n_layers: int, max_seq_len: int, dropout: float = 0.0
+                 ) -> nn.ModuleDict:
     """Blocks ``"0" .. str(n_layers - 1)`` from a model config's ``dim``, ``attention``, ``ffn``,
-    ``norm`` and ``layerscale_init`` (the sub-components are built in that order per block)."""
+    ``norm`` and ``layerscale_init`` (the sub-components are built in that order per block);
+    ``dropout``: the residual dropout of each block."""
     dim = cfg.dim
     return nn.ModuleDict({
         str(i): Block(
@@ -81,7 +89,7 @@ def build_blocks(cfg: Any, n_layers: int, max_seq_len: int) -> nn.ModuleDict:
                 dim=dim, layer_idx=i, n_layers=n_layers, max_seq_len=max_seq_len),
             feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
             attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
-            dim=dim, layerscale_init=cfg.layerscale_init,
+            dim=dim, layerscale_init=cfg.layerscale_init, dropout=dropout,
         )
         for i in range(n_layers)
     })

@@ -50,6 +50,10 @@ class TransformerConfig(ComponentConfig):
         "the padded rows are never targets")
     max_seq_len: int = Field(0, ge=0, description="longest sequence (RoPE table); 0 = seq_len")
     tie_embeddings: bool = Field(False, description="share one matrix for input and output")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="GPT-2's dropout while training: on the embeddings and on "
+        "each block's attention and feed-forward outputs (0 = off; attention probabilities: "
+        "attention.dropout)")
     absolute_positions: bool = Field(
         False, description="learned absolute position embeddings added to the token embeddings "
         "(GPT-2), model.max_seq_len rows; usually with attention.position.type = \"none\"")
@@ -101,7 +105,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             self.tok_embeddings = nn.Embedding(self.vocab_size, dim)
             self.pos_embeddings = (AbsolutePositions(self.max_seq_len, dim)
                                    if cfg.absolute_positions else None)
-            self.layers = build_blocks(cfg, n, self.max_seq_len)
+            self.layers = build_blocks(cfg, n, self.max_seq_len, dropout=cfg.dropout)
+            self.embed_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else None
             self.norm = cfg.norm.build(dim=dim)
             self.output = nn.Linear(dim, self.vocab_size, bias=False)
         if self.tied:
@@ -149,6 +154,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         h = self.tok_embeddings(x) if first else x  # (B, T, dim)
         if first and self.pos_embeddings is not None:
             h = self.pos_embeddings(h, context)
+        if first and self.embed_dropout is not None:
+            h = self.embed_dropout(h)
         for key in keys:
             h = self.layers[key](h, context=context)
         if not last:

@@ -57,8 +57,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "--model.ffn.hidden_dim=32", "--model.ffn.aux_loss_coeff=0.01",
         "--model.layerscale_init=0.1", "--model.loops=2")),  # 2 loops: 2 segments of 1
     # GPT-2's block: LayerNorm, tanh-GELU MLP and attention with biases, learned absolute
-    # positions instead of RoPE
-    "gpt2": ("debug.toml", (*DENSE, "--model.attention.bias=true",
+    # positions instead of RoPE, dropout (residual, embedding, attention probabilities)
+    "gpt2": ("debug.toml", (*DENSE, "--model.attention.bias=true", "--model.dropout=0.1",
+                            "--model.attention.dropout=0.1",
                             "--model.attention.position.type=none",
                             "--model.absolute_positions=true", "--model.max_seq_len=128",
                             "--model.norm.type=layernorm", "--model.ffn.type=mlp",

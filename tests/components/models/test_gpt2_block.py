@@ -124,3 +124,25 @@ def test_tensor_parallel_refuses_learned_positions_by_name():
     problems = model_problems(_kiln(), tp=2)
     assert any(p.startswith("model.absolute_positions = true cannot run with parallelism.tp = 2")
                for p in problems), problems
+
+
+def _with_dropout(*extra):
+    recipe = load_recipe(CONFIGS / "debug.toml", [*GPT2, *extra])
+    torch.manual_seed(0)
+    return recipe.model.build(vocab_size=padded_vocab(recipe.model, 258), seq_len=16)
+
+
+@pytest.mark.parametrize("where", ["--model.dropout=0.3", "--model.attention.dropout=0.3"])
+def test_dropout_acts_while_training_only_and_follows_the_seed(where):
+    plain, dropped = _with_dropout(), _with_dropout(where)
+    ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(dropped.eval()(ids), plain.eval()(ids))  # off in eval
+        dropped.train()
+        torch.manual_seed(5)
+        a = dropped(ids)
+        torch.manual_seed(5)
+        b = dropped(ids)
+        c = dropped(ids)
+    assert torch.equal(a, b) and not torch.allclose(a, c)  # the same seed, the same masks
+    assert not torch.allclose(a, plain.eval()(ids))
