@@ -49,6 +49,8 @@ class StepBuild(StepBuildContext):
                               "supported with parallelism.pp > 1 yet; train without pipeline "
                               "parallelism")
         model = t.build_model()
+        for p in model.parameters():  # before FSDP2 wraps them: no gradient is ever reduced
+            p.requires_grad_(False)
         pcfg = pcfg.model_copy(update={"reshard_after_forward": "always"})  # no backward comes
         plan = parallelize(
             model, pcfg, t.world, mesh=t.health.mesh, ep_mesh=t.health.ep_mesh,
@@ -64,8 +66,6 @@ class StepBuild(StepBuildContext):
         else:
             _copy_weights(self.policy, model)
             what = "the policy's initial weights"
-        for p in model.parameters():
-            p.requires_grad_(False)
         reshard_after_every_forward(model)
         model.eval()
         self.lines.append(f"step: a frozen model from {what}, sharded as the policy")
