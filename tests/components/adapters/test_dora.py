@@ -158,3 +158,44 @@ def test_a_dora_run_from_init_from_saves_its_adapters_and_exports_them_without_t
     assert names["base_model_name_or_path"] == str(hf_base) and names["use_dora"]
     with pytest.raises(CheckpointError, match="init_from = .*: no such folder"):  # merging reads it
         export_checkpoint(ck, tmp_path / "merged")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_chunked_head_equals_the_unchunked_one_with_dora_on_the_output(dropout):
+    """DoRA's head columns under the chunked loss: the loss and every gradient of the plain
+    head, with dropout drawn once per forward on either path."""
+    from tests.recipes.test_combinations import FAMILIES
+
+    file, overrides = FAMILIES["dense"]
+    recipe = load_recipe(CONFIGS / file, [*overrides, "--training.seq_len=16",
+                                          "--model.tie_embeddings=false"])
+    torch.manual_seed(0)
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    DoRA(DoRAConfig(type="dora", rank=4, dropout=dropout,
+                    targets=["output", "*.attention.wq"])).apply(model)
+    _perturb_adapters(model)
+    model.train()
+    ids = _ids()
+    x, y = ids[:, :-1], ids[:, 1:]
+    torch.manual_seed(3)
+    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
+        m(x).flatten(0, 1).float(), y.flatten()))
+    torch.manual_seed(3)
+    chunked = _grads(model, lambda m: m(x, head=LossHead(y, 5)))
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert chunked[1]["output.dora.magnitude"].abs().sum() > 0
+    for name, g in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_switched_off_dora_computes_the_base(dora):
+    _, _, model = dora
+    adapter = DoRA(DoRAConfig(type="dora"))
+    with adapter.disabled(model):
+        off = _kiln_logits(model)
+    on = _kiln_logits(model)
+    base = load_recipe(CONFIGS / "debug.toml", TINY)
+    torch.manual_seed(0)
+    plain = base.model.build(vocab_size=padded_vocab(base.model, 258), seq_len=16)
+    torch.testing.assert_close(off, _kiln_logits(plain))
+    assert not torch.allclose(on, off, atol=1e-3)
