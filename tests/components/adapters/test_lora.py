@@ -128,44 +128,41 @@ def _grads(model, loss_of):
                            if p.requires_grad}
 
 
+def assert_chunked_head_equals_plain(model, chunk: int = 5) -> dict[str, torch.Tensor]:
+    """The chunked loss (``LossHead``) and every trainable gradient equal the unchunked head's,
+    from the same seed (a looped model draws its loop count, dropout its masks); the chunked
+    gradients."""
+    from kiln.components.models.lm_head import LossHead
+
+    ids = _ids()
+    x, y = ids[:, :-1], ids[:, 1:]
+    torch.manual_seed(5)
+    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
+        m(x).flatten(0, 1).float(), y.flatten()))
+    torch.manual_seed(5)
+    chunked = _grads(model, lambda m: m(x, head=LossHead(y, chunk)))
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name, g in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+    return chunked[1]
+
+
 @pytest.mark.parametrize("family, targets", [
     ("dense", ["output"]), ("dense", ["output", "*.attention.wq", "*.feed_forward.w2"]),
     ("moe", ["output", "*.attention.wo"]), ("diff_layerscale", ["output"]),
     ("looped_moe", ["output", "*.attention.wk"])])
 def test_the_chunked_loss_trains_an_adapter_on_the_output(family, targets):
     """The adapter on ``output`` gets the gradient of the unchunked loss (it got none)."""
-    from kiln.components.models.lm_head import LossHead
-
-    model = _output_adapter_model(targets, family=family)
-    ids = _ids()
-    x, y = ids[:, :-1], ids[:, 1:]
-    torch.manual_seed(5)  # (a looped model draws its loop count)
-    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
-        m(x).flatten(0, 1).float(), y.flatten()))
-    torch.manual_seed(5)
-    chunked = _grads(model, lambda m: m(x, head=LossHead(y, 5)))
-    torch.testing.assert_close(chunked[0], plain[0])
-    assert {"output.lora.A", "output.lora.B"} <= set(chunked[1])
-    assert chunked[1]["output.lora.A"].abs().sum() > 0
-    for name, g in plain[1].items():
-        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+    grads = assert_chunked_head_equals_plain(_output_adapter_model(targets, family=family))
+    assert {"output.lora.A", "output.lora.B"} <= set(grads)
+    assert grads["output.lora.A"].abs().sum() > 0
 
 
 def test_with_dropout_the_chunked_output_adapter_equals_the_unchunked_one():
     """Dropout's mask is drawn once per forward on either path: the same seed, the same grads."""
-    from kiln.components.models.lm_head import LossHead
-
     model = _output_adapter_model(["output"], dropout=0.3)
     model.train()
-    ids = _ids()
-    x, y = ids[:, :-1], ids[:, 1:]
-    torch.manual_seed(3)
-    plain = _grads(model, lambda m: torch.nn.functional.cross_entropy(
-        m(x).flatten(0, 1).float(), y.flatten()))
-    torch.manual_seed(3)
-    chunked = _grads(model, lambda m: m(x, head=LossHead(y, 4)))
-    for name, g in plain[1].items():
-        torch.testing.assert_close(chunked[1][name], g, rtol=1e-5, atol=1e-6)
+    assert_chunked_head_equals_plain(model, chunk=4)
 
 
 def test_output_adapter_gradients_equal_peft(tmp_path):
