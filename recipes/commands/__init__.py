@@ -1,1 +1,2 @@
-"""`kiln` subcommands, one module each (add_arguments + run)."""
+"""`kiln` subcommands, one module each (add_arguments + run); those on a model are in
+``models/``."""

@@ -1,2 +1,2 @@
-"""Using a trained model: saved models, pretrained imports, generation, task scores, the
-harness model."""
+"""Using a trained model: exports, generation, task scores, the harness model (reading the
+model itself is ``recipes/loading``)."""
