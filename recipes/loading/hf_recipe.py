@@ -41,11 +41,13 @@ def resolved_model_table(table: dict[str, Any]) -> dict[str, Any]:
     return to_dict(build_config(Recipe, {"model": table}, "", Layered()))["model"]
 
 
-def differences(config_table: dict[str, Any], recipe_table: dict[str, Any]) -> list[str]:
-    """``model.KEY: config value, recipe value`` for every key where the recipe's model is not
-    the one config.json describes (both resolved with defaults)."""
+def differences(config_table: dict[str, Any], recipe_table: dict[str, Any],
+                source: str = "for config.json") -> list[str]:
+    """``model.KEY: source's value, recipe value`` for every key where the recipe's model is
+    not the one the source describes (config.json, or a kiln checkpoint's recipe; both resolved
+    with defaults)."""
     want, have = _flat(resolved_model_table(config_table)), _flat(recipe_table)
-    return [f"model.{k}: {want.get(k)!r} for config.json, {have.get(k)!r} in the recipe"
+    return [f"model.{k}: {want.get(k)!r} {source}, {have.get(k)!r} in the recipe"
             for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
 
 

@@ -28,6 +28,7 @@ from kiln.components.errors import CheckpointError
 from kiln.components.models.block import padded_vocab
 from kiln.components.protocols import adapter_layers
 from kiln.recipes.config.files import load_recipe, to_dict
+from kiln.recipes.loading.hf_recipe import differences
 from kiln.recipes.runs import lineage
 
 
@@ -85,8 +86,7 @@ class Source:
         if self.kind != "kiln":
             return []
         theirs, ours = to_dict(load_recipe(self.folder))["model"], to_dict(recipe)["model"]
-        return [f"model.{k}: {theirs.get(k)!r} in {self.spec}, {ours.get(k)!r} in the recipe"
-                for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+        return differences(theirs, ours, source=f"in {self.spec}")
 
     def load(self, model: nn.Module) -> int:
         """Copy the weights into ``model`` (built, possibly sharded: each rank fills its own
