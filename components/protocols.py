@@ -91,8 +91,10 @@ class StepContext(Protocol):
 
     def clip_grads(self) -> torch.Tensor: ...
 
-    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
-        """The values averaged over ranks, with one host sync."""
+    def global_stats(self, *, averaged: tuple[str, ...] = ("loss",),
+                     **values: torch.Tensor | None) -> dict[str, float]:
+        """The values as floats, with one host sync; those named in ``averaged`` are first
+        averaged over ranks (each rank's share of a global-batch mean)."""
 
     def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision: ...
 
@@ -125,18 +127,33 @@ class StepContract:
     defaults. kiln's steps inherit them; ``complete_step`` gives a plugin step those it lacks."""
 
     token_weighted: bool = False  # can weight micro-batches by their trained tokens (chat data)
+    takes_pairs: bool = False  # trains on preference pairs (a dataset with ``pairs``)
+
+    def check_recipe(self, recipe: Any, layout: Any) -> None:
+        """Refuse a recipe this step cannot train (a RecipeError naming the key), before
+        anything is built: ``kiln train`` and ``kiln validate`` both call it. ``layout``: the
+        run's mesh (``tp``, ``cp``, ``pp``, ``dp``)."""
 
     def setup(self, build: StepBuildContext) -> None:
         """Once, after the policy is built and parallelized, before the first step (also on a
         resume): take what the step holds besides the policy (``build.frozen_model()``)."""
+
+    def evaluate(self, ctx: StepContext, batch: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+        """At each evaluation, per example of one held-out micro-batch (no gradients): the
+        step's own values (1-D tensors), which the evaluation averages over the held-out
+        examples and logs as ``eval/NAME`` (a preference step's reward accuracy). ``{}``:
+        the held-out loss alone."""
+        return {}
 
 
 def complete_step(step: Any) -> Any:
     """Give a step that does not inherit ``StepContract`` its defaults; return it."""
     if not isinstance(step, StepContract):
         _complete(step, StepContract)
-        if not hasattr(step, "token_weighted"):
-            object.__setattr__(step, "token_weighted", False)
+        for name in ("token_weighted", "takes_pairs"):
+            if not hasattr(step, name):
+                object.__setattr__(step, name, False)
     return step
 
 
@@ -190,6 +207,7 @@ class DatasetContract:
     """
 
     token_weighted: bool = False  # masked labels: the loss is the mean over trained tokens
+    pairs: bool = False  # preference pairs: a batch's chosen rows, then its rejected rows
     template: Any = None  # chat data: the template it renders with (the run folder keeps it)
     source_names: Any = ()  # a mixture's sources, in the order of a batch's source_ids
     meta: Any = types.MappingProxyType({})  # the prepared data's metadata
@@ -228,7 +246,7 @@ def complete_dataset(dataset: Any) -> Any:
     if isinstance(dataset, DatasetContract):
         return dataset
     _complete(dataset, DatasetContract)
-    for name in ("token_weighted", "template", "source_names", "meta"):
+    for name in ("token_weighted", "pairs", "template", "source_names", "meta"):
         if not hasattr(dataset, name):
             object.__setattr__(dataset, name, getattr(DatasetContract, name))
     return dataset

@@ -31,6 +31,7 @@ KINDS = (
     "tokenizer",
     "guard",
     "step",
+    "preference_loss",
     "logger",
     "task",
     "hook",

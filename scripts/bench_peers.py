@@ -22,7 +22,10 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
 - ``sft-data``: chat rendering + assistant masks + tokenizing vs ``transformers``'
   ``apply_chat_template`` (``bench_rows/sft_data.py``);
 - ``lora-step``, ``lora-memory``: a LoRA training step vs ``peft`` on ``transformers``, and its
-  optimizer state vs full fine-tuning (``bench_rows/lora.py``, ``lora_memory.py``).
+  optimizer state vs full fine-tuning (``bench_rows/lora.py``, ``lora_memory.py``);
+- ``dpo-step``, ``dpo-memory``: a DPO step vs TRL's ``DPOTrainer`` on ``transformers``, and the
+  peak memory of a LoRA DPO step with the adapters-off reference vs a frozen copy
+  (``bench_rows/dpo.py``, ``dpo_memory.py``).
 
 Every side runs in a fresh process; each round runs every group's two sides, the order of the two
 alternating from round to round, so drift in the machine's load hits both. The table gives each
@@ -147,6 +150,14 @@ def groups(args) -> list[Group]:
                      [Row("optimizer state, LoRA vs full fine-tuning", "optimizer_mb", "MiB",
                           higher_is_better=False, goal="report")],
                      {**base, "steps": 1, "warmup": 0}, third_party=False))
+    out.append(Group("dpo-step", "dpo", "TRL DPOTrainer on transformers (same model)",
+                     [Row("DPO training step, frozen reference copy, fp32", "pairs_per_second",
+                          "pairs/s", goal=">= 1.3x")],
+                     {**base, "steps": 2 if quick else 10, "warmup": 1 if quick else 2}))
+    out.append(Group("dpo-memory", "dpo_memory", "a frozen copy of the base as the reference",
+                     [Row("DPO step with LoRA, peak memory: adapters-off reference", "peak_mb",
+                          "MiB", higher_is_better=False, goal="report")],
+                     {**base}, third_party=False))
     return out
 
 

@@ -99,6 +99,9 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
     step = checks.build_step(recipe)
+    checks.check_step_data(recipe, run_data.dataset if run_data else None, step, shape)
+    if run_data is not None and run_data.dataset.pairs:
+        lines.append(run_data.dataset.describe())
     if run_data is not None:
         weighted = checks.token_weighted(recipe, run_data.dataset, step, shape)
         if weighted and (line := run_data.dataset.describe()):

@@ -36,10 +36,11 @@ class EvalHook(Hook):
             loss, bpb, values, batches = evaluate_sources(trainer, names,
                                                           trainer.recipe.eval.tokens)
         else:
-            batches = evaluate_batches(trainer, trainer.recipe.eval.tokens)
+            own: dict[str, list[torch.Tensor]] = {}
+            batches = evaluate_batches(trainer, trainer.recipe.eval.tokens, step_values=own)
             s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
             loss = s / n if n > 0 else float("nan")
-            bpb, values = bits_per_byte(loss, trainer.dataset), {}
+            bpb, values = bits_per_byte(loss, trainer.dataset), step_means(trainer, own)
         # its noise: the standard error over the eval batches, and what was evaluated (runs
         # whose held-out sets differ do not compare: `kiln compare` checks the fingerprint)
         stderr = significance.ratio_stderr(batches[:, 0], batches[:, 1]) if len(batches) \
@@ -137,11 +138,29 @@ def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tupl
         else (0.0, 0.0)
 
 
+def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """``eval/NAME``: each of the step's own held-out values (``StepContract.evaluate``)
+    averaged over the examples of all ranks (one all-reduce)."""
+    if not own:
+        return {}
+    names = sorted(own)
+    sums = torch.stack([torch.cat(own[k]).double().sum() for k in names]
+                       + [torch.tensor(float(sum(len(v) for v in own[names[0]])),
+                                       dtype=torch.float64, device=trainer.device)])
+    dist_utils.all_reduce_(sums)
+    count = float(sums[-1])
+    return {f"eval/{k}": float(v) / count for k, v in zip(names, sums[:-1].tolist(),
+                                                          strict=True)}
+
+
 @torch.no_grad()
-def evaluate_batches(trainer, token_budget: int, source: str | None = None) -> np.ndarray:
+def evaluate_batches(trainer, token_budget: int, source: str | None = None,
+                     step_values: dict[str, list[torch.Tensor]] | None = None) -> np.ndarray:
     """(summed token loss, tokens) of every global eval batch (all ranks' micro-batches of
     it) over the first ``token_budget`` eval tokens: (batches, 2), the same on every rank.
-    The batches are the units of the loss's standard error and of a paired comparison."""
+    The batches are the units of the loss's standard error and of a paired comparison.
+    ``step_values``: collects the step's own per-example values of each micro-batch
+    (``StepContract.evaluate``)."""
     model = trainer.model
     was_training = model.training
     model.eval()
@@ -154,6 +173,9 @@ def evaluate_batches(trainer, token_budget: int, source: str | None = None) -> n
         batch = trainer.to_device(batch)
         loss = trainer.forward_loss(batch)
         count = (batch["labels"] != IGNORE_INDEX).sum()  # masked data: its trained tokens
+        if step_values is not None:
+            for name, v in trainer.step_fn.evaluate(trainer.step_context, batch).items():
+                step_values.setdefault(name, []).append(v.detach())
         rows.append(torch.stack([loss.double() * count, count.double()]))
     size = torch.tensor([len(rows)], dtype=torch.float64, device=trainer.device)
     dist_utils.all_reduce_(size, op="max")  # (ranks' loaders end together; in case not)

@@ -123,6 +123,21 @@ def build_step(recipe):
     return complete_step(recipe.training.step.build())
 
 
+def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
+    """The step takes the data's batches: preference pairs need a step that takes pairs, and
+    such a step needs pairs; then the step's own checks (``StepContract.check_recipe``).
+    ``dataset`` None: the data is not read here (``kiln validate --no-data``)."""
+    if dataset is not None and bool(dataset.pairs) != bool(step_fn.takes_pairs):
+        step, data = recipe.training.step.type, recipe.data.type
+        raise RecipeError(
+            f"training.step.type = {step!r} trains on preference pairs, and data.type = "
+            f"{data!r} has none; use data.type = \"preference\"" if step_fn.takes_pairs else
+            f"data.type = {data!r} holds preference pairs (chosen, then rejected rows), which "
+            f"training.step.type = {step!r} would train on as plain text; use "
+            "training.step.type = \"preference\"")
+    step_fn.check_recipe(recipe, shape)
+
+
 def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:
     """Masked data (``chat``) takes the mean over the global batch's trained tokens; only a
     step that weights its micro-batches can train it, and not where a rank sees a part of each

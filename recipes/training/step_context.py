@@ -196,13 +196,19 @@ class TrainStepContext:
         """Clip to the global norm over all shards (grad_clip 0 = measure only)."""
         return self.parallel.clip_grads(self.grad_clip)
 
-    def global_stats(self, **values: torch.Tensor | None) -> dict[str, float]:
-        """Average the per-rank loss over ranks; one host sync for everything."""
+    def global_stats(self, *, averaged: tuple[str, ...] = ("loss",),
+                     **values: torch.Tensor | None) -> dict[str, float]:
+        """Average the ``averaged`` values (the per-rank loss) over ranks, in one all-reduce;
+        one host sync for everything."""
         keys = [k for k, v in values.items() if v is not None]
-        packed = torch.stack([values[k].detach().float().to(self.device) for k in keys])
-        if self.world.distributed and "loss" in keys:
-            distributed.all_reduce_(packed[keys.index("loss"):keys.index("loss") + 1])
-            packed[keys.index("loss")] /= self.world.world_size
+        packed = torch.stack([torch.as_tensor(values[k]).detach().float().to(self.device)
+                              for k in keys])
+        mean = [i for i, k in enumerate(keys) if k in averaged]
+        if self.world.distributed and mean:
+            at = torch.tensor(mean, device=packed.device)
+            part = packed[at]
+            distributed.all_reduce_(part)
+            packed[at] = part / self.world.world_size
         return dict(zip(keys, packed.tolist(), strict=True))
 
     def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:

@@ -101,6 +101,9 @@ class Trainer:
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
         self.step_fn = checks.build_step(recipe)
+        checks.check_step_data(recipe, self.dataset, self.step_fn, self.mesh_layout)
+        if self.dataset.pairs and (line := self.dataset.describe()):
+            self.print(line)  # (masked chat data says it with its token weighting)
         build = StepBuild(self)
         self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
         for line in build.lines:

@@ -129,6 +129,18 @@ def test_component_contract(entry, tmp_path):
         assert tok.decode(tok.encode("kiln ✓")) == "kiln ✓" and tok.vocab_size > 0
     elif kind == "step":
         assert callable(_default(entry).build())
+    elif kind == "preference_loss":  # a batch of pairs: finite per-pair losses, gradients
+        from kiln.components.steps.preference_losses import PairLogps
+
+        loss = _default(entry).build()
+        chosen, rejected = (-torch.rand(3) * 20).requires_grad_(), -torch.rand(3) * 20
+        tokens = torch.tensor([4.0, 7.0, 2.0])
+        refs = (chosen.detach() - 1, rejected + 1) if loss.needs_reference else ()
+        out = loss(PairLogps(chosen, rejected, tokens, tokens + 1, *refs))
+        assert out.losses.shape == out.chosen_rewards.shape == out.rejected_rewards.shape == (3,)
+        out.losses.mean().backward()
+        assert torch.isfinite(out.losses).all() and torch.isfinite(chosen.grad).all()
+        assert not out.chosen_rewards.requires_grad
     elif kind == "guard":
         guard = _default(entry).build(run_dir=tmp_path)
         decision = guard.decide({"loss": 2.0, "grad_norm": 1.0}, 0, 0)

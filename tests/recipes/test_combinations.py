@@ -21,6 +21,7 @@ import json
 import math
 import os
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,9 +113,20 @@ def ac_modes() -> dict[str, tuple[str, ...]]:
     return modes
 
 
-def recipe_for(family: str, folder, *extra: str):
+# The data a step needs, instead of TINY's text: the preference step trains on pairs (sums
+# with a right and a wrong answer, rendered without role markers, so they fit 16 tokens).
+PAIRS = Path(__file__).parent / "pairs"
+STEP_DATA = {"preference": (
+    "--data.type=preference", f"--data.path={PAIRS / 'sums.jsonl'}",
+    f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2")}
+
+
+def recipe_for(family: str, folder, *extra: str, step: str = ""):
+    """``family``'s recipe at toy size; ``step``: with the data that step trains on."""
     file, overrides = discovered()[family]
-    return load_recipe(CONFIGS / file, [*TINY, *overrides, f"--run.folder={folder}", *extra])
+    tiny = [o for o in TINY if not o.startswith("--data.")] if step in STEP_DATA else TINY
+    return load_recipe(CONFIGS / file, [*tiny, *overrides, f"--run.folder={folder}", *extra,
+                                        *STEP_DATA.get(step, ())])
 
 
 class Record:
@@ -182,7 +194,8 @@ def _run(tmp_path, family, step, float8, ac, eval_first, *extra: str) -> list[fl
             f"--training.step.type={step}", *extra]
     if step == "segmented_bptt":
         args.append("--training.step.segment_loops=1")
-    losses, trainer = train(recipe_for(family, tmp_path / "run", *args), eval_first=eval_first)
+    losses, trainer = train(recipe_for(family, tmp_path / "run", *args, step=step),
+                            eval_first=eval_first)
     if float8 != "off":
         assert trainer.parallel.float8_modules, "float8 converted no layer: the case is vacuous"
     return losses
@@ -216,11 +229,12 @@ def test_document_mask_in_every_family_step_and_checkpointing_mode(tmp_path, fam
     args = [*CELL, *DOC_MASK, "--parallelism.float8=rowwise", f"--training.step.type={step}"]
     if step == "segmented_bptt":
         args.append("--training.step.segment_loops=1")
-    losses, trainer = train(recipe_for(family, tmp_path / "run", *args, *ac_modes()[ac]))
+    losses, trainer = train(recipe_for(family, tmp_path / "run", *args, *ac_modes()[ac],
+                                       step=step))
     assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
     assert trainer.model_inputs.document_mask
     if ac != "none":
-        ref, _ = train(recipe_for(family, tmp_path / "ref", *args))
+        ref, _ = train(recipe_for(family, tmp_path / "ref", *args, step=step))
         assert losses == ref
 
 

@@ -36,6 +36,11 @@ CP2 = ("--parallelism.cp=2", *DOC_MASK, "--parallelism.activation_checkpoint=ful
        "--parallelism.float8=rowwise", CHUNK)
 
 
+DPO = {"dpo": ("--training.step.type=preference",),
+       "dpo_lora": ("--training.step.type=preference", "--adapter.rank=2",
+                    "--adapter.allow_random_base=true", "--model.tie_embeddings=false")}
+
+
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     with spied_rank(rank, 2, port, folder) as results:
         for family in families:  # FSDP2 (the default with 2 processes), saved at the end
@@ -55,6 +60,11 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
             results[f"{name}_plan"] = trainer.parallel_summary
             results[f"{name}_resumed"], _ = train(recipe_for(
                 family, f"{folder}/{name}", *args, f"--training.steps={STEPS + 1}"))
+        # Preference tuning under FSDP2 (a frozen reference sharded as the policy; LoRA with
+        # the adapters switched off as the reference), saved for the elastic resume below
+        for name, extra in DPO.items():
+            results[name], _ = train(recipe_for("dense", f"{folder}/{name}", *FSDP2_SAVED,
+                                                *extra, step="preference"))
         # Downstream tasks under FSDP2: batches split over the ranks, scores reduced
         from tests.recipes.hooks.test_downstream import task_flags
 
@@ -109,6 +119,17 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
         assert len(losses) == 1 and math.isfinite(losses[0]), (family, losses)
         assert "layout: 2 processes, dp_replicate=1 x dp_shard=2, FSDP -> 1 process" \
             in out.getvalue(), (family, out.getvalue())
+    for name, extra in DPO.items():  # 2 processes equal 1; the checkpoint resumes on 1
+        assert ranks[1][name] == ranks[0][name], f"{name}: ranks disagree"
+        one, _ = train(recipe_for("dense", tmp_path / f"{name}1", *FSDP2_SAVED, *extra,
+                                  step="preference"))
+        assert ranks[0][name] == pytest.approx(one, rel=1e-5, abs=1e-6), name
+        out = io.StringIO()
+        losses, _ = train(recipe_for("dense", tmp_path / name, *FSDP2_SAVED, *extra,
+                                     f"--training.steps={STEPS + 1}", step="preference"),
+                          out=out)
+        assert len(losses) == 1 and math.isfinite(losses[0]), (name, losses)
+        assert "-> 1 process" in out.getvalue(), name
     # the tensor / expert / pipeline parallel checkpoints (step STEPS + 1) on one process, one
     # step further
     for name, family, flags, mesh in (

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_OPS = {"+": ("plus", lambda a, b: a + b), "-": ("minus", lambda a, b: a - b),
+OPS = {"+": ("plus", lambda a, b: a + b), "-": ("minus", lambda a, b: a - b),
         "*": ("times", lambda a, b: a * b)}
-_SYSTEM = "You are a calculator."
+SYSTEM = "You are a calculator."
 
 
 def conversations(n: int, seed: int) -> list[dict]:
@@ -21,17 +21,17 @@ def conversations(n: int, seed: int) -> list[dict]:
     rng = np.random.default_rng([seed, 0x5F7])
     rows = []
     for _ in range(n):
-        messages = [{"role": "system", "content": _SYSTEM}] if rng.random() < 0.3 else []
+        messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []
         a, b = (int(x) for x in rng.integers(2, 60, size=2))
-        op = str(rng.choice(list(_OPS)))
-        value = _OPS[op][1](a, b)
-        messages += [{"role": "user", "content": f"What is {a} {_OPS[op][0]} {b}?"},
+        op = str(rng.choice(list(OPS)))
+        value = OPS[op][1](a, b)
+        messages += [{"role": "user", "content": f"What is {a} {OPS[op][0]} {b}?"},
                      {"role": "assistant", "content": f"{a} {op} {b} = {value}."}]
         for _ in range(int(rng.integers(0, 3))):
-            op = str(rng.choice(list(_OPS)))
+            op = str(rng.choice(list(OPS)))
             c = int(rng.integers(2, 10))
-            new = _OPS[op][1](value, c)
-            messages += [{"role": "user", "content": f"And {_OPS[op][0]} {c}?"},
+            new = OPS[op][1](value, c)
+            messages += [{"role": "user", "content": f"And {OPS[op][0]} {c}?"},
                          {"role": "assistant", "content": f"{value} {op} {c} = {new}."}]
             value = new
         rows.append({"messages": messages})

@@ -46,15 +46,24 @@ class ChatRows:
         return len(self.arrays()[0])
 
     def batch(self, epoch: int, first: int, rows: int) -> dict[str, torch.Tensor]:
-        from kiln.components.data.chat.packing import labels_of
+        return self.gather(self.pick(epoch, first, rows))
 
-        n = len(self)
+    def pick(self, epoch: int, first: int, rows: int) -> np.ndarray:
+        """Items ``[first, first + rows)`` of the epoch's order: a seeded permutation per data
+        epoch for the train split, the stored order for eval."""
         at = np.arange(first, first + rows)
         if self.split == "train":
             if self._order is None or self._order[0] != epoch:
                 self._order = (epoch, np.random.default_rng([self.seed, 0x0D3, epoch])
-                               .permutation(n))
+                               .permutation(len(self)))
             at = self._order[1][at]
+        return at
+
+    def gather(self, at: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of stored rows ``at``: inputs, labels (``IGNORE_INDEX`` where not
+        trained) and document ids."""
+        from kiln.components.data.chat.packing import labels_of
+
         tokens, trained, docs = (np.asarray(a[at]) for a in self.arrays())
         labels, _ = labels_of(tokens, trained, docs)
         return {"input_ids": torch.from_numpy(tokens[:, :-1].astype(np.int64)),
@@ -66,11 +75,13 @@ class ChatLoader(Loader):
     """``packed_loader.Loader``'s plan and cursor over chat rows (``windows_per_epoch`` in the
     cursor counts rows)."""
 
+    rows_class = ChatRows  # how a batch is read from the folder
+
     def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, seed: int) -> None:
         self._set_plan(split, seq_len, micro_batch, global_batch, rank, world_size)
         self.num_workers, self.prefetch, self.pin_memory = 0, 2, False
-        self._windows = ChatRows(folder, split, seed)  # read by Loader's micro-batch dataset
+        self._windows = self.rows_class(folder, split, seed)  # read by Loader's micro-batches
         self.windows_per_epoch = len(self._windows)
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch

@@ -74,41 +74,44 @@ def _arrow_table(path) -> Any:
         return pa.ipc.open_file(source).read_all()
 
 
-def _field(row: dict, spec: str, where: str) -> str:
+def field_text(row: dict, spec: str, where: str) -> str:
     """A dotted path's text, or a format string over the row's fields."""
     if "{" not in spec:
         got = value(row, spec, where)
         if not isinstance(got, str):
             raise DataError(f"{where}: field {spec!r} must be text, got {type(got).__name__}")
         return got
-    names = [name for _, name, _, _ in string.Formatter().parse(spec) if name]
-    values = {}
-    for name in names:
-        got = value(row, name, where)
-        values[name] = "" if got is None else str(got)
-    return spec.format(**values)
+    # Assembled piece by piece (not str.format): a name may be a dotted path ("{doc.title}")
+    out = []
+    for literal, name, fmt, _ in string.Formatter().parse(spec):
+        out.append(literal)
+        if name:
+            got = value(row, name, where)
+            out.append(format("" if got is None else str(got), fmt or ""))
+    return "".join(out)
 
 
 def to_messages(row: dict, fields: dict[str, str], where: str) -> list[Message]:
     """The row's conversation, checked (``check``)."""
     if "prompt" in fields or "completion" in fields or ("messages" not in row and "prompt" in row):
-        prompt = _field(row, fields.get("prompt", "prompt"), where)
-        completion = _field(row, fields.get("completion", "completion"), where)
+        prompt = field_text(row, fields.get("prompt", "prompt"), where)
+        completion = field_text(row, fields.get("completion", "completion"), where)
         messages = [{"role": "user", "content": prompt},
                     {"role": "assistant", "content": completion}]
         if "system" in fields:
-            messages.insert(0, {"role": "system", "content": _field(row, fields["system"], where)})
+            system = field_text(row, fields["system"], where)
+            messages.insert(0, {"role": "system", "content": system})
     else:
         raw = value(row, fields.get("messages", "messages"), where)
         if not isinstance(raw, list):
             raise DataError(f"{where}: messages must be a list of {{role, content}}, got "
                             f"{type(raw).__name__}")
-        messages = [_message(m, where, i) for i, m in enumerate(raw)]
+        messages = [message(m, where, i) for i, m in enumerate(raw)]
     check(messages, where)
     return messages
 
 
-def _message(m: Any, where: str, i: int) -> Message:
+def message(m: Any, where: str, i: int) -> Message:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
             or not isinstance(m.get("content"), str):
         raise DataError(f"{where}: message {i} must be an object with text fields role and "

@@ -68,6 +68,7 @@ class ChatDataset(DatasetContract):
     """Conversations with assistant-only loss masks; the loss is token-weighted."""
 
     Config = ChatConfig
+    cache_name = "chat"  # its folder under the cache root
     token_weighted = True  # the step averages over the global batch's trained tokens
 
     def __init__(self, cfg: ChatConfig, *, tokenizer: Any, seq_len: int, seed: int = 0,
@@ -88,13 +89,16 @@ class ChatDataset(DatasetContract):
     @property
     def folder(self) -> Path:
         if self._folder is None:
-            c = self.cfg
-            parts = [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
-                     self.template.source, self.template.specials, self.tokenizer.fingerprint(),
-                     self.seq_len, c.train_on, c.pack, c.overlong, c.eval_fraction, self.seed]
-            key = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
-            self._folder = cache_root(c.cache_dir) / "chat" / key
+            key = hashlib.sha256(json.dumps(self._key_parts(), default=str).encode())
+            self._folder = cache_root(self.cfg.cache_dir) / self.cache_name / key.hexdigest()[:16]
         return self._folder
+
+    def _key_parts(self) -> list[Any]:
+        """Everything that changes the prepared rows (the cache entry's key)."""
+        c = self.cfg
+        return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
+                self.template.source, self.template.specials, self.tokenizer.fingerprint(),
+                self.seq_len, c.train_on, c.pack, c.overlong, c.eval_fraction, self.seed]
 
     def prepare(self, *, create: bool = False) -> Path:
         folder = self.folder
@@ -128,33 +132,46 @@ class ChatDataset(DatasetContract):
                                                 c.train_on, where, bos=self.template.adds_bos)))
         if not encoded:
             raise DataError(f"data.path = {c.path!r}: no conversations there")
-        order = np.random.default_rng([self.seed, 0xC4A7]).permutation(len(encoded))
-        n_eval = int(round(len(encoded) * c.eval_fraction))
-        split_of = {"eval": order[:n_eval], "train": order[n_eval:]}
-        pad = getattr(self.tokenizer, "pad_id", None)
-        pad = self.tokenizer.eos_id if pad is None else pad
-        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        meta: dict[str, Any] = {"format": FORMAT, "seq_len": self.seq_len, "splits": {},
-                                "template": {"name": self.template.name,
-                                             "sha256": self.template.fingerprint,
-                                             "source": self.template.source},
-                                "train_on": c.train_on, "pack": c.pack, "overlong": c.overlong,
-                                "tokenizer": self.tokenizer.fingerprint(),
-                                "vocab_size": int(self.tokenizer.vocab_size)}
-        rows = xxhash.xxh3_128()
-        for split, picked in split_of.items():
+        splits = {}
+        for split, picked in self._split_of(len(encoded)).items():
             stats = packing.PackStats()
             fitted = [f for i in sorted(picked) if (f := packing.fit(
                 *encoded[i][1], width, c.overlong, encoded[i][0], stats)) is not None]
-            arrays = packing.pack(fitted, width, packed=c.pack, pad_id=pad, stats=stats)
+            arrays = packing.pack(fitted, width, packed=c.pack, pad_id=self.pad_id, stats=stats)
+            splits[split] = (arrays, stats.as_dict())
+        self._write(folder, splits, {"format": FORMAT, "train_on": c.train_on, "pack": c.pack,
+                                     "empty_assistant_turns": empty})
+
+    def _split_of(self, n: int) -> dict[str, np.ndarray]:
+        """The examples of each split: ``eval_fraction`` of them held out, in a seeded order."""
+        order = np.random.default_rng([self.seed, 0xC4A7]).permutation(n)
+        n_eval = int(round(n * self.cfg.eval_fraction))
+        return {"eval": order[:n_eval], "train": order[n_eval:]}
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_id", None)
+        return self.tokenizer.eos_id if pad is None else pad
+
+    def _write(self, folder: Path, splits: dict[str, tuple[tuple[np.ndarray, ...], dict]],
+               meta: dict[str, Any]) -> None:
+        """Each split's arrays (``SPLIT_FILES``) and ``meta.json`` (with the splits' counts
+        and the rows' checksum), into ``folder`` at once: written aside, then renamed."""
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        meta = {**meta, "seq_len": self.seq_len, "splits": {}, "overlong": self.cfg.overlong,
+                "template": {"name": self.template.name, "sha256": self.template.fingerprint,
+                             "source": self.template.source},
+                "tokenizer": self.tokenizer.fingerprint(),
+                "vocab_size": int(self.tokenizer.vocab_size)}
+        rows = xxhash.xxh3_128()
+        for split, (arrays, stats) in splits.items():
             for name, array in zip(SPLIT_FILES, arrays, strict=True):
                 np.save(tmp / f"{split}_{name}.npy", array, allow_pickle=False)
                 rows.update(np.ascontiguousarray(array).view(np.uint8))
-            meta["splits"][split] = stats.as_dict()
+            meta["splits"][split] = stats
         meta["rows_xxh3"] = rows.hexdigest()
-        meta["empty_assistant_turns"] = empty
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, folder)

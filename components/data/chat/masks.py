@@ -106,7 +106,15 @@ def encode(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, str]
     """(token ids (n,), trained-on flags (n,)) of one conversation; ``bos``: start with the
     tokenizer's BOS (named templates: a Hugging Face template writes its own)."""
     text, spans = assistant_spans(template, messages, where)
-    spans = chosen(spans, text, train_on)
+    return trained_tokens(template, tokenizer, text, chosen(spans, text, train_on), where,
+                          bos=bos, what="an assistant turn")
+
+
+def trained_tokens(template: ChatTemplate, tokenizer: Any, text: str, spans: list[Span],
+                   where: str, *, bos: bool, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids (n,), trained-on flags (n,)) of rendered ``text``: a token is trained on
+    when its text overlaps a span; ``bos`` puts the tokenizer's BOS first; no trained token is
+    an error naming ``what`` should have been trained."""
     ids, offsets = token_offsets(tokenizer, text, [e for s in spans for e in s], where)
     mask = np.zeros(len(ids), dtype=bool)
     for a, b in spans:
@@ -114,6 +122,6 @@ def encode(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, str]
     if bos:
         ids, mask = np.concatenate([[tokenizer.bos_id], ids]), np.concatenate([[False], mask])
     if not mask.any():
-        raise DataError(f"{where}: no token of an assistant turn after rendering with "
-                        f"{template.name}; check the template and the row")
+        raise DataError(f"{where}: no token of {what} after rendering with {template.name}; "
+                        "check the template and the row")
     return ids, mask

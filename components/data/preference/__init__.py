@@ -1,0 +1,1 @@
+"""Preference data: prompts with a chosen and a rejected completion (DPO and its family)."""

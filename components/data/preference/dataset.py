@@ -1,0 +1,133 @@
+"""The ``preference`` dataset: prompts with a chosen and a rejected completion, rendered with a
+chat template, completion-only masks, cached.
+
+``prepare()`` reads the rows (``path``, or the built-in arithmetic pairs), checks each pair
+(``pairs.py``), renders both sides as the chat data renders a conversation (``encode.py``),
+holds out ``eval_fraction`` of the pairs and writes them once into
+``$KILN_CACHE/preference/<key>``, as the ``chat`` dataset does (its cache, its checksums, its
+cursor). A batch of ``n`` pairs holds ``2n`` rows: the ``n`` chosen sides, then the ``n``
+rejected ones in the same order (TRL's concatenated batch), so one forward computes both;
+``micro_batch`` and ``global_batch`` count pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kiln.components.base import ComponentConfig
+from kiln.components.data.chat import packing
+from kiln.components.data.chat.chat_loader import ChatLoader, ChatRows
+from kiln.components.data.chat.conversations import read_rows
+from kiln.components.data.chat.dataset import ChatDataset
+from kiln.components.data.preference import builtin, encode
+from kiln.components.data.preference.pairs import to_pair
+from kiln.components.errors import DataError
+from kiln.components.registry import register
+
+FORMAT = "kiln-preference-v1"
+
+
+class PreferenceConfig(ComponentConfig):
+    """Where the pairs come from and how they are rendered."""
+
+    path: str = Field("", description='.jsonl(.gz/.zst) / .parquet / .arrow file, folder, glob, '
+                      'saved dataset or hf://datasets/OWNER/NAME; "" = the built-in arithmetic '
+                      "pairs")
+    split: str = Field("train", description="split of a saved or Hub dataset")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="canonical name -> the row's field: prompt, chosen, "
+        "rejected, system (a dotted path; a text prompt or system may be a format string)")
+    template: str = Field("", description='chat template: "" = the tokenizer\'s Hugging Face '
+                          'folder, "chatml", a .jinja file or a model folder')
+    overlong: packing.Overlong = Field(
+        "truncate", description="a side longer than seq_len + 1: cut both sides' completions "
+        "to the row, drop the pair, or stop with an error")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of pairs held out for "
+                                 "evaluation (held-out preference accuracy)")
+    builtin_rows: int = Field(4000, ge=2, description='pairs of the built-in set (path = "")')
+    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
+
+
+class PairRows(ChatRows):
+    """A split's pairs (stored as rows ``2i``, ``2i + 1``); a batch of ``n`` pairs is its ``n``
+    chosen rows, then its ``n`` rejected rows."""
+
+    def __len__(self) -> int:
+        return len(self.arrays()[0]) // 2
+
+    def batch(self, epoch: int, first: int, rows: int) -> dict[str, torch.Tensor]:
+        at = self.pick(epoch, first, rows)
+        return self.gather(np.concatenate([2 * at, 2 * at + 1]))
+
+
+class PairLoader(ChatLoader):
+    rows_class = PairRows
+
+
+@register("dataset", "preference")
+class PreferenceDataset(ChatDataset):
+    """Preference pairs (prompt, chosen, rejected) with completion-only masks."""
+
+    Config = PreferenceConfig
+    cache_name = "preference"
+    token_weighted = False  # the loss is a mean over pairs, not over tokens
+    pairs = True  # batches hold chosen then rejected rows: a step must take pairs
+
+    def _key_parts(self) -> list[Any]:
+        c = self.cfg
+        return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
+                self.template.source, self.template.specials, self.tokenizer.fingerprint(),
+                self.seq_len, c.overlong, c.eval_fraction, self.seed]
+
+    def _rows(self):
+        if not self.cfg.path:
+            return ((f"built-in preference set: row {i}", r)
+                    for i, r in enumerate(builtin.pairs(self.cfg.builtin_rows, self.seed)))
+        return read_rows(self.cfg.path, split=self.cfg.split, cache_dir=self.cfg.cache_dir)
+
+    def _build(self, folder) -> None:
+        c, width = self.cfg, self.seq_len + 1
+        encoded = [(where, encode.encode_pair(self.template, self.tokenizer,
+                                              to_pair(row, c.fields, where), where,
+                                              bos=self.template.adds_bos))
+                   for where, row in self._rows()]
+        if not encoded:
+            raise DataError(f"data.path = {c.path!r}: no preference pairs there")
+        splits = {}
+        for split, picked in self._split_of(len(encoded)).items():
+            stats = encode.PairStats()
+            fitted = [f for i in sorted(picked) if (f := encode.fit_pair(
+                encoded[i][1], width, c.overlong, encoded[i][0], stats)) is not None]
+            if picked.size and not fitted:
+                raise DataError(
+                    f"data: every one of the {stats.pairs} {split} pairs was dropped: each has "
+                    f"a side longer than training.seq_len + 1 = {width} tokens (data.overlong "
+                    f"= {c.overlong!r}, and truncating would leave no completion token); raise "
+                    "training.seq_len")
+            splits[split] = (encode.rows(fitted, width, self.pad_id, stats), stats.as_dict())
+        self._write(folder, splits, {"format": FORMAT})
+
+    def describe(self) -> str:
+        t = self.meta["splits"]["train"]
+        kept = t["pairs"] - t["dropped"]
+        return (f"preference data: {kept} train pairs of {t['pairs']} in rows of "
+                f"{self.seq_len + 1} tokens ({t['trained']} completion tokens of "
+                f"{t['tokens']}); {t['truncated']} truncated, {t['dropped']} dropped "
+                f"(data.overlong = {self.cfg.overlong!r}); template {self.template.name}")
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        t = self.meta["splits"]["train"]
+        return 2 * (t["pairs"] - t["dropped"]) * self.seq_len
+
+    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
+               world_size: int = 1) -> PairLoader:
+        if not self.meta:
+            self.prepare()
+        return PairLoader(self.folder, split, seq_len=self.seq_len, micro_batch=micro_batch,
+                          global_batch=global_batch, rank=rank, world_size=world_size,
+                          seed=self.seed)

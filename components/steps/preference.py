@@ -1,0 +1,172 @@
+"""The preference step: DPO and its family on pairs of completions (``data.type =
+"preference"``), with the loss a ``preference_loss`` component.
+
+Each micro-batch of ``n`` pairs is ``2n`` rows (chosen, then rejected); one forward of the
+policy gives every row's completion log-probability (``ctx.token_logprobs``: chunked with
+``training.loss_chunk_tokens``, so the (rows, T, V) logits never exist), summed over the
+completion tokens. The reference's come from a frozen model built and sharded like the policy
+(``reference = "frozen_copy"``), or from the policy itself with its adapters switched off
+(``"adapters_off"``: no second copy of the weights); ``"auto"`` picks the second with an
+``[adapter]``, else the first, and none for a reference-free loss (SimPO, ORPO). The reference
+forward runs in eval mode (no dropout) and without gradients; the start-up log says which
+reference the run uses.
+
+The loss is the mean over the global batch's pairs. The metrics carry TRL's names
+(``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
+``logps/chosen``, ``logps/rejected``), averaged over the global batch; the evaluation logs the
+same on the held-out pairs (``eval/rewards/accuracies``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.errors import RecipeError
+from kiln.components.protocols import StepContext, StepContract, StepResult
+from kiln.components.registry import register
+from kiln.components.steps.preference_losses import PairLogps, PairLoss
+
+Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected")
+
+
+class PreferenceStepConfig(ComponentConfig):
+    loss: Sub("preference_loss") = component(
+        "preference_loss", "dpo", "the preference loss and its settings (`kiln list "
+        "preference_loss`)")
+    reference: Reference = Field(
+        "auto", description='the reference model: "frozen_copy" (the starting weights, '
+        'sharded like the policy), "adapters_off" (the policy without its [adapter]: no '
+        'second copy), "none" (reference-free losses), "auto" (adapters_off with an adapter, '
+        "else frozen_copy; none for a reference-free loss)")
+
+
+@register("step", "preference")
+class PreferenceStep(StepContract):
+    """A preference loss on chosen / rejected pairs, with a frozen reference or none."""
+
+    Config = PreferenceStepConfig
+    takes_pairs = True
+
+    def __init__(self, cfg: PreferenceStepConfig) -> None:
+        self.cfg = cfg
+        self.loss = cfg.loss.build()
+        self.reference: torch.nn.Module | None = None  # a frozen copy
+        self.adapters_off = None  # a context: the policy computes its base
+        self.uses = "none"  # the reference this run uses
+
+    def check_recipe(self, recipe, layout) -> None:
+        """The pairs' log-probabilities need whole sequences and logits on every rank; a
+        reference named by the recipe must exist in it."""
+        why = ("parallelism.tp > 1 (vocabulary-sharded logits)" if layout.tp > 1
+               else "parallelism.cp > 1 (a rank holds part of each sequence)" if layout.cp > 1
+               else "parallelism.pp > 1 (the logits live on the last stage)" if layout.pp > 1
+               else "")
+        if why:
+            raise RecipeError(f"training.step.type = \"preference\" is not supported with "
+                              f"{why} yet; use data parallelism (FSDP2) alone")
+        needs = self.loss.needs_reference
+        if needs and self.cfg.reference == "none":
+            raise RecipeError(
+                f"training.step.loss.type = {self.cfg.loss.type!r} needs a reference model, "
+                'and training.step.reference = "none"; set it to "auto", "frozen_copy" or '
+                '"adapters_off", or use a reference-free loss ("simpo", "orpo")')
+        if needs and self.cfg.reference == "adapters_off" and recipe.adapter is None:
+            raise RecipeError('training.step.reference = "adapters_off" needs an [adapter] '
+                              '(LoRA, DoRA); without one use "frozen_copy" or "auto"')
+
+    # ------------------------------------------------------------------ the reference
+    def setup(self, build) -> None:
+        want, needs = self.cfg.reference, self.loss.needs_reference
+        name = f"training.step.loss.type = {self.cfg.loss.type!r}"
+        if not needs:
+            if want not in ("auto", "none"):
+                build.lines.append(f"step: warning: {name} is reference-free; "
+                                   f"training.step.reference = {want!r} is not used")
+            build.lines.append(f"step: {name}, reference-free (no reference model)")
+            return
+        if want in ("auto", "adapters_off"):  # (check_recipe refused the impossible ones)
+            self.adapters_off = build.without_adapters()
+        if self.adapters_off is not None:
+            self.uses = "adapters_off"
+        else:
+            self.reference, self.uses = build.frozen_model("initial"), "frozen_copy"
+        build.lines.append(f"step: {name}, reference = {self.uses}")
+
+    @torch.no_grad()
+    def reference_logprobs(self, ctx: StepContext, batch) -> torch.Tensor:
+        """The reference's summed completion log-probability of every row (2n,)."""
+        if self.reference is not None:
+            logp, _ = ctx.token_logprobs(batch, self.reference)
+            return logp.sum(-1)
+        policy = ctx.model
+        was_training = policy.training
+        policy.eval()  # the reference has no dropout
+        try:
+            with self.adapters_off:
+                logp, _ = ctx.token_logprobs(batch)
+            policy.pop_aux_loss()  # (an MoE policy's auxiliary loss of this forward: unused)
+        finally:
+            policy.train(was_training)
+        return logp.sum(-1)
+
+    # ------------------------------------------------------------------ the loss
+    def pair_loss(self, ctx: StepContext, batch) -> tuple[PairLoss, PairLogps]:
+        """The loss of one micro-batch's pairs, with the sequence log-probabilities."""
+        ref = self.reference_logprobs(ctx, batch) if self.uses != "none" else None
+        logp, trained = ctx.token_logprobs(batch)
+        seq, counts = logp.sum(-1), trained.sum(-1).to(logp.dtype)
+        n = seq.shape[0] // 2
+        logps = PairLogps(seq[:n], seq[n:], counts[:n], counts[n:],
+                          *((ref[:n], ref[n:]) if ref is not None else ()))
+        return self.loss(logps), logps
+
+    def __call__(self, ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]
+                 ) -> StepResult:
+        ctx.zero_grad()
+        n = len(micro_batches)
+        total = torch.zeros((), device=ctx.device)
+        sums: dict[str, torch.Tensor] = {}
+        for i, batch in enumerate(micro_batches):
+            with ctx.grad_sync(i == n - 1):
+                out, logps = self.pair_loss(ctx, batch)
+                loss = out.losses.mean()
+                aux = ctx.model.pop_aux_loss()  # MoE: adds its gradient, not its value
+                if aux is not None:
+                    loss = loss + (aux - aux.detach())
+                (loss / n).backward()
+            total += out.losses.detach().mean() / n
+            for key, v in metric_values(out, logps).items():
+                sums[key] = sums.get(key, 0) + v / n
+        ctx.sync_grads()
+        grad_norm = ctx.clip_grads()
+        stats = ctx.global_stats(loss=total, grad_norm=grad_norm, averaged=("loss", *sums),
+                                 **sums)
+        decision = ctx.guard_decision(stats, segment=0)
+        ctx.optimizer_step(decision, stats, segment=0, last_segment=True)
+        return StepResult(
+            loss=stats["loss"], tokens=2 * ctx.tokens_per_step,  # both sides of every pair
+            grad_norm=stats.get("grad_norm"), skipped=decision.skip, reason=decision.reason,
+            metrics={k: stats[k] for k in sums})
+
+    def evaluate(self, ctx: StepContext, batch) -> dict[str, torch.Tensor]:
+        """Per pair of one held-out micro-batch: the metrics' values (the hook averages)."""
+        out, logps = self.pair_loss(ctx, batch)
+        return {**pair_values(out, logps), "preference_loss": out.losses.detach()}
+
+
+def pair_values(out: PairLoss, logps: PairLogps) -> dict[str, torch.Tensor]:
+    """TRL's metrics, one value per pair."""
+    c, r = out.chosen_rewards, out.rejected_rewards
+    return dict(zip(METRICS, (c, r, c - r, (c > r).float(), logps.chosen.detach(),
+                              logps.rejected.detach()), strict=True))
+
+
+def metric_values(out: PairLoss, logps: PairLogps) -> dict[str, torch.Tensor]:
+    """The micro-batch's means of TRL's metrics, and the loss's own scalars."""
+    return {**{k: v.mean() for k, v in pair_values(out, logps).items()}, **out.extra}

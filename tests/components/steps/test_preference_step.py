@@ -1,0 +1,164 @@
+"""The preference step in the trainer: DPO starts at log 2 (the policy is its reference), logs
+TRL's metrics in training and on the held-out pairs, resumes exactly, uses the policy with its
+adapters off as the reference without a second copy (the same losses as a frozen copy), runs
+the reference-free losses without one; recipes it cannot train are refused by ``train`` and
+``validate`` alike."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from kiln.components.errors import RecipeError
+from kiln.recipes.config.files import load_recipe
+from kiln.recipes.training.trainer import Trainer
+from tests.conftest import CONFIGS
+
+PAIRS = ("--data.type=preference", "--data.template=chatml", "--data.builtin_rows=120",
+         "--data.eval_fraction=0.1", "--training.step.type=preference")
+TINY = ("--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
+        "--model.ffn.hidden_dim=48", "--training.seq_len=128", "--training.global_batch=4",
+        "--training.micro_batch=2", "--run.progress_bar=false", "--run.tensorboard=false",
+        "--eval.interval=2", "--eval.tokens=512", "--eval.at_end=false", "--run.log_interval=1",
+        "--optimizer.lr=1e-2", "--checkpoint.interval=2", "--model.tie_embeddings=false")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected")
+
+
+class Record:
+    def __init__(self):
+        self.loss: dict[int, float] = {}
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def on_step_end(self, trainer, result):
+        self.loss[trainer.progress.step] = result.loss
+        self.metrics[trainer.progress.step] = result.metrics
+
+
+def _recipe(folder, *extra, steps=4, data=PAIRS):
+    return load_recipe(CONFIGS / "debug.toml", [*TINY, *data, f"--training.steps={steps}",
+                                                f"--run.folder={folder}", *extra])
+
+
+def _run(folder, *extra, steps=4):
+    record, out = Record(), io.StringIO()
+    trainer = Trainer(_recipe(folder, *extra, steps=steps), hooks=[record], out=out)
+    trainer.fit()
+    return record, trainer, out.getvalue()
+
+
+def _lines(folder):
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dpo") / "run"
+    return (*_run(folder), folder)
+
+
+def test_dpo_starts_at_log_2_and_logs_trls_metrics(dpo):
+    record, trainer, log, folder = dpo
+    assert "reference = frozen_copy" in log and "preference data:" in log
+    assert record.loss[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference
+    assert record.metrics[1]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert record.loss[4] < record.loss[1]
+    assert set(METRICS) <= set(record.metrics[4])
+    lines = _lines(folder)
+    train = [x for x in lines if "loss" in x]
+    assert all(set(METRICS) <= set(x) for x in train)
+    assert train[0]["tokens_seen"] == 2 * 4 * 128  # both sides of 4 pairs
+    held_out = [x for x in lines if "eval/rewards/accuracies" in x]
+    assert [x["step"] for x in held_out] == [2, 4]
+    assert all(0 <= x["eval/rewards/accuracies"] <= 1 for x in held_out)
+    assert {f"eval/{m}" for m in METRICS} <= set(held_out[0])
+
+
+def test_a_killed_and_resumed_run_continues_exactly(dpo, tmp_path):
+    whole = dpo[0]
+    _run(tmp_path / "cut", steps=2)
+    second, trainer, _ = _run(tmp_path / "cut")
+    assert set(second.loss) == {3, 4}
+    assert {s: second.loss[s] for s in (3, 4)} == {s: whole.loss[s] for s in (3, 4)}
+    assert {s: second.metrics[s] for s in (3, 4)} == {s: whole.metrics[s] for s in (3, 4)}
+
+
+def _held_bytes(trainer) -> int:
+    """Bytes of every distinct parameter the trainer's models hold (policy and reference)."""
+    models = [trainer.model, trainer.step_fn.reference]
+    tensors = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+               for m in models if m is not None for p in m.parameters()}
+    return sum(tensors.values())
+
+
+def test_with_lora_the_reference_is_the_policy_without_adapters_and_no_copy(tmp_path):
+    """adapters_off (``auto`` with an adapter) equals a frozen copy of the base, with no
+    second copy of the weights (measured: the parameter bytes held)."""
+    lora = ("--adapter.rank=2", '--adapter.targets=["*.attention.wq", "output"]',
+            "--adapter.allow_random_base=true")
+    off, trainer_off, log = _run(tmp_path / "off", *lora)
+    copy, trainer_copy, _ = _run(tmp_path / "copy", *lora, "--training.step.reference=frozen_copy")
+    assert "reference = adapters_off" in log and trainer_off.step_fn.reference is None
+    assert off.loss == copy.loss and off.metrics == copy.metrics
+    assert off.loss[1] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the base at first
+    base = sum(p.numel() * p.element_size() for n, p in trainer_off.model.named_parameters()
+               if "lora" not in n)
+    assert _held_bytes(trainer_copy) - _held_bytes(trainer_off) == base
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_build_no_reference(tmp_path, loss):
+    record, trainer, log = _run(tmp_path / loss, f"--training.step.loss.type={loss}",
+                                "--training.step.reference=frozen_copy", steps=2)
+    assert trainer.step_fn.reference is None and trainer.step_fn.adapters_off is None
+    assert "warning: training.step.loss.type = " in log and "reference-free" in log
+    assert all(math.isfinite(v) for v in record.loss.values())
+    if loss == "orpo":
+        assert "nll_loss" in record.metrics[2] and "log_odds_ratio" in record.metrics[2]
+
+
+@pytest.mark.parametrize("extra, data, message", [
+    (("--training.step.type=standard",), PAIRS,
+     "holds preference pairs .* training.step.type = 'standard' would train on as plain"),
+    ((), ("--data.type=chat", "--data.template=chatml", "--data.builtin_rows=60",
+          "--training.step.type=preference"),
+     "trains on preference pairs, and data.type = 'chat' has none"),
+    (("--training.step.reference=none",), PAIRS, "'dpo' needs a reference model"),
+    (("--training.step.reference=adapters_off",), PAIRS, "adapters_off\" needs an \\[adapter\\]"),
+])
+def test_train_and_validate_refuse_the_same_recipes(tmp_path, extra, data, message):
+    from kiln.recipes.commands.validate import describe
+
+    recipe = _recipe(tmp_path / "run", *extra, data=data)
+    with pytest.raises(RecipeError, match=message):
+        describe(recipe)
+    with pytest.raises(RecipeError, match=message):
+        Trainer(recipe, out=io.StringIO())
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("dim, why", [("tp", "vocabulary-sharded"), ("cp", "part of each"),
+                                      ("pp", "last stage")])
+def test_parallelisms_that_split_a_sequence_or_its_logits_are_refused(tmp_path, dim, why):
+    recipe = _recipe(tmp_path / "run")
+    step = recipe.training.step.build()
+    layout = types.SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, dim: 2})
+    with pytest.raises(RecipeError, match=f"parallelism.{dim} > 1 .*{why}"):
+        step.check_recipe(recipe, layout)
+
+
+def test_the_reference_forward_runs_without_gradients_or_dropout(tmp_path):
+    """With dropout in the model, the frozen reference and the adapters-off reference are
+    deterministic (eval mode), and no reference parameter gets a gradient."""
+    record, trainer, _ = _run(tmp_path / "drop", "--model.dropout=0.2", steps=2)
+    assert all(p.grad is None for p in trainer.step_fn.reference.parameters())
+    assert not trainer.step_fn.reference.training
+    batch = trainer.to_device(next(iter(trainer.dataset.loader(
+        "eval", micro_batch=2, global_batch=2))))
+    first = trainer.step_fn.reference_logprobs(trainer.step_context, batch)
+    assert torch.equal(first, trainer.step_fn.reference_logprobs(trainer.step_context, batch))

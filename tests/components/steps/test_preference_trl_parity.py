@@ -1,0 +1,204 @@
+"""The preference losses against TRL 1.16 on the same model, batch and reference (fp32): the
+loss, the chosen / rejected rewards and every weight's gradient equal ``DPOTrainer``'s within
+1e-5 for DPO, IPO and hinge, on a tiny Llama built in the test and imported into kiln (its
+gradients exported back to Hugging Face names). SimPO and ORPO are checked against
+``CPOTrainer.cpo_loss`` and ``ORPOTrainer.odds_ratio_loss`` on the same sequence
+log-probabilities (value, rewards and gradients)."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.checkpointing.huggingface.export import export
+from kiln.components.models.lm_head import IGNORE_INDEX
+from kiln.components.models.token_logprobs import LogprobHead
+from kiln.components.steps.preference_losses import (
+    DPO,
+    IPO,
+    ORPO,
+    BetaConfig,
+    DPOConfig,
+    Hinge,
+    PairLogps,
+    ReferenceFreeConfig,
+    SimPO,
+    SimPOConfig,
+)
+from tests.checkpointing.huggingface.hf_tiny import kiln_from_hf, save_tiny
+
+trl = pytest.importorskip("trl")
+TOL = dict(rtol=1e-5, atol=1e-5)
+PROMPT, WIDTH = 5, 14  # tokens of the shared prompt; of every padded row
+
+
+def _batch():
+    """(HF inputs with TRL's completion mask, kiln's batch): 2 pairs, chosen rows then
+    rejected rows; the sides share the prompt and differ in completion and length."""
+    g = torch.Generator().manual_seed(3)
+    rows, mask = torch.full((4, WIDTH), 258), torch.zeros(4, WIDTH, dtype=torch.long)
+    lengths = [PROMPT + 6, PROMPT + 9, PROMPT + 4, PROMPT + 8]  # chosen 0, 1; rejected 0, 1
+    prompts = torch.randint(0, 256, (2, PROMPT), generator=g)
+    for r, n in enumerate(lengths):
+        rows[r, :PROMPT] = prompts[r % 2]
+        rows[r, PROMPT:n] = torch.randint(0, 256, (n - PROMPT,), generator=g)
+        mask[r, PROMPT:n] = 1
+    attention = (torch.arange(WIDTH) < torch.tensor(lengths)[:, None]).long()
+    hf = {"input_ids": rows, "attention_mask": attention, "completion_mask": mask}
+    labels = torch.where(mask[:, 1:].bool(), rows[:, 1:], IGNORE_INDEX)
+    return hf, {"input_ids": rows[:, :-1], "labels": labels}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(HF policy, HF reference, the TRL trainer over them, kiln policy, kiln reference)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("trl")
+    for name, seed in (("policy", 0), ("ref", 1)):
+        save_tiny(root / name, "llama", seed=seed)
+    hf = [AutoModelForCausalLM.from_pretrained(root / n, dtype=torch.float32)
+          for n in ("policy", "ref")]
+    words = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t257",
+                                        pad_token="t258", bos_token="t256")
+    pairs = Dataset.from_list([{"prompt": "t1 t2", "chosen": "t3", "rejected": "t4"}] * 2)
+    args = trl.DPOConfig(output_dir=str(root / "out"), report_to="none", use_cpu=True,
+                         bf16=False)  # (its default: bf16 autocast, also on the CPU)
+    trainer = trl.DPOTrainer(model=hf[0], ref_model=hf[1], args=args, train_dataset=pairs,
+                             processing_class=tokenizer)
+    kiln = [kiln_from_hf(root / n) for n in ("policy", "ref")]
+    return hf[0], trainer, kiln[0], kiln[1], root
+
+
+def _kiln_logps(policy, reference, batch) -> PairLogps:
+    labels = batch["labels"]
+    mine = policy(batch["input_ids"], head=LogprobHead(labels, 5))  # chunked: 5 tokens
+    with torch.no_grad():
+        ref = reference(batch["input_ids"], head=LogprobHead(labels, 5)).sum(-1)
+    seq, counts = mine.sum(-1), (labels != IGNORE_INDEX).sum(-1).float()
+    return PairLogps(seq[:2], seq[2:], counts[:2], counts[2:], ref[:2], ref[2:])
+
+
+def _hf_grads(kiln_model, folder) -> dict[str, torch.Tensor]:
+    """kiln's gradients under Hugging Face's names and layout (exported as if weights)."""
+    grads = copy.deepcopy(kiln_model)
+    with torch.no_grad():
+        for (_, g), (_, p) in zip(grads.named_parameters(), kiln_model.named_parameters(),
+                                  strict=True):
+            g.copy_(p.grad)
+    export(grads, None, folder, model_table={}, recipe_file=None, force=True)
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("loss_types, weights, build", [
+    (["sigmoid"], [1.0], lambda: DPO(DPOConfig(type="dpo", beta=0.3))),
+    (["ipo"], [1.0], lambda: IPO(BetaConfig(type="ipo", beta=0.3))),
+    (["hinge"], [1.0], lambda: Hinge(BetaConfig(type="hinge", beta=0.3))),
+    # RPO: DPO plus the chosen completions' NLL
+    (["sigmoid", "sft"], [1.0, 0.7], lambda: DPO(DPOConfig(type="dpo", beta=0.3,
+                                                           sft_weight=0.7))),
+], ids=["dpo", "ipo", "hinge", "dpo_sft"])
+def test_loss_rewards_and_gradients_equal_trl_dpo_trainer(models, loss_types, weights, build):
+    hf_policy, trainer, policy, reference, root = models
+    trainer.loss_types, trainer.loss_weights, trainer.beta = loss_types, weights, 0.3
+    loss_type = "_".join(loss_types)
+    trainer._metrics["train"].clear()
+    hf_inputs, batch = _batch()
+    hf_policy.train()
+    hf_policy.zero_grad()
+    theirs = trainer._compute_loss(hf_policy, hf_inputs, False)
+    theirs.backward()
+    seen = trainer._metrics["train"]
+
+    policy.zero_grad()
+    out = build()(_kiln_logps(policy, reference, batch))
+    mine = out.losses.mean()
+    mine.backward()
+
+    torch.testing.assert_close(mine, theirs.detach(), **TOL)
+    torch.testing.assert_close(out.chosen_rewards.mean().item(), seen["rewards/chosen"][0],
+                               **TOL)
+    torch.testing.assert_close(out.rejected_rewards.mean().item(),
+                               seen["rewards/rejected"][0], **TOL)
+    grads = _hf_grads(policy, root / f"grads_{loss_type}")
+    hf_grads = {n: p.grad for n, p in hf_policy.named_parameters()}
+    assert set(grads) == set(hf_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, hf_grads[name], **TOL, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_conservative_dpo_is_the_smoothed_sigmoid():
+    """TRL 1.16's ``sigmoid`` has no label smoothing: conservative DPO against its definition
+    (Mitchell 2023), and equal to TRL's at 0."""
+    c, r = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -2.0])
+    rc, rr = torch.tensor([-3.5, -4.0]), torch.tensor([-3.0, -3.0])
+    p = PairLogps(c, r, torch.ones(2), torch.ones(2), rc, rr)
+    h = 0.2 * ((c - rc) - (r - rr))
+    eps = 0.1
+    got = DPO(DPOConfig(type="dpo", beta=0.2, label_smoothing=eps))(p).losses
+    want = -(1 - eps) * torch.nn.functional.logsigmoid(h) \
+        - eps * torch.nn.functional.logsigmoid(-h)
+    torch.testing.assert_close(got, want)
+
+
+def _logps(seed):
+    g = torch.Generator().manual_seed(seed)
+    c = (-torch.rand(3, generator=g) * 2 - 0.1).requires_grad_()  # mean token log-probs
+    r = (-torch.rand(3, generator=g) * 2 - 0.1).requires_grad_()
+    return c, r, torch.tensor([3.0, 5.0, 2.0]), torch.tensor([4.0, 2.0, 6.0])
+
+
+def _trl_self(**kw):
+    return types.SimpleNamespace(accelerator=types.SimpleNamespace(device="cpu"), **kw)
+
+
+def test_simpo_equals_trl_cpo_loss():
+    from trl.experimental.cpo import CPOTrainer
+
+    c, r, nc, nr = _logps(0)
+    fake = _trl_self(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0,
+                     label_smoothing=0.1)
+    losses, chosen, rejected = CPOTrainer.cpo_loss(fake, c, r)
+    theirs = torch.autograd.grad(losses.mean(), (c, r))
+    p = PairLogps(c * nc, r * nr, nc, nr)  # sums over completion tokens
+    out = SimPO(SimPOConfig(type="simpo", beta=2.0, gamma=0.7, label_smoothing=0.1))(p)
+    mine = torch.autograd.grad(out.losses.mean(), (c, r))
+    torch.testing.assert_close(out.losses, losses.detach(), **TOL)
+    torch.testing.assert_close(out.chosen_rewards, chosen, **TOL)
+    torch.testing.assert_close(out.rejected_rewards, rejected, **TOL)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_orpo_equals_trl_odds_ratio_loss():
+    from trl.experimental.orpo import ORPOTrainer
+
+    c, r, nc, nr = _logps(1)
+    losses, chosen, rejected, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+        _trl_self(beta=0.25), c, r)
+    p = PairLogps(c * nc, r * nr, nc, nr)
+    out = ORPO(ReferenceFreeConfig(type="orpo", beta=0.25))(p)
+    nll = -(c * nc).sum() / nc.sum()
+    # TRL: loss = nll - mean(beta * log sigmoid(log odds)); kiln's per-pair losses hold both
+    torch.testing.assert_close(out.losses, nll - losses, **TOL)
+    theirs = torch.autograd.grad((nll - losses).mean(), (c, r))
+    mine = torch.autograd.grad(out.losses.mean(), (c, r))
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(out.chosen_rewards, chosen, **TOL)
+    torch.testing.assert_close(out.rejected_rewards, rejected, **TOL)
+    torch.testing.assert_close(out.extra["log_odds_ratio"], ratio.detach(), **TOL)
+    torch.testing.assert_close(out.extra["log_odds_chosen"], log_odds.detach(), **TOL)
