@@ -19,6 +19,7 @@ from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port
 from tests.recipes.test_combinations import (
     STEPS,
+    STEP_DATA,
     TINY,
     ac_modes,
     discovered,
@@ -54,10 +55,16 @@ def _source_losses(folder) -> dict[int, dict[str, float]]:
 _reference: dict[tuple, list[float]] = {}
 
 
+def text_steps(family: str) -> list[str]:
+    """The steps that train on text: a mixture of text sources has no preference pairs (the
+    preference step refuses it: ``test_the_preference_step_refuses_a_mixture_of_text``)."""
+    return [s for s in steps_for(family) if s not in STEP_DATA]
+
+
 @pytest.mark.matrix
 @pytest.mark.parametrize("family, step, float8, ac", [
     pytest.param(f, s, f8, ac, id=f"{f}-{s}-f8_{f8}-{ac}") for f in discovered()
-    for s in steps_for(f) for f8 in ("off", "rowwise") for ac in ("none", "full")])
+    for s in text_steps(f) for f8 in ("off", "rowwise") for ac in ("none", "full")])
 def test_a_mixture_trains_in_every_combination(tmp_path, family, step, float8, ac):
     args = [f"--parallelism.float8={float8}", f"--training.step.type={step}"]
     if step == "segmented_bptt":
@@ -75,6 +82,15 @@ def test_a_mixture_trains_in_every_combination(tmp_path, family, step, float8, a
 
 
 ELASTIC = ("--checkpoint.enable=true", "--checkpoint.interval=1", "--training.steps=3")
+
+
+def test_the_preference_step_refuses_a_mixture_of_text(tmp_path):
+    from kiln.components.errors import RecipeError
+    from kiln.recipes.commands.validate import describe
+
+    recipe = mixture_recipe("dense", tmp_path / "run", "--training.step.type=preference")
+    with pytest.raises(RecipeError, match="data.type = 'mixture' has none"):
+        describe(recipe)
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
