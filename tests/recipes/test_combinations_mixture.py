@@ -18,8 +18,8 @@ from tests.collective_spy import spied_rank
 from tests.conftest import CONFIGS
 from tests.parallelisms.tiny import free_port
 from tests.recipes.test_combinations import (
-    STEPS,
     STEP_DATA,
+    STEPS,
     TINY,
     ac_modes,
     discovered,
