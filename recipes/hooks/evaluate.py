@@ -41,6 +41,8 @@ class EvalHook(Hook):
             s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
             loss = s / n if n > 0 else float("nan")
             bpb, values = bits_per_byte(loss, trainer.dataset), step_means(trainer, own)
+        own_line = "  ".join(f"{k[5:]} {v:.4f}" for k, v in values.items()
+                             if not k.startswith(("eval/loss/", "eval/bpb/")))
         # its noise: the standard error over the eval batches, and what was evaluated (runs
         # whose held-out sets differ do not compare: `kiln compare` checks the fingerprint)
         stderr = significance.ratio_stderr(batches[:, 0], batches[:, 1]) if len(batches) \
@@ -60,6 +62,8 @@ class EvalHook(Hook):
             se = f" ± {stderr:.4f}" if math.isfinite(stderr) else ""
             trainer.print(f"eval  step {trainer.progress.step}  loss {loss:.4f}{se}"
                           f"  ppl {math.exp(min(loss, 50)):.2f}{tail}{per}")
+            if own_line:  # the step's own held-out values (a preference step's rewards)
+                trainer.print(f"eval  step {trainer.progress.step}  {own_line}")
         return loss
 
 

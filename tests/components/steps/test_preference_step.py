@@ -65,6 +65,7 @@ def dpo(tmp_path_factory):
 def test_dpo_starts_at_log_2_and_logs_trls_metrics(dpo):
     record, trainer, log, folder = dpo
     assert "reference = frozen_copy" in log and "preference data:" in log
+    assert "eval  step 4  logps/chosen " in log and " rewards/accuracies " in log
     assert record.loss[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference
     assert record.metrics[1]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert set(METRICS) <= set(record.metrics[4])
@@ -117,6 +118,15 @@ def test_with_lora_the_reference_is_the_policy_without_adapters_and_no_copy(tmp_
     base = sum(p.numel() * p.element_size() for n, p in trainer_off.model.named_parameters()
                if "lora" not in n)
     assert _held_bytes(trainer_copy) - _held_bytes(trainer_off) == base
+
+
+def test_with_dora_the_adapters_off_reference_equals_a_frozen_copy_too(tmp_path):
+    dora = ("--adapter.type=dora", "--adapter.rank=2", "--adapter.allow_random_base=true",
+            '--adapter.targets=["*.feed_forward.w2", "*.attention.wo"]')
+    off, trainer, log = _run(tmp_path / "off", *dora, steps=3)
+    copy, *_ = _run(tmp_path / "copy", *dora, "--training.step.reference=frozen_copy", steps=3)
+    assert "reference = adapters_off" in log and trainer.step_fn.reference is None
+    assert off.loss == pytest.approx(copy.loss, rel=1e-6) and off.loss[3] != off.loss[1]
 
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])

@@ -140,3 +140,19 @@ def test_the_built_in_pairs_prefer_the_right_answer(tmp_path):
         value = {"plus": int(a) + int(b), "minus": int(a) - int(b), "times": int(a) * int(b)}
         assert _completion_text(tok, batch, r).endswith(f"= {value[word]}.<|im_end|>")
         assert _completion_text(tok, batch, r + 8) != _completion_text(tok, batch, r)
+
+
+def test_parquet_rows_with_mapped_fields_read_like_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": f"Q{i}", "good": f"yes {i}", "bad": f"no {i}"} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    cfg = PreferenceConfig(type="preference", path=str(tmp_path / "pairs.parquet"),
+                           template="chatml", eval_fraction=0, cache_dir=str(tmp_path / "c"),
+                           fields={"prompt": "question", "chosen": "good", "rejected": "bad"})
+    ds = PreferenceDataset(cfg, tokenizer=ByteTokenizer(), seq_len=128, seed=0)
+    ds.prepare()
+    batch = next(iter(ds.loader("train", micro_batch=6, global_batch=6)))
+    texts = {_completion_text(ByteTokenizer(), batch, r) for r in range(6)}
+    assert texts == {f"yes {i}<|im_end|>" for i in range(6)}
