@@ -108,6 +108,16 @@ class StepBuildContext(Protocol):
 
     policy: nn.Module  # the model the step trains, parallelized
     device: torch.device
+    dataset: Any  # the run's dataset (a preference dataset's ``pair_batch``)
+    run_dir: Any  # the run folder (Path); it may not exist before the first step
+    rank: int  # this process's data-parallel rank, of ``ranks``
+    ranks: int
+    is_main: bool  # the process that writes the run folder's files
+
+    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``StepContext.token_logprobs`` of a batch (moved to the device), before the first
+        step: what a step computes once (a reference's log-probabilities)."""
 
     def without_adapters(self) -> AbstractContextManager | None:
         """With ``[adapter]``: a context within which the policy computes its frozen base (the

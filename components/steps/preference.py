@@ -28,6 +28,7 @@ from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
+from kiln.components.steps import reference_table
 from kiln.components.steps.preference_losses import PairLogps, PairLoss
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
@@ -44,6 +45,13 @@ class PreferenceStepConfig(ComponentConfig):
         'sharded like the policy), "adapters_off" (the policy without its [adapter]: no '
         'second copy), "none" (reference-free losses), "auto" (adapters_off with an adapter, '
         "else frozen_copy; none for a reference-free loss)")
+    precompute_reference: bool = Field(
+        False, description="compute the reference's log-probabilities of every pair once "
+        "before the first step and keep them in the run folder (reference_logps.safetensors, "
+        "read again on a resume); training then runs no reference forward and holds no "
+        "frozen copy")
+    precompute_micro_batch: int = Field(8, ge=1, description="pairs per forward while "
+                                        "precomputing")
 
 
 @register("step", "preference")
@@ -59,6 +67,8 @@ class PreferenceStep(StepContract):
         self.reference: torch.nn.Module | None = None  # a frozen copy
         self.adapters_off = None  # a context: the policy computes its base
         self.uses = "none"  # the reference this run uses
+        self.stored: reference_table.Stored | None = None  # precomputed log-probabilities
+        self.reference_forwards = 0  # counted: none with a precomputed reference
 
     def check_recipe(self, recipe, layout) -> None:
         """The pairs' log-probabilities need whole sequences and logits on every rank; a
@@ -97,10 +107,17 @@ class PreferenceStep(StepContract):
         else:
             self.reference, self.uses = build.frozen_model("initial"), "frozen_copy"
         build.lines.append(f"step: {name}, reference = {self.uses}")
+        if self.cfg.precompute_reference:
+            self.stored = reference_table.load_or_compute(self, build)
+            self.reference = self.adapters_off = None  # no reference forward from here on
+            self.uses = "precomputed"
 
     @torch.no_grad()
-    def reference_logprobs(self, ctx: StepContext, batch) -> torch.Tensor:
+    def reference_logprobs(self, ctx: StepContext, batch, split: str = "train") -> torch.Tensor:
         """The reference's summed completion log-probability of every row (2n,)."""
+        if self.stored is not None:  # precomputed: looked up by each row's pair and side
+            return self.stored.lookup(split, batch).to(ctx.device)
+        self.reference_forwards += 1
         if self.reference is not None:
             logp, _ = ctx.token_logprobs(batch, self.reference)
             return logp.sum(-1)
@@ -116,9 +133,10 @@ class PreferenceStep(StepContract):
         return logp.sum(-1)
 
     # ------------------------------------------------------------------ the loss
-    def pair_loss(self, ctx: StepContext, batch) -> tuple[PairLoss, PairLogps]:
+    def pair_loss(self, ctx: StepContext, batch, split: str = "train"
+                  ) -> tuple[PairLoss, PairLogps]:
         """The loss of one micro-batch's pairs, with the sequence log-probabilities."""
-        ref = self.reference_logprobs(ctx, batch) if self.uses != "none" else None
+        ref = self.reference_logprobs(ctx, batch, split) if self.uses != "none" else None
         logp, trained = ctx.token_logprobs(batch)
         seq, counts = logp.sum(-1), trained.sum(-1).to(logp.dtype)
         n = seq.shape[0] // 2
@@ -149,6 +167,8 @@ class PreferenceStep(StepContract):
                                  **sums)
         decision = ctx.guard_decision(stats, segment=0)
         ctx.optimizer_step(decision, stats, segment=0, last_segment=True)
+        if self.stored is not None:
+            self.stored.save_once()  # into the run folder, as the first step ends
         return StepResult(
             loss=stats["loss"], tokens=2 * ctx.tokens_per_step,  # both sides of every pair
             grad_norm=stats.get("grad_norm"), skipped=decision.skip, reason=decision.reason,
@@ -156,7 +176,7 @@ class PreferenceStep(StepContract):
 
     def evaluate(self, ctx: StepContext, batch) -> dict[str, torch.Tensor]:
         """Per pair of one held-out micro-batch: the metrics' values (the hook averages)."""
-        out, logps = self.pair_loss(ctx, batch)
+        out, logps = self.pair_loss(ctx, batch, split="eval")
         return {**pair_values(out, logps), "preference_loss": out.losses.detach()}
 
 

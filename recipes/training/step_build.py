@@ -12,6 +12,7 @@ initialisation), so a resumed run gets the same reference.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +28,15 @@ class StepBuild(StepBuildContext):
         self._trainer = trainer
         self.policy: nn.Module = trainer.model
         self.device: torch.device = trainer.device
+        self.dataset = trainer.dataset
+        self.run_dir: Path = trainer.run_dir
+        self.rank, self.ranks = trainer.data_rank, trainer.data_ranks
+        self.is_main: bool = trainer.world.is_main
         self.lines: list[str] = []  # for the start-up log
+
+    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._trainer.step_context.token_logprobs(self._trainer.to_device(batch), model)
 
     def without_adapters(self) -> AbstractContextManager | None:
         adapter = self._trainer.adapter

@@ -104,10 +104,6 @@ class Trainer:
         checks.check_step_data(recipe, self.dataset, self.step_fn, self.mesh_layout)
         if self.dataset.pairs and (line := self.dataset.describe()):
             self.print(line)  # (masked chat data says it with its token weighting)
-        build = StepBuild(self)
-        self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
-        for line in build.lines:
-            self.print(line)
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
@@ -120,6 +116,10 @@ class Trainer:
             loss_chunk_tokens=tr.loss_chunk_tokens, autocast=self.autocast,
             source_losses=self._source_losses(), token_weighted=self._token_weighted(),
             data_ranks=self.data_ranks, **self.compiled_losses)
+        build = StepBuild(self)
+        self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
+        for line in build.lines:
+            self.print(line)
         self.metrics = MetricsWriter(self.run_dir, tensorboard=recipe.run.tensorboard,
                                      enabled=self.world.is_main, wandb=recipe.run.wandb,
                                      run_name=recipe.run.name, config=to_dict(recipe))

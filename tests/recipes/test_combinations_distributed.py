@@ -38,7 +38,10 @@ CP2 = ("--parallelism.cp=2", *DOC_MASK, "--parallelism.activation_checkpoint=ful
 
 DPO = {"dpo": ("--training.step.type=preference",),
        "dpo_lora": ("--training.step.type=preference", "--adapter.rank=2",
-                    "--adapter.allow_random_base=true", "--model.tie_embeddings=false")}
+                    "--adapter.allow_random_base=true", "--model.tie_embeddings=false"),
+       # the reference's log-probabilities computed once over both ranks, stored, read again
+       "dpo_pre": ("--training.step.type=preference",
+                   "--training.step.precompute_reference=true")}
 
 
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:

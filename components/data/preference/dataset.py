@@ -7,7 +7,8 @@ holds out ``eval_fraction`` of the pairs and writes them once into
 ``$KILN_CACHE/preference/<key>``, as the ``chat`` dataset does (its cache, its checksums, its
 cursor). A batch of ``n`` pairs holds ``2n`` rows: the ``n`` chosen sides, then the ``n``
 rejected ones in the same order (TRL's concatenated batch), so one forward computes both;
-``micro_batch`` and ``global_batch`` count pairs.
+``micro_batch`` and ``global_batch`` count pairs. Each batch carries ``pair_ids``, the stored
+index of each row's pair in its split (a precomputed reference's key).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ class PairRows(ChatRows):
         return len(self.arrays()[0]) // 2
 
     def batch(self, epoch: int, first: int, rows: int) -> dict[str, torch.Tensor]:
-        at = self.pick(epoch, first, rows)
-        return self.gather(np.concatenate([2 * at, 2 * at + 1]))
+        return self.pairs(self.pick(epoch, first, rows))
+
+    def pairs(self, at: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of stored pairs ``at``, with ``pair_ids`` (2n,): each row's pair."""
+        batch = self.gather(np.concatenate([2 * at, 2 * at + 1]))
+        batch["pair_ids"] = torch.from_numpy(np.concatenate([at, at]).astype(np.int64))
+        return batch
 
 
 class PairLoader(ChatLoader):
@@ -123,6 +129,19 @@ class PreferenceDataset(ChatDataset):
     def tokens_per_epoch(self) -> int:
         t = self.meta["splits"]["train"]
         return 2 * (t["pairs"] - t["dropped"]) * self.seq_len
+
+    def pair_count(self, split: str) -> int:
+        """Pairs stored in ``split``."""
+        if not self.meta:
+            self.prepare()
+        return len(PairRows(self.folder, split, self.seed))
+
+    def pair_batch(self, split: str, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """The pairs ``ids`` of ``split`` as one batch (chosen rows, then rejected rows, with
+        ``pair_ids``): what a step reads to compute something once per pair."""
+        if not self.meta:
+            self.prepare()
+        return PairRows(self.folder, split, self.seed).pairs(np.asarray(ids, dtype=np.int64))
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
                world_size: int = 1) -> PairLoader:

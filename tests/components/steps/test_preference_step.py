@@ -213,3 +213,36 @@ def test_a_lora_dpo_run_exports_merged_and_as_peft(tmp_path):
     assert main(["export", str(final), str(tmp_path / "peft"), "--format", "peft"]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 2
+
+
+def test_a_precomputed_reference_gives_the_same_losses_with_no_reference_forward(dpo, tmp_path):
+    """The reference's log-probabilities computed once (in other batch shapes: equal to
+    float rounding) and stored in the run folder; no frozen copy is held and training runs no
+    reference forward (counted); a resume reads the file and computes nothing."""
+    from kiln.components.steps.reference_table import FILE
+
+    whole = dpo[0]
+    pre = ("--training.step.precompute_reference=true",
+           "--training.step.precompute_micro_batch=3")
+    record, trainer, log = _run(tmp_path / "pre", *pre)
+    assert "computed once (108 train, 12 eval pairs)" in log
+    assert trainer.step_fn.reference is None and trainer.step_fn.uses == "precomputed"
+    assert trainer.step_fn.reference_forwards == 0
+    assert [record.loss[s] for s in range(1, 5)] == pytest.approx(
+        [whole.loss[s] for s in range(1, 5)], rel=1e-5)
+    file = tmp_path / "pre" / FILE
+    stamp = file.stat().st_mtime_ns
+    _run(tmp_path / "cut", *pre, steps=2)
+    second, trainer, log = _run(tmp_path / "cut", *pre)
+    assert f"log-probabilities from {tmp_path / 'cut' / FILE}" in log
+    assert trainer.step_fn.reference_forwards == 0 and file.stat().st_mtime_ns == stamp
+    assert {s: second.loss[s] for s in (3, 4)} == {s: record.loss[s] for s in (3, 4)}
+
+
+def test_a_stored_reference_for_other_data_is_refused(tmp_path):
+    from kiln.components.errors import CheckpointError
+
+    pre = ("--training.step.precompute_reference=true",)
+    _run(tmp_path / "run", *pre, steps=2)
+    with pytest.raises(CheckpointError, match="computed for other data"):
+        Trainer(_recipe(tmp_path / "run", *pre, "--data.builtin_rows=100"), out=io.StringIO())
