@@ -102,13 +102,14 @@ class PreferenceStep(StepContract):
             return
         if want in ("auto", "adapters_off"):  # (check_recipe refused the impossible ones)
             self.adapters_off = build.without_adapters()
-        if self.adapters_off is not None:
-            self.uses = "adapters_off"
-        else:
-            self.reference, self.uses = build.frozen_model("initial"), "frozen_copy"
+        self.uses = "adapters_off" if self.adapters_off is not None else "frozen_copy"
         build.lines.append(f"step: {name}, reference = {self.uses}")
+        if self.cfg.precompute_reference:  # a resume reads the table and builds no reference
+            self.stored = reference_table.load(self, build)
+        if self.stored is None and self.uses == "frozen_copy":
+            self.reference = build.frozen_model("initial")
         if self.cfg.precompute_reference:
-            self.stored = reference_table.load_or_compute(self, build)
+            self.stored = self.stored or reference_table.compute(self, build)
             self.reference = self.adapters_off = None  # no reference forward from here on
             self.uses = "precomputed"
 

@@ -54,22 +54,33 @@ class Stored:
         os.replace(tmp, self.path)
 
 
-def load_or_compute(step, build) -> Stored:
-    """The run folder's table when it holds one for this data and reference, else computed
-    now with the step's reference (``step.reference_logprobs``)."""
-    meta = {"data": json.dumps(build.dataset.fingerprints(), sort_keys=True),
+def _meta(step, build) -> dict[str, str]:
+    return {"data": json.dumps(build.dataset.fingerprints(), sort_keys=True),
             "reference": step.uses}
+
+
+def load(step, build) -> Stored | None:
+    """The run folder's table (a resumed run), checked against this data and reference; None
+    when there is none yet."""
     path = Path(build.run_dir) / FILE
-    if path.is_file():
-        stored = _read(path, meta, build.dataset)
-        build.lines.append(f"step: the reference's log-probabilities from {path} (computed "
-                           "when the run started)")
-        return Stored(stored, meta, path, write=False)
+    if not path.is_file():
+        return None
+    meta = _meta(step, build)
+    tables = _read(path, meta, build.dataset)
+    build.lines.append(f"step: the reference's log-probabilities from {path} (computed when "
+                       "the run started)")
+    return Stored(tables, meta, path, write=False)
+
+
+def compute(step, build) -> Stored:
+    """Every pair's reference log-probabilities, computed now with the step's reference
+    (``step.reference_logprobs``); written to the run folder as the first step ends."""
+    path = Path(build.run_dir) / FILE
     tables = {split: _compute(step, build, split) for split in SPLITS}
     counts = ", ".join(f"{len(t)} {split}" for split, t in tables.items())
     build.lines.append(f"step: the reference's log-probabilities of every pair computed once "
                        f"({counts} pairs); kept in {path} from the first step")
-    return Stored(tables, meta, path, write=build.is_main)
+    return Stored(tables, _meta(step, build), path, write=build.is_main)
 
 
 def _read(path: Path, meta: dict[str, str], dataset) -> dict[str, torch.Tensor]:

@@ -235,6 +235,7 @@ def test_a_precomputed_reference_gives_the_same_losses_with_no_reference_forward
     _run(tmp_path / "cut", *pre, steps=2)
     second, trainer, log = _run(tmp_path / "cut", *pre)
     assert f"log-probabilities from {tmp_path / 'cut' / FILE}" in log
+    assert "a frozen model" not in log  # the resume builds no reference at all
     assert trainer.step_fn.reference_forwards == 0 and file.stat().st_mtime_ns == stamp
     assert {s: second.loss[s] for s in (3, 4)} == {s: record.loss[s] for s in (3, 4)}
 
