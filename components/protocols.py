@@ -137,7 +137,7 @@ class StepContract:
     defaults. kiln's steps inherit them; ``complete_step`` gives a plugin step those it lacks."""
 
     token_weighted: bool = False  # can weight micro-batches by their trained tokens (chat data)
-    takes_pairs: bool = False  # trains on preference pairs (a dataset with ``pairs``)
+    takes_pairs: str = ""  # "paired" / "unpaired": the preference data it trains on
 
     def check_recipe(self, recipe: Any, layout: Any) -> None:
         """Refuse a recipe this step cannot train (a RecipeError naming the key), before
@@ -163,7 +163,7 @@ def complete_step(step: Any) -> Any:
         _complete(step, StepContract)
         for name in ("token_weighted", "takes_pairs"):
             if not hasattr(step, name):
-                object.__setattr__(step, name, False)
+                object.__setattr__(step, name, getattr(StepContract, name))
     return step
 
 
@@ -217,7 +217,7 @@ class DatasetContract:
     """
 
     token_weighted: bool = False  # masked labels: the loss is the mean over trained tokens
-    pairs: bool = False  # preference pairs: a batch's chosen rows, then its rejected rows
+    pairs: str = ""  # "paired": a batch's chosen rows, then its rejected rows; "unpaired" (KTO)
     template: Any = None  # chat data: the template it renders with (the run folder keeps it)
     source_names: Any = ()  # a mixture's sources, in the order of a batch's source_ids
     meta: Any = types.MappingProxyType({})  # the prepared data's metadata

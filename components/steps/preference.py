@@ -19,6 +19,7 @@ same on the held-out pairs (``eval/rewards/accuracies``, ...).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -59,11 +60,11 @@ class PreferenceStep(StepContract):
     """A preference loss on chosen / rejected pairs, with a frozen reference or none."""
 
     Config = PreferenceStepConfig
-    takes_pairs = True
 
     def __init__(self, cfg: PreferenceStepConfig) -> None:
         self.cfg = cfg
         self.loss = cfg.loss.build()
+        self.takes_pairs = "unpaired" if self.loss.unpaired else "paired"
         self.reference: torch.nn.Module | None = None  # a frozen copy
         self.adapters_off = None  # a context: the policy computes its base
         self.uses = "none"  # the reference this run uses
@@ -142,7 +143,8 @@ class PreferenceStep(StepContract):
         seq, counts = logp.sum(-1), trained.sum(-1).to(logp.dtype)
         n = seq.shape[0] // 2
         logps = PairLogps(seq[:n], seq[n:], counts[:n], counts[n:],
-                          *((ref[:n], ref[n:]) if ref is not None else ()))
+                          *((ref[:n], ref[n:]) if ref is not None else (None, None)),
+                          desirable=batch.get("desirable"))
         return self.loss(logps), logps
 
     def __call__(self, ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]
@@ -173,19 +175,45 @@ class PreferenceStep(StepContract):
         return StepResult(
             loss=stats["loss"], tokens=2 * ctx.tokens_per_step,  # both sides of every pair
             grad_norm=stats.get("grad_norm"), skipped=decision.skip, reason=decision.reason,
-            metrics={k: stats[k] for k in sums})
+            metrics=ratios({k: stats[k] for k in sums}))
 
     def evaluate(self, ctx: StepContext, batch) -> dict[str, torch.Tensor]:
         """Per pair of one held-out micro-batch: the metrics' values (the hook averages)."""
         out, logps = self.pair_loss(ctx, batch, split="eval")
+        if logps.desirable is not None:  # unpaired (KTO): the loss and the KL estimate
+            return {"preference_loss": out.losses.detach(),
+                    "kl": out.extra["kl"].expand_as(out.losses)}
         return {**pair_values(out, logps), "preference_loss": out.losses.detach()}
 
 
 def pair_values(out: PairLoss, logps: PairLogps) -> dict[str, torch.Tensor]:
-    """TRL's metrics, one value per pair."""
+    """TRL's metrics, one value per pair (unpaired examples: per example, the desirable and
+    undesirable ones' sums and counts, which ``ratios`` turns into means)."""
     c, r = out.chosen_rewards, out.rejected_rewards
+    if logps.desirable is not None:
+        good = logps.desirable.to(c.device)
+        chosen, seq = good.float(), logps.chosen.detach()
+        return {"rewards/chosen_sum": c.nan_to_num(), "rewards/rejected_sum": r.nan_to_num(),
+                "logps/chosen_sum": seq * chosen, "logps/rejected_sum": seq * (1 - chosen),
+                "count/chosen": chosen, "count/rejected": 1 - chosen}
     return dict(zip(METRICS, (c, r, c - r, (c > r).float(), logps.chosen.detach(),
                               logps.rejected.detach()), strict=True))
+
+
+def ratios(values: dict[str, float]) -> dict[str, float]:
+    """Unpaired examples' means from their sums and counts (TRL's KTO metrics); pairs' values
+    unchanged."""
+    if "count/chosen" not in values:
+        return values
+    out = {k: v for k, v in values.items() if not k.endswith("_sum")
+           and not k.startswith("count/")}
+    out["desirable_share"] = values["count/chosen"]  # of the global batch's examples
+    for side in ("chosen", "rejected"):
+        count = values[f"count/{side}"]
+        for what in ("rewards", "logps"):
+            out[f"{what}/{side}"] = values[f"{what}/{side}_sum"] / count if count else math.nan
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
 
 
 def metric_values(out: PairLoss, logps: PairLogps) -> dict[str, torch.Tensor]:

@@ -32,6 +32,9 @@ class PairLogps:
     rejected_tokens: torch.Tensor
     ref_chosen: torch.Tensor | None = None
     ref_rejected: torch.Tensor | None = None
+    # Unpaired examples (KTO): "chosen" holds each example, "rejected" its mismatched row
+    # (its prompt with another example's completion), ``desirable`` each example's label.
+    desirable: torch.Tensor | None = None
 
     def mean_chosen(self) -> torch.Tensor:
         return self.chosen / self.chosen_tokens.clamp(min=1)
@@ -86,6 +89,7 @@ def _with_sft(losses: torch.Tensor, p: PairLogps, weight: float
 
 class _WithReference:
     needs_reference = True
+    unpaired = False  # trains on chosen / rejected pairs
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -156,6 +160,7 @@ class SimPOConfig(ReferenceFreeConfig):
 
 class _ReferenceFree:
     needs_reference = False
+    unpaired = False
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -204,3 +209,41 @@ class ORPO(_ReferenceFree):
                         self.cfg.beta * r.detach(),
                         {"nll_loss": nll.detach(), "log_odds_ratio": ratio.detach().mean(),
                          "log_odds_chosen": log_odds.detach().mean()})  # TRL's names
+
+
+class KTOConfig(BetaConfig):
+    desirable_weight: float = Field(1.0, gt=0, description="weight of the desirable examples' "
+                                    "losses (lambda_D)")
+    undesirable_weight: float = Field(1.0, gt=0, description="weight of the undesirable "
+                                      "examples' losses (lambda_U)")
+
+
+@register("preference_loss", "kto")
+class KTO(_WithReference):
+    """KTO (Ethayarajh et al. 2024): unpaired examples, each desirable or not.
+
+    With z = max(0, mean over the batch's mismatched rows of the policy-to-reference
+    log-ratio), all ranks' mean, detached (the KL estimate): a desirable example's loss is
+    lambda_D (1 - sigmoid(beta (r - z))), an undesirable one's lambda_U (1 - sigmoid(beta (z -
+    r))), r its log-ratio. Needs unpaired data (``completion`` and ``label`` rows). TRL 1.16's
+    ``KTOTrainer``."""
+
+    Config = KTOConfig
+    unpaired = True
+
+    def __call__(self, p: PairLogps) -> PairLoss:
+        from kiln.components import distributed
+
+        ratio = p.chosen - p.ref_chosen
+        kl = (p.rejected - p.ref_rejected).mean().detach().reshape(1)
+        distributed.all_reduce_(kl)  # (the ranks' mean: each holds as many examples)
+        ranks = torch.distributed.get_world_size() if distributed.is_initialized() else 1
+        kl = (kl[0] / ranks).clamp(min=0)
+        good = p.desirable.to(ratio.device)
+        b, c = self.cfg.beta, self.cfg
+        losses = torch.where(good, c.desirable_weight * (1 - torch.sigmoid(b * (ratio - kl))),
+                             c.undesirable_weight * (1 - torch.sigmoid(b * (kl - ratio))))
+        rewards = b * ratio.detach()
+        nan = torch.full_like(rewards, float("nan"))
+        return PairLoss(losses, torch.where(good, rewards, nan),
+                        torch.where(good, nan, rewards), {"kl": kl})

@@ -127,14 +127,19 @@ def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
     """The step takes the data's batches: preference pairs need a step that takes pairs, and
     such a step needs pairs; then the step's own checks (``StepContract.check_recipe``).
     ``dataset`` None: the data is not read here (``kiln validate --no-data``)."""
-    if dataset is not None and bool(dataset.pairs) != bool(step_fn.takes_pairs):
+    takes = step_fn.takes_pairs
+    pairs = None if dataset is None else (dataset.pairs or "")
+    if pairs is not None and pairs != (takes or ""):
         step, data = recipe.training.step.type, recipe.data.type
         raise RecipeError(
             f"training.step.type = {step!r} trains on preference pairs, and data.type = "
-            f"{data!r} has none; use data.type = \"preference\"" if step_fn.takes_pairs else
+            f"{data!r} has none; use data.type = \"preference\"" if not pairs else
             f"data.type = {data!r} holds preference pairs (chosen, then rejected rows), which "
             f"training.step.type = {step!r} would train on as plain text; use "
-            "training.step.type = \"preference\"")
+            "training.step.type = \"preference\"" if not takes else
+            f"data.type = {data!r} holds {pairs} examples and training.step.loss.type = "
+            f"{recipe.training.step.loss.type!r} takes {takes} ones (KTO takes unpaired "
+            "rows with a label, the other losses chosen / rejected pairs)")
     step_fn.check_recipe(recipe, shape)
 
 

@@ -136,7 +136,8 @@ def test_component_contract(entry, tmp_path):
         chosen, rejected = (-torch.rand(3) * 20).requires_grad_(), -torch.rand(3) * 20
         tokens = torch.tensor([4.0, 7.0, 2.0])
         refs = (chosen.detach() - 1, rejected + 1) if loss.needs_reference else ()
-        out = loss(PairLogps(chosen, rejected, tokens, tokens + 1, *refs))
+        labels = torch.tensor([True, False, True]) if loss.unpaired else None
+        out = loss(PairLogps(chosen, rejected, tokens, tokens + 1, *refs, desirable=labels))
         assert out.losses.shape == out.chosen_rewards.shape == out.rejected_rewards.shape == (3,)
         out.losses.mean().backward()
         assert torch.isfinite(out.losses).all() and torch.isfinite(chosen.grad).all()

@@ -125,8 +125,8 @@ def recipe_for(family: str, folder, *extra: str, step: str = ""):
     """``family``'s recipe at toy size; ``step``: with the data that step trains on."""
     file, overrides = discovered()[family]
     tiny = [o for o in TINY if not o.startswith("--data.")] if step in STEP_DATA else TINY
-    return load_recipe(CONFIGS / file, [*tiny, *overrides, f"--run.folder={folder}", *extra,
-                                        *STEP_DATA.get(step, ())])
+    return load_recipe(CONFIGS / file, [*tiny, *overrides, f"--run.folder={folder}",
+                                        *STEP_DATA.get(step, ()), *extra])
 
 
 class Record:

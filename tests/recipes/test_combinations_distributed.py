@@ -21,6 +21,7 @@ from tests.recipes.test_combinations import (
     CHUNK,
     DIAGNOSTICS,
     DOC_MASK,
+    PAIRS,
     STEPS,
     discovered,
     recipe_for,
@@ -41,7 +42,10 @@ DPO = {"dpo": ("--training.step.type=preference",),
                     "--adapter.allow_random_base=true", "--model.tie_embeddings=false"),
        # the reference's log-probabilities computed once over both ranks, stored, read again
        "dpo_pre": ("--training.step.type=preference",
-                   "--training.step.precompute_reference=true")}
+                   "--training.step.precompute_reference=true"),
+       # KTO on unpaired examples: its KL estimate is the mean over both ranks
+       "kto": ("--training.step.type=preference", "--training.step.loss.type=kto",
+               f"--data.path={PAIRS / 'sums_unpaired.jsonl'}")}
 
 
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:

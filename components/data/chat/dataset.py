@@ -154,9 +154,10 @@ class ChatDataset(DatasetContract):
         return self.tokenizer.eos_id if pad is None else pad
 
     def _write(self, folder: Path, splits: dict[str, tuple[tuple[np.ndarray, ...], dict]],
-               meta: dict[str, Any]) -> None:
-        """Each split's arrays (``SPLIT_FILES``) and ``meta.json`` (with the splits' counts
-        and the rows' checksum), into ``folder`` at once: written aside, then renamed."""
+               meta: dict[str, Any], extra: dict[str, np.ndarray] | None = None) -> None:
+        """Each split's arrays (``SPLIT_FILES``), ``extra`` arrays by file name and
+        ``meta.json`` (with the splits' counts and the rows' checksum), into ``folder`` at
+        once: written aside, then renamed."""
         tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -171,6 +172,9 @@ class ChatDataset(DatasetContract):
                 np.save(tmp / f"{split}_{name}.npy", array, allow_pickle=False)
                 rows.update(np.ascontiguousarray(array).view(np.uint8))
             meta["splits"][split] = stats
+        for name, array in (extra or {}).items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+            rows.update(np.ascontiguousarray(array).view(np.uint8))
         meta["rows_xxh3"] = rows.hexdigest()
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:

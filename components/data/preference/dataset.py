@@ -25,11 +25,11 @@ from kiln.components.data.chat.chat_loader import ChatLoader, ChatRows
 from kiln.components.data.chat.conversations import read_rows
 from kiln.components.data.chat.dataset import ChatDataset
 from kiln.components.data.preference import builtin, encode
-from kiln.components.data.preference.pairs import to_pair
+from kiln.components.data.preference.pairs import Pair, is_unpaired, to_pair, to_unpaired
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 
-FORMAT = "kiln-preference-v1"
+FORMAT = "kiln-preference-v2"  # v2: unpaired examples (labels, KL rows)
 
 
 class PreferenceConfig(ComponentConfig):
@@ -64,9 +64,13 @@ class PairRows(ChatRows):
         return self.pairs(self.pick(epoch, first, rows))
 
     def pairs(self, at: np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch of stored pairs ``at``, with ``pair_ids`` (2n,): each row's pair."""
+        """The batch of stored pairs ``at``, with ``pair_ids`` (2n,): each row's pair; for
+        unpaired examples also ``desirable`` (n,) bool, each example's label."""
         batch = self.gather(np.concatenate([2 * at, 2 * at + 1]))
         batch["pair_ids"] = torch.from_numpy(np.concatenate([at, at]).astype(np.int64))
+        labels = self.folder / f"{self.split}_labels.npy"
+        if labels.is_file():
+            batch["desirable"] = torch.from_numpy(np.load(labels, allow_pickle=False)[at])
         return batch
 
 
@@ -81,7 +85,14 @@ class PreferenceDataset(ChatDataset):
     Config = PreferenceConfig
     cache_name = "preference"
     token_weighted = False  # the loss is a mean over pairs, not over tokens
-    pairs = True  # batches hold chosen then rejected rows: a step must take pairs
+
+    @property
+    def pairs(self) -> str:
+        """``"paired"``: batches hold chosen then rejected rows; ``"unpaired"``: examples then
+        their mismatched rows, with labels (KTO). A step must take the same."""
+        if not self.meta:
+            self.prepare()
+        return "unpaired" if self.meta.get("unpaired") else "paired"
 
     def _key_parts(self) -> list[Any]:
         c = self.cfg
@@ -96,30 +107,82 @@ class PreferenceDataset(ChatDataset):
         return read_rows(self.cfg.path, split=self.cfg.split, cache_dir=self.cfg.cache_dir)
 
     def _build(self, folder) -> None:
-        c, width = self.cfg, self.seq_len + 1
-        encoded = [(where, encode.encode_pair(self.template, self.tokenizer,
-                                              to_pair(row, c.fields, where), where,
-                                              bos=self.template.adds_bos))
-                   for where, row in self._rows()]
-        if not encoded:
+        c = self.cfg
+        rows = list(self._rows())
+        if not rows:
             raise DataError(f"data.path = {c.path!r}: no preference pairs there")
+        unpaired = is_unpaired(rows[0][1], c.fields)
+        for where, row in rows:
+            if is_unpaired(row, c.fields) != unpaired:
+                raise DataError(f"{where}: {'a pair' if unpaired else 'an unpaired example'} "
+                                f"among {'unpaired examples' if unpaired else 'pairs'}; a file "
+                                "holds one kind (chosen / rejected, or completion / label)")
+        if unpaired:
+            examples = [(where, to_unpaired(row, c.fields, where)) for where, row in rows]
+            splits, extra = self._unpaired_splits(examples)
+        else:
+            pairs = [(where, encode.encode_pair(self.template, self.tokenizer,
+                                                to_pair(row, c.fields, where), where,
+                                                bos=self.template.adds_bos))
+                     for where, row in rows]
+            splits, extra = self._splits(pairs, lambda split, i: pairs[i][1]), None
+        self._write(folder, splits, {"format": FORMAT, "unpaired": unpaired}, extra)
+
+    def _splits(self, items: list, pair_of, kept: list | None = None) -> dict:
+        """Each split's rows and counts; ``pair_of(split, i)``: item i's encoded sides;
+        ``kept`` collects each split's kept item indices."""
+        c, width = self.cfg, self.seq_len + 1
         splits = {}
-        for split, picked in self._split_of(len(encoded)).items():
-            stats = encode.PairStats()
-            fitted = [f for i in sorted(picked) if (f := encode.fit_pair(
-                encoded[i][1], width, c.overlong, encoded[i][0], stats)) is not None]
+        for split, picked in self._split_of(len(items)).items():
+            stats, fitted, at = encode.PairStats(), [], []
+            for i in sorted(picked):
+                if (f := encode.fit_pair(pair_of(split, i), width, c.overlong, items[i][0],
+                                         stats)) is not None:
+                    fitted.append(f)
+                    at.append(i)
             if picked.size and not fitted:
                 raise DataError(
                     f"data: every one of the {stats.pairs} {split} pairs was dropped: each has "
                     f"a side longer than training.seq_len + 1 = {width} tokens (data.overlong "
                     f"= {c.overlong!r}, and truncating would leave no completion token); raise "
                     "training.seq_len")
+            if kept is not None:
+                kept.append(at)
             splits[split] = (encode.rows(fitted, width, self.pad_id, stats), stats.as_dict())
-        self._write(folder, splits, {"format": FORMAT})
+        return splits
+
+    def _unpaired_splits(self, examples: list) -> tuple[dict, dict[str, np.ndarray]]:
+        """KTO's examples: row ``2i`` the example, row ``2i + 1`` its mismatched row (its
+        prompt with the next example's completion in the split: the KL term's sample, fixed
+        here since the loader shuffles), and each split's labels."""
+        order = {split: sorted(picked) for split, picked in
+                 self._split_of(len(examples)).items()}
+
+        place = {split: {i: k for k, i in enumerate(ids)} for split, ids in order.items()}
+
+        def pair_of(split: str, i: int):
+            ids = order[split]
+            after = examples[ids[(place[split][i] + 1) % len(ids)]][1]
+            prompt, completion, _ = examples[i][1]
+            return encode.encode_pair(self.template, self.tokenizer,
+                                      Pair(prompt, completion, after[1]), examples[i][0],
+                                      bos=self.template.adds_bos)
+
+        kept: list[list[int]] = []
+        splits = self._splits(examples, pair_of, kept)
+        labels = {f"{split}_labels": np.array([examples[i][1][2] for i in at], dtype=bool)
+                  for split, at in zip(splits, kept, strict=True)}
+        return splits, labels
 
     def describe(self) -> str:
         t = self.meta["splits"]["train"]
         kept = t["pairs"] - t["dropped"]
+        if self.meta.get("unpaired"):
+            return (f"preference data, unpaired (KTO): {kept} train examples of {t['pairs']}, "
+                    f"each with a mismatched row for the KL term, in rows of "
+                    f"{self.seq_len + 1} tokens; {t['truncated']} truncated, {t['dropped']} "
+                    f"dropped (data.overlong = {self.cfg.overlong!r}); template "
+                    f"{self.template.name}")
         return (f"preference data: {kept} train pairs of {t['pairs']} in rows of "
                 f"{self.seq_len + 1} tokens ({t['trained']} completion tokens of "
                 f"{t['tokens']}); {t['truncated']} truncated, {t['dropped']} dropped "

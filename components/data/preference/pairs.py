@@ -6,7 +6,9 @@ messages). Implicit prompt: ``chosen`` and ``rejected`` are whole conversations 
 messages); the prompt is every message before the trailing assistant turns, and it must be
 the same on both sides. ``fields`` maps ``prompt`` / ``chosen`` / ``rejected`` / ``system``
 to the row's own names (a dotted path; for a text prompt or system also a format string, as
-the chat data's). Every error names the file and the row.
+the chat data's). Unpaired rows (TRL's "unpaired preference", for KTO) hold ``prompt``,
+``completion`` and a boolean ``label`` (desirable or not) instead of the two sides. Every
+error names the file and the row.
 """
 
 from __future__ import annotations
@@ -121,3 +123,26 @@ def check(pair: Pair, where: str) -> None:
     if pair.chosen == pair.rejected:
         raise DataError(f"{where}: chosen equals rejected, so there is no preference to learn; "
                         "drop the row")
+
+
+def is_unpaired(row: dict, fields: dict[str, str]) -> bool:
+    """Whether a row is an unpaired example (a ``label``) rather than a pair."""
+    return "label" in fields or "completion" in fields or _has(row, "label")
+
+
+def to_unpaired(row: dict, fields: dict[str, str], where: str
+                ) -> tuple[list[Message], list[Message], bool]:
+    """(prompt, completion, desirable) of an unpaired row, checked."""
+    label = value(row, fields.get("label", "label"), where)
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: label must be true (desirable) or false, got {label!r}")
+    got = _side(row, fields.get("completion", "completion"), "completion", where)
+    prompt = _prompt(row, fields.get("prompt", "prompt"), where)
+    if "system" in fields:
+        prompt.insert(0, {"role": "system",
+                          "content": conversations.field_text(row, fields["system"], where)})
+    completion = _completion(got, "completion", where)
+    if not any(m["content"].strip() for m in completion):
+        raise DataError(f"{where}: the completion is empty; drop the row")
+    conversations.check(prompt + completion, where)
+    return prompt, completion, label

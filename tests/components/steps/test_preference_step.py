@@ -45,9 +45,9 @@ def _recipe(folder, *extra, steps=4, data=PAIRS):
                                                 f"--run.folder={folder}", *extra])
 
 
-def _run(folder, *extra, steps=4):
+def _run(folder, *extra, steps=4, data=PAIRS):
     record, out = Record(), io.StringIO()
-    trainer = Trainer(_recipe(folder, *extra, steps=steps), hooks=[record], out=out)
+    trainer = Trainer(_recipe(folder, *extra, steps=steps, data=data), hooks=[record], out=out)
     trainer.fit()
     return record, trainer, out.getvalue()
 
@@ -247,3 +247,22 @@ def test_a_stored_reference_for_other_data_is_refused(tmp_path):
     _run(tmp_path / "run", *pre, steps=2)
     with pytest.raises(CheckpointError, match="computed for other data"):
         Trainer(_recipe(tmp_path / "run", *pre, "--data.builtin_rows=100"), out=io.StringIO())
+
+
+def test_kto_on_unpaired_examples_logs_trls_kto_metrics_and_refuses_pairs(tmp_path):
+    from tests.recipes.test_combinations import PAIRS as FILES
+
+    unpaired = ("--data.type=preference", f"--data.path={FILES / 'sums_unpaired.jsonl'}",
+                f"--data.template={FILES / 'plain.jinja'}", "--data.eval_fraction=0.2",
+                "--training.step.type=preference", "--training.step.loss.type=kto")
+    record, trainer, log = _run(tmp_path / "kto", "--training.seq_len=16", steps=3,
+                                data=unpaired)
+    assert "unpaired (KTO): 32 train examples" in log and "eval  step 2  kl " in log
+    assert record.loss[1] == pytest.approx(0.5, abs=1e-6)  # 1 - sigmoid(0): the reference
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "kl",
+            "desirable_share"} <= set(record.metrics[3])
+    with pytest.raises(RecipeError, match="holds unpaired examples and training.step.loss"):
+        Trainer(_recipe(tmp_path / "dpo", "--training.seq_len=16",
+                        data=unpaired[:-1]), out=io.StringIO())
+    with pytest.raises(RecipeError, match="holds paired examples and .* 'kto' takes unpaired"):
+        Trainer(_recipe(tmp_path / "kto2", "--training.step.loss.type=kto"), out=io.StringIO())

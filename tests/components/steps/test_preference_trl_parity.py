@@ -1,9 +1,10 @@
 """The preference losses against TRL 1.16 on the same model, batch and reference (fp32): the
 loss, the chosen / rejected rewards and every weight's gradient equal ``DPOTrainer``'s within
-1e-5 for DPO, IPO and hinge, on a tiny Llama built in the test and imported into kiln (its
-gradients exported back to Hugging Face names). SimPO and ORPO are checked against
-``CPOTrainer.cpo_loss`` and ``ORPOTrainer.odds_ratio_loss`` on the same sequence
-log-probabilities (value, rewards and gradients)."""
+1e-5 for DPO, IPO, hinge and DPO + NLL, and ``KTOTrainer``'s for KTO (its KL term too), on a
+tiny Llama built in the test and imported into kiln (its gradients exported back to Hugging
+Face names). SimPO and ORPO are checked against ``CPOTrainer.cpo_loss`` and
+``ORPOTrainer.odds_ratio_loss`` on the same sequence log-probabilities (value, rewards and
+gradients)."""
 
 from __future__ import annotations
 
@@ -79,13 +80,23 @@ def models(tmp_path_factory):
     return hf[0], trainer, kiln[0], kiln[1], root
 
 
-def _kiln_logps(policy, reference, batch) -> PairLogps:
+def _kiln_logps(policy, reference, batch, n=2) -> PairLogps:
     labels = batch["labels"]
     mine = policy(batch["input_ids"], head=LogprobHead(labels, 5))  # chunked: 5 tokens
     with torch.no_grad():
         ref = reference(batch["input_ids"], head=LogprobHead(labels, 5)).sum(-1)
     seq, counts = mine.sum(-1), (labels != IGNORE_INDEX).sum(-1).float()
-    return PairLogps(seq[:2], seq[2:], counts[:2], counts[2:], ref[:2], ref[2:])
+    return PairLogps(seq[:n], seq[n:], counts[:n], counts[n:], ref[:n], ref[n:])
+
+
+def _trl_step(trainer, hf_policy, inputs):
+    """TRL's loss of ``inputs`` (its backward run into ``hf_policy``) and its logged metrics."""
+    trainer._metrics["train"].clear()
+    hf_policy.train()
+    hf_policy.zero_grad()
+    loss = trainer._compute_loss(hf_policy, inputs, False)
+    loss.backward()
+    return loss.detach(), trainer._metrics["train"]
 
 
 def _hf_grads(kiln_model, folder) -> dict[str, torch.Tensor]:
@@ -114,20 +125,14 @@ def test_loss_rewards_and_gradients_equal_trl_dpo_trainer(models, loss_types, we
     hf_policy, trainer, policy, reference, root = models
     trainer.loss_types, trainer.loss_weights, trainer.beta = loss_types, weights, 0.3
     loss_type = "_".join(loss_types)
-    trainer._metrics["train"].clear()
     hf_inputs, batch = _batch()
-    hf_policy.train()
-    hf_policy.zero_grad()
-    theirs = trainer._compute_loss(hf_policy, hf_inputs, False)
-    theirs.backward()
-    seen = trainer._metrics["train"]
-
+    theirs, seen = _trl_step(trainer, hf_policy, hf_inputs)
     policy.zero_grad()
     out = build()(_kiln_logps(policy, reference, batch))
     mine = out.losses.mean()
     mine.backward()
 
-    torch.testing.assert_close(mine, theirs.detach(), **TOL)
+    torch.testing.assert_close(mine, theirs, **TOL)
     torch.testing.assert_close(out.chosen_rewards.mean().item(), seen["rewards/chosen"][0],
                                **TOL)
     torch.testing.assert_close(out.rejected_rewards.mean().item(),
@@ -202,3 +207,58 @@ def test_orpo_equals_trl_odds_ratio_loss():
     torch.testing.assert_close(out.rejected_rewards, rejected, **TOL)
     torch.testing.assert_close(out.extra["log_odds_ratio"], ratio.detach(), **TOL)
     torch.testing.assert_close(out.extra["log_odds_chosen"], log_odds.detach(), **TOL)
+
+
+def _kto_batch():
+    """(TRL's KTO inputs, kiln's batch): 4 examples (2 desirable), each with its mismatched
+    row (its prompt, the next example's completion), kiln's rows examples then mismatched."""
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(0, 256, (4, PROMPT), generator=g)
+    lengths = [6, 9, 4, 8]
+    completions = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+
+    def rows(which):
+        ids, mask = torch.full((4, WIDTH), 258), torch.zeros(4, WIDTH, dtype=torch.long)
+        for r in range(4):
+            c = completions[which(r)]
+            ids[r, :PROMPT], ids[r, PROMPT:PROMPT + len(c)] = prompts[r], c
+            mask[r, PROMPT:PROMPT + len(c)] = 1
+        attention = (torch.arange(WIDTH) < PROMPT + mask.sum(1, keepdim=True)).long()
+        return ids, mask, attention
+
+    (ids, mask, att), (kl, kl_mask, kl_att) = rows(lambda r: r), rows(lambda r: (r + 1) % 4)
+    label = torch.tensor([True, False, True, False])
+    hf = {"input_ids": ids, "attention_mask": att, "completion_mask": mask,
+          "KL_input_ids": kl, "KL_attention_mask": kl_att, "KL_completion_mask": kl_mask,
+          "label": label}
+    both, both_mask = torch.cat([ids, kl]), torch.cat([mask, kl_mask])
+    labels = torch.where(both_mask[:, 1:].bool(), both[:, 1:], IGNORE_INDEX)
+    return hf, {"input_ids": both[:, :-1], "labels": labels, "desirable": label}
+
+
+def test_kto_loss_rewards_and_gradients_equal_trl_kto_trainer(models):
+    from datasets import Dataset
+
+    from kiln.components.steps.preference_losses import KTO, KTOConfig
+
+    hf_policy, dpo_trainer, policy, reference, root = models
+    rows = [{"prompt": "t1", "completion": "t2", "label": b} for b in (True, False)] * 2
+    args = trl.KTOConfig(output_dir=str(root / "kto"), report_to="none", use_cpu=True,
+                         bf16=False, beta=0.3, desirable_weight=1.2, undesirable_weight=0.8)
+    trainer = trl.KTOTrainer(model=hf_policy, ref_model=dpo_trainer.ref_model, args=args,
+                             train_dataset=Dataset.from_list(rows),
+                             processing_class=dpo_trainer.processing_class)
+    hf_inputs, batch = _kto_batch()
+    theirs, seen = _trl_step(trainer, hf_policy, hf_inputs)
+    policy.zero_grad()
+    p = _kiln_logps(policy, reference, batch, n=4)
+    p.desirable = batch["desirable"]
+    out = KTO(KTOConfig(type="kto", beta=0.3, desirable_weight=1.2, undesirable_weight=0.8))(p)
+    out.losses.mean().backward()
+    torch.testing.assert_close(out.losses.mean(), theirs, **TOL)
+    torch.testing.assert_close(out.extra["kl"].item(), seen["kl"][0], **TOL)
+    torch.testing.assert_close(out.chosen_rewards.nansum().item() / 2,
+                               seen["rewards/chosen"][0], **TOL)
+    grads = _hf_grads(policy, root / "grads_kto")
+    for name, g in grads.items():
+        torch.testing.assert_close(g, hf_policy.get_parameter(name).grad, **TOL, msg=name)

@@ -156,3 +156,30 @@ def test_parquet_rows_with_mapped_fields_read_like_jsonl(tmp_path):
     batch = next(iter(ds.loader("train", micro_batch=6, global_batch=6)))
     texts = {_completion_text(ByteTokenizer(), batch, r) for r in range(6)}
     assert texts == {f"yes {i}<|im_end|>" for i in range(6)}
+
+
+def test_unpaired_examples_carry_their_label_and_a_mismatched_row(tmp_path):
+    """KTO's rows: each example, then its prompt with the next example's completion (in the
+    split's stored order), and each example's label."""
+    rows = [{"prompt": f"Q{i}", "completion": f"A{i}", "label": i % 3 == 0} for i in range(6)]
+    ds = _dataset(tmp_path, rows=rows)
+    assert ds.pairs == "unpaired" and "unpaired (KTO): 6 train examples" in ds.describe()
+    tok = ByteTokenizer()
+    batch = ds.pair_batch("train", np.arange(6))
+    for r in range(6):
+        prompt = tok.decode(_prompt_ids(batch, r))
+        assert f"Q{r}" in prompt and _completion_text(tok, batch, r) == f"A{r}<|im_end|>"
+        assert _prompt_ids(batch, r + 6) == _prompt_ids(batch, r)  # the same prompt
+        assert _completion_text(tok, batch, r + 6) == f"A{(r + 1) % 6}<|im_end|>"
+    assert batch["desirable"].tolist() == [i % 3 == 0 for i in range(6)]
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "q", "completion": "a", "label": True},
+      {"prompt": "q", "chosen": "a", "rejected": "b"}], "line 2: a pair among unpaired"),
+    ([{"prompt": "q", "completion": "a", "label": "yes"}], "label must be true"),
+    ([{"prompt": "q", "completion": " ", "label": False}], "the completion is empty"),
+])
+def test_bad_unpaired_rows_name_the_line(tmp_path, rows, message):
+    with pytest.raises(DataError, match=message):
+        _dataset(tmp_path, rows=rows)
