@@ -96,9 +96,13 @@ class PreferenceStep(StepContract):
         want, needs = self.cfg.reference, self.loss.needs_reference
         name = f"training.step.loss.type = {self.cfg.loss.type!r}"
         if not needs:
-            if want not in ("auto", "none"):
+            unused = [f"training.step.reference = {want!r}"] if want not in ("auto", "none") \
+                else []
+            unused += ["training.step.precompute_reference"] if self.cfg.precompute_reference \
+                else []
+            if unused:
                 build.lines.append(f"step: warning: {name} is reference-free; "
-                                   f"training.step.reference = {want!r} is not used")
+                                   f"{' and '.join(unused)} not used")
             build.lines.append(f"step: {name}, reference-free (no reference model)")
             return
         if want in ("auto", "adapters_off"):  # (check_recipe refused the impossible ones)

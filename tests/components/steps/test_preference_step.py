@@ -132,9 +132,12 @@ def test_with_dora_the_adapters_off_reference_equals_a_frozen_copy_too(tmp_path)
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_reference_free_losses_build_no_reference(tmp_path, loss):
     record, trainer, log = _run(tmp_path / loss, f"--training.step.loss.type={loss}",
-                                "--training.step.reference=frozen_copy", steps=2)
+                                "--training.step.reference=frozen_copy",
+                                "--training.step.precompute_reference=true", steps=2)
     assert trainer.step_fn.reference is None and trainer.step_fn.adapters_off is None
-    assert "warning: training.step.loss.type = " in log and "reference-free" in log
+    assert f"warning: training.step.loss.type = '{loss}' is reference-free; training.step." \
+        "reference = 'frozen_copy' and training.step.precompute_reference not used" in log
+    assert not (tmp_path / loss / "reference_logps.safetensors").exists()
     assert all(math.isfinite(v) for v in record.loss.values())
     if loss == "orpo":
         assert "nll_loss" in record.metrics[2] and "log_odds_ratio" in record.metrics[2]
