@@ -1,16 +1,12 @@
 """The contracts between the trainer and what it drives, written as code.
 
-- ``StepContext``: what a step component receives each step. The trainer builds one; a test
-  builds its own. A step never sees the trainer.
+- ``StepContext``: what a step receives each step (never the trainer; a test builds its own).
 - ``StepContract`` and ``StepBuildContext``: what a step may declare, and what it may ask for
   once before the first step: the policy and frozen models sharded like it (a reference for a
   preference loss, a teacher), which it then holds.
-- ``ModelContract``: the optional methods a model may offer, with no-op defaults. kiln's models
-  inherit them; ``complete_model`` gives them to a model that does not, once, so the trainer
-  calls them directly.
-- ``DatasetContract``: what a dataset may offer beyond ``prepare`` and ``loader`` (source names,
-  a run check, token weighting, a description, fingerprints, stages), the same way
-  (``complete_dataset``).
+- ``ModelContract``: a model's optional methods, no-op by default (kiln's models inherit them;
+  ``complete_model`` gives them to one that does not, once: the trainer calls them directly).
+- ``DatasetContract``: what a dataset may offer beyond ``prepare`` and ``loader``, the same way.
 - ``AdapterLayer`` and ``AdapterContract``: what an adapter adds to one linear layer, and what
   an adapter type offers the trainer, the checkpoints and the exports (apply, the parameters it
   owns, merge, its ``peft`` description), so no caller imports one adapter's helpers.
@@ -110,14 +106,13 @@ class StepBuildContext(Protocol):
     device: torch.device
     dataset: Any  # the run's dataset (a preference dataset's ``pair_batch``)
     run_dir: Any  # the run folder (Path); it may not exist before the first step
-    rank: int  # this process's data-parallel rank, of ``ranks``
+    rank: int  # this process's data-parallel rank, of ``ranks``; ``is_main`` writes files
     ranks: int
-    is_main: bool  # the process that writes the run folder's files
+    is_main: bool
 
     def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``StepContext.token_logprobs`` of a batch (moved to the device), before the first
-        step: what a step computes once (a reference's log-probabilities)."""
+        """``StepContext.token_logprobs`` of a batch (to the device), before the first step."""
 
     def without_adapters(self) -> AbstractContextManager | None:
         """With ``[adapter]``: a context within which the policy computes its frozen base (the
@@ -132,17 +127,15 @@ class StepBuildContext(Protocol):
 
 
 class StepContract:
-    """The optional part of the step contract (docs/design.md "Steps"): a step is built as
-    ``cfg.build()`` and called ``step(ctx, micro_batches) -> StepResult``; these members have
-    defaults. kiln's steps inherit them; ``complete_step`` gives a plugin step those it lacks."""
+    """The optional part of the step contract (docs/design.md "Steps"; a step is called
+    ``step(ctx, micro_batches) -> StepResult``); ``complete_step`` completes a plugin step."""
 
     token_weighted: bool = False  # can weight micro-batches by their trained tokens (chat data)
     takes_pairs: str = ""  # "paired" / "unpaired": the preference data it trains on
 
     def check_recipe(self, recipe: Any, layout: Any) -> None:
-        """Refuse a recipe this step cannot train (a RecipeError naming the key), before
-        anything is built: ``kiln train`` and ``kiln validate`` both call it. ``layout``: the
-        run's mesh (``tp``, ``cp``, ``pp``, ``dp``)."""
+        """Refuse a recipe this step cannot train (a RecipeError naming the key), for ``train``
+        and ``validate`` alike; ``layout``: the run's mesh (``tp``, ``cp``, ``pp``, ``dp``)."""
 
     def setup(self, build: StepBuildContext) -> None:
         """Once, after the policy is built and parallelized, before the first step (also on a
@@ -150,10 +143,8 @@ class StepContract:
 
     def evaluate(self, ctx: StepContext, batch: dict[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
-        """At each evaluation, per example of one held-out micro-batch (no gradients): the
-        step's own values (1-D tensors), which the evaluation averages over the held-out
-        examples and logs as ``eval/NAME`` (a preference step's reward accuracy). ``{}``:
-        the held-out loss alone."""
+        """Per example of a held-out micro-batch (no gradients), the step's own values (1-D),
+        logged averaged as ``eval/NAME`` at each evaluation; ``{}``: the held-out loss alone."""
         return {}
 
 

@@ -4,8 +4,7 @@ and deterministic. Options that each work alone must also work together (issue 1
 activation checkpointing crashed on step 1 while both had passing tests of their own).
 
 The families cover every registered model, attention, feed-forward, norm and position component;
-one that no family names joins the matrix on the dense transformer with its defaults
-(``discovered``), so a new component is trained in every combination without editing this file.
+one that no family names joins on the dense transformer (``discovered``): no edit here needed.
 The chunked loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one.
 The document mask runs in every family and step under the checkpointing modes. The hang watchdog
 watches every run (on by default). The same cases on 2 gloo processes (FSDP2, tensor, expert,
@@ -113,8 +112,7 @@ def ac_modes() -> dict[str, tuple[str, ...]]:
     return modes
 
 
-# The data a step needs, instead of TINY's text: the preference step trains on pairs (sums
-# with a right and a wrong answer, rendered without role markers, so they fit 16 tokens).
+# The data a step needs instead of TINY's text: pairs (sums, no role markers: 16 tokens fit).
 PAIRS = Path(__file__).parent / "pairs"
 STEP_DATA = {"preference": (
     "--data.type=preference", f"--data.path={PAIRS / 'sums.jsonl'}",
