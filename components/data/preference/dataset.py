@@ -57,6 +57,10 @@ class PairRows(ChatRows):
     """A split's pairs (stored as rows ``2i``, ``2i + 1``); a batch of ``n`` pairs is its ``n``
     chosen rows, then its ``n`` rejected rows."""
 
+    def __init__(self, folder, split: str, seed: int) -> None:
+        super().__init__(folder, split, seed)
+        self._labels: np.ndarray | bool | None = None  # None: not read yet; False: pairs
+
     def __len__(self) -> int:
         return len(self.arrays()[0]) // 2
 
@@ -68,10 +72,16 @@ class PairRows(ChatRows):
         unpaired examples also ``desirable`` (n,) bool, each example's label."""
         batch = self.gather(np.concatenate([2 * at, 2 * at + 1]))
         batch["pair_ids"] = torch.from_numpy(np.concatenate([at, at]).astype(np.int64))
-        labels = self.folder / f"{self.split}_labels.npy"
-        if labels.is_file():
-            batch["desirable"] = torch.from_numpy(np.load(labels, allow_pickle=False)[at])
+        if (labels := self.labels()) is not None:
+            batch["desirable"] = torch.from_numpy(labels[at])
         return batch
+
+    def labels(self) -> np.ndarray | None:
+        """Unpaired examples' labels (read once), or None for pairs."""
+        if self._labels is None:
+            path = self.folder / f"{self.split}_labels.npy"
+            self._labels = np.load(path, allow_pickle=False) if path.is_file() else False
+        return None if self._labels is False else self._labels
 
 
 class PairLoader(ChatLoader):
@@ -85,6 +95,10 @@ class PreferenceDataset(ChatDataset):
     Config = PreferenceConfig
     cache_name = "preference"
     token_weighted = False  # the loss is a mean over pairs, not over tokens
+
+    def __init__(self, cfg: PreferenceConfig, **context: Any) -> None:
+        super().__init__(cfg, **context)
+        self._rows_of: dict[str, PairRows] = {}  # each split's rows, for pair_batch
 
     @property
     def pairs(self) -> str:
@@ -193,18 +207,21 @@ class PreferenceDataset(ChatDataset):
         t = self.meta["splits"]["train"]
         return 2 * (t["pairs"] - t["dropped"]) * self.seq_len
 
-    def pair_count(self, split: str) -> int:
-        """Pairs stored in ``split``."""
+    def _split_rows(self, split: str) -> PairRows:
         if not self.meta:
             self.prepare()
-        return len(PairRows(self.folder, split, self.seed))
+        if split not in self._rows_of:
+            self._rows_of[split] = PairRows(self.folder, split, self.seed)
+        return self._rows_of[split]
+
+    def pair_count(self, split: str) -> int:
+        """Pairs stored in ``split``."""
+        return len(self._split_rows(split))
 
     def pair_batch(self, split: str, ids: np.ndarray) -> dict[str, torch.Tensor]:
         """The pairs ``ids`` of ``split`` as one batch (chosen rows, then rejected rows, with
         ``pair_ids``): what a step reads to compute something once per pair."""
-        if not self.meta:
-            self.prepare()
-        return PairRows(self.folder, split, self.seed).pairs(np.asarray(ids, dtype=np.int64))
+        return self._split_rows(split).pairs(np.asarray(ids, dtype=np.int64))
 
     def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
                world_size: int = 1) -> PairLoader:
