@@ -62,9 +62,13 @@ class BetaConfig(ComponentConfig):
                         "move from the reference (larger = closer)")
 
 
-class SmoothedConfig(BetaConfig):
+class Smoothing(ComponentConfig):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="assumed share of flipped "
-                                   "labels (conservative DPO); 0 = plain DPO")
+                                   "labels (conservative DPO); 0 = none")
+
+
+class SmoothedConfig(BetaConfig, Smoothing):
+    pass
 
 
 class DPOConfig(SmoothedConfig):
@@ -150,9 +154,7 @@ class ReferenceFreeConfig(ComponentConfig):
                         "difference (ORPO: the weight of the odds-ratio term, its lambda)")
 
 
-class SimPOConfig(ReferenceFreeConfig):
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="assumed share of flipped "
-                                   "labels (as conservative DPO's)")
+class SimPOConfig(ReferenceFreeConfig, Smoothing):
     gamma: float = Field(0.5, ge=0, description="target reward margin (TRL's simpo_gamma)")
     sft_weight: float = Field(0.0, ge=0, description="weight of the chosen completions' NLL "
                               "added to the loss (TRL's cpo_alpha; SimPO itself: 0)")

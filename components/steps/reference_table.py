@@ -121,9 +121,8 @@ def _compute(step, build, split: str) -> torch.Tensor:
         batch = build.dataset.pair_batch(split, ids)
         ref = step.reference_logprobs(context, batch, split).float()
         if take:
-            k = len(ids)
             at = torch.as_tensor(ids, device=build.device)
-            table[at, 0], table[at, 1] = ref[:k], ref[k:]
+            table[at, 0], table[at, 1] = ref[:take], ref[take:]
     step.reference_forwards = 0  # (counted: the training's own from here)
     distributed.all_reduce_(table)
     return table.cpu()

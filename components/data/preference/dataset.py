@@ -202,11 +202,6 @@ class PreferenceDataset(ChatDataset):
                 f"{t['tokens']}); {t['truncated']} truncated, {t['dropped']} dropped "
                 f"(data.overlong = {self.cfg.overlong!r}); template {self.template.name}")
 
-    @property
-    def tokens_per_epoch(self) -> int:
-        t = self.meta["splits"]["train"]
-        return 2 * (t["pairs"] - t["dropped"]) * self.seq_len
-
     def _split_rows(self, split: str) -> PairRows:
         if not self.meta:
             self.prepare()

@@ -14,7 +14,7 @@ the pair out, ``"error"`` stops naming the row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,10 +35,8 @@ class PairStats:
     dropped: int = 0
     tokens: int = 0  # tokens of both sides placed in rows (padding not counted)
     trained: int = 0  # of those, completion tokens the log-probabilities sum over
-    kept: list[int] = field(default_factory=list)
-
     def as_dict(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k != "kept"}
+        return dict(self.__dict__)
 
 
 def encode_side(template: ChatTemplate, tokenizer: Any, prompt: list, completion: list,
