@@ -69,11 +69,13 @@ class StepContext(Protocol):
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of one micro-batch."""
 
-    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
+                       temperature: float = 1.0, vocab: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log p(label) (B, T) fp32, trained (B, T) bool)`` of one micro-batch through
         ``model`` (the policy by default; a frozen model from ``StepBuildContext``), with this
-        rank's inputs; untrained positions hold 0. For sequence-level losses (preference, RL)."""
+        rank's inputs; ``temperature`` and ``vocab``: as a sampler sees the logits (divided,
+        cut); untrained positions hold 0. For sequence-level losses (preference, RL)."""
 
     def stage_loss(self, run: Any, labels: torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,11 +133,14 @@ class StepContract:
     ``step(ctx, micro_batches) -> StepResult``); ``complete_step`` completes a plugin step."""
 
     token_weighted: bool = False  # can weight micro-batches by their trained tokens (chat data)
-    takes_pairs: str = ""  # "paired" / "unpaired": the preference data it trains on
+    takes_pairs: str = ""  # "paired" / "unpaired" (preference data), "prompts" (RL)
 
     def check_recipe(self, recipe: Any, layout: Any) -> None:
         """Refuse a recipe this step cannot train (a RecipeError naming the key), for ``train``
         and ``validate`` alike; ``layout``: the run's mesh (``tp``, ``cp``, ``pp``, ``dp``)."""
+
+    def check_data(self, dataset: Any) -> None:
+        """Refuse data this step cannot train (a DataError), once it is prepared."""
 
     def setup(self, build: StepBuildContext) -> None:
         """Once, after the policy is built and parallelized, before the first step (also on a
@@ -208,7 +213,7 @@ class DatasetContract:
     """
 
     token_weighted: bool = False  # masked labels: the loss is the mean over trained tokens
-    pairs: str = ""  # "paired": a batch's chosen rows, then its rejected rows; "unpaired" (KTO)
+    pairs: str = ""  # "paired": chosen rows, then rejected; "unpaired" (KTO); "prompts" (RL)
     template: Any = None  # chat data: the template it renders with (the run folder keeps it)
     source_names: Any = ()  # a mixture's sources, in the order of a batch's source_ids
     meta: Any = types.MappingProxyType({})  # the prepared data's metadata

@@ -32,6 +32,8 @@ KINDS = (
     "guard",
     "step",
     "preference_loss",
+    "reward",
+    "rollout",
     "logger",
     "task",
     "hook",

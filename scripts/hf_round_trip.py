@@ -44,7 +44,7 @@ def main() -> int:
     import transformers
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.components.models.generation import Sampling, generate
     from kiln.recipes.loading.checkpoint_model import load_model
 
     _, tokenizer, model = load_model(find_checkpoint(work / "run"))

@@ -30,7 +30,7 @@ def main() -> None:
     prompts = torch.randint(3, 258, (args.batch, 32), generator=torch.Generator().manual_seed(0))
     if args.side == "kiln":
         from kiln.checkpointing.resume import find_checkpoint
-        from kiln.recipes.inference.generate import Sampling, generate
+        from kiln.components.models.generation import Sampling, generate
         from kiln.recipes.loading.checkpoint_model import load_model
 
         _, _, model = load_model(find_checkpoint(args.work / "run"),

@@ -30,21 +30,24 @@ def label_logprobs(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    cap: float) -> torch.Tensor:
-    return label_logprobs(soft_cap(F.linear(hidden, weight), cap).float(), labels)
+                    cap: float, temperature: float = 1.0, vocab: int | None = None
+                    ) -> torch.Tensor:
+    z = soft_cap(F.linear(hidden, weight[:vocab]), cap).float()
+    return label_logprobs(z if temperature == 1 else z / temperature, labels)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """(N, D), (V, D), (N,) -> (N,) fp32 log-probabilities; logits recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, cap, chunk):  # noqa: D401
+    def forward(ctx, hidden, weight, labels, cap, chunk, temperature, vocab):  # noqa: D401
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = start + chunk
-            out[start:end] = _chunk_logprobs(hidden[start:end], weight, labels[start:end], cap)
+            out[start:end] = _chunk_logprobs(hidden[start:end], weight, labels[start:end], cap,
+                                             temperature, vocab)
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.cap, ctx.chunk = cap, chunk
+        ctx.cap, ctx.chunk, ctx.temperature, ctx.vocab = cap, chunk, temperature, vocab
         return out
 
     @staticmethod
@@ -60,38 +63,46 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[start:end].detach().requires_grad_(need_h)
             w = weight.detach().requires_grad_(need_w)
             with torch.enable_grad():
-                lp = _chunk_logprobs(h, w, labels[start:end], ctx.cap)
+                lp = _chunk_logprobs(h, w, labels[start:end], ctx.cap, ctx.temperature,
+                                     ctx.vocab)
                 wanted = [t for t, need in ((h, need_h), (w, need_w)) if need]
                 grads = torch.autograd.grad(lp, wanted, grad_out[start:end])
             if need_h:
                 grad_h[start:end] = grads[0]
             if need_w:
                 grad_w += grads[-1]
-        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None
+        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                           cap: float = 0.0, chunk_tokens: int = 4096) -> torch.Tensor:
+                           cap: float = 0.0, chunk_tokens: int = 4096,
+                           temperature: float = 1.0, vocab: int | None = None) -> torch.Tensor:
     """log p(label) of every row of ``hidden`` (..., D) under the soft-capped head ``weight``
-    (V, D), fp32, shaped like ``labels`` (...); 0 where a label is ``IGNORE_INDEX``."""
+    (V, D), the logits divided by ``temperature`` and cut to the first ``vocab`` (a sampler's:
+    a rounded-up vocabulary's padding rows are never sampled), fp32, shaped like ``labels``
+    (...); 0 where a label is ``IGNORE_INDEX``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        out = _ChunkedTokenLogprobs.apply(h, weight, y, cap, chunk_tokens)
+        out = _ChunkedTokenLogprobs.apply(h, weight, y, cap, chunk_tokens, temperature, vocab)
     else:  # no graph to keep: the forward alone
         out = torch.cat([_chunk_logprobs(h[s:s + chunk_tokens], weight, y[s:s + chunk_tokens],
-                                         cap) for s in range(0, h.shape[0], chunk_tokens)])
+                                         cap, temperature, vocab)
+                         for s in range(0, h.shape[0], chunk_tokens)])
     return out.view(labels.shape)
 
 
 class LogprobHead:
     """``model(ids, head=LogprobHead(labels, n))``: the (B, T) token log-probabilities."""
 
-    def __init__(self, labels: torch.Tensor, chunk_tokens: int) -> None:
+    def __init__(self, labels: torch.Tensor, chunk_tokens: int, temperature: float = 1.0,
+                 vocab: int | None = None) -> None:
         self.labels, self.chunk_tokens = labels, chunk_tokens
+        self.temperature, self.vocab = temperature, vocab
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, cap: float) -> torch.Tensor:
         return chunked_token_logprobs(hidden, weight, self.labels, cap=cap,
-                                      chunk_tokens=self.chunk_tokens)
+                                      chunk_tokens=self.chunk_tokens,
+                                      temperature=self.temperature, vocab=self.vocab)

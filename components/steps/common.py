@@ -29,3 +29,17 @@ def unguarded(stats: dict[str, float]) -> GuardDecision:
         "the last checkpoint, or add a [guards.spike] table with type = \"spike_guard\" (its "
         "options: `kiln list guard`), which skips such steps (adding a guard to a run resumes "
         "from its checkpoint with checkpoint.weights_only = true)"))
+
+
+def sequence_parallel_refusal(step: str, layout) -> None:
+    """A step built on whole sequences' log-probabilities refuses layouts where a rank lacks
+    them (a RecipeError naming the setting)."""
+    from kiln.components.errors import RecipeError
+
+    why = ("parallelism.tp > 1 (vocabulary-sharded logits)" if layout.tp > 1
+           else "parallelism.cp > 1 (a rank holds part of each sequence)" if layout.cp > 1
+           else "parallelism.pp > 1 (the logits live on the last stage)" if layout.pp > 1
+           else "")
+    if why:
+        raise RecipeError(f"training.step.type = {step!r} is not supported with {why} yet; "
+                          "use data parallelism (FSDP2) alone")

@@ -30,6 +30,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 from kiln.components.steps import reference_table
+from kiln.components.steps.common import sequence_parallel_refusal
 from kiln.components.steps.preference_losses import PairLogps, PairLoss
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
@@ -74,13 +75,7 @@ class PreferenceStep(StepContract):
     def check_recipe(self, recipe, layout) -> None:
         """The pairs' log-probabilities need whole sequences and logits on every rank; a
         reference named by the recipe must exist in it."""
-        why = ("parallelism.tp > 1 (vocabulary-sharded logits)" if layout.tp > 1
-               else "parallelism.cp > 1 (a rank holds part of each sequence)" if layout.cp > 1
-               else "parallelism.pp > 1 (the logits live on the last stage)" if layout.pp > 1
-               else "")
-        if why:
-            raise RecipeError(f"training.step.type = \"preference\" is not supported with "
-                              f"{why} yet; use data parallelism (FSDP2) alone")
+        sequence_parallel_refusal("preference", layout)
         needs = self.loss.needs_reference
         if needs and self.cfg.reference == "none":
             raise RecipeError(

@@ -32,8 +32,9 @@ class Scorer:
     share of the probability); ``vocab_size`` (the tokenizer's) keeps greedy decoding on ids the
     tokenizer can decode. ``generate(model, prompts,
     max_new_tokens=, eos_id=, vocab_size=, pad_id=, loops=, until=, all_done=)`` is the greedy
-    decoder (``recipes/inference/generate.py``, passed in by the caller). With ``lockstep`` (several
-    ranks) generation runs until every rank's rows are done, so all make the same forwards."""
+    decoder (``components/models/generation.py``, passed in by the caller). With ``lockstep``
+    (several ranks) generation runs until every rank's rows are done, so all make the same
+    forwards."""
 
     def __init__(self, model: nn.Module, *, max_len: int, vocab_size: int,
                  autocast=None, use_cache: bool = True, generate: Callable | None = None,

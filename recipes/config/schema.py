@@ -174,6 +174,10 @@ class Recipe(Config):
         default_factory=dict, description="downstream tasks scored during training and by "
         "`kiln eval --tasks`, by name (docs/evaluation.md)"
     )
+    rewards: dict[str, Sub("reward")] = Field(
+        default_factory=dict, description="rewards of a reinforcement-learning step (grpo), "
+        "by name; each logged on its own (docs/rl.md)"
+    )
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import functools
 
+from kiln.components.models.generation import Sampling, generate
 from kiln.components.tasks.common import STDERR
-from kiln.recipes.inference.generate import Sampling, generate
 
 
 def greedy_generate():
-    """The greedy decoder a ``Scorer`` calls (``recipes/inference/generate.py``)."""
+    """The greedy decoder a ``Scorer`` calls (``components/models/generation.py``)."""
     return functools.partial(generate, sampling=Sampling(temperature=0))
 
 

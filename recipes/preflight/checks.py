@@ -129,8 +129,14 @@ def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
     ``dataset`` None: the data is not read here (``kiln validate --no-data``)."""
     takes = step_fn.takes_pairs
     pairs = None if dataset is None else (dataset.pairs or "")
+    step, data = recipe.training.step.type, recipe.data.type
+    if pairs is not None and pairs != (takes or "") and "prompts" in (pairs, takes):
+        raise RecipeError(
+            f"training.step.type = {step!r} samples completions of prompts, and data.type = "
+            f"{data!r} holds none; use data.type = \"prompts\"" if takes else
+            f"data.type = {data!r} holds prompts to sample from, which training.step.type = "
+            f"{step!r} cannot train on; use training.step.type = \"grpo\"")
     if pairs is not None and pairs != (takes or ""):
-        step, data = recipe.training.step.type, recipe.data.type
         raise RecipeError(
             f"training.step.type = {step!r} trains on preference pairs, and data.type = "
             f"{data!r} has none; use data.type = \"preference\"" if not pairs else
@@ -141,6 +147,8 @@ def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
             f"{recipe.training.step.loss.type!r} takes {takes} ones (KTO takes unpaired "
             "rows with a label, the other losses chosen / rejected pairs)")
     step_fn.check_recipe(recipe, shape)
+    if dataset is not None:
+        step_fn.check_data(dataset)
 
 
 def token_weighted(recipe, dataset, step_fn, shape: Layout) -> bool:

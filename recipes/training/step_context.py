@@ -138,9 +138,11 @@ class TrainStepContext:
         return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels, rows=rows)
 
     def token_logprobs(self, batch: dict[str, torch.Tensor],
-                       model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       model: torch.nn.Module | None = None, temperature: float = 1.0,
+                       vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each trained token's log-probability of its label through ``model`` (the policy by
-        default), fp32 (B, T), and the trained mask. With ``training.loss_chunk_tokens`` the
+        default; as a sampler sees them: the logits divided by ``temperature``, cut to the
+        first ``vocab``), fp32 (B, T), and the trained mask. With ``training.loss_chunk_tokens`` the
         head runs in chunks (``token_logprobs.LogprobHead``: no (B, T, V) logits). Not under
         pipeline or tensor parallelism yet (logits on other ranks, or sharded)."""
         if self.parallel.pipeline is not None or self.parallel.tp is not None:
@@ -150,9 +152,11 @@ class TrainStepContext:
         ids, labels, extra = self.model_inputs(batch)
         with self.autocast:
             if self.loss_chunk_tokens:
-                logp = model(ids, head=LogprobHead(labels, self.loss_chunk_tokens), **extra)
+                head = LogprobHead(labels, self.loss_chunk_tokens, temperature, vocab)
+                logp = model(ids, head=head, **extra)
             else:
-                logp = label_logprobs(model(ids, **extra).float(), labels)
+                logits = model(ids, **extra)[..., :vocab].float()
+                logp = label_logprobs(logits / temperature, labels)
         return logp, labels != IGNORE_INDEX
 
     def stage_loss(self, run, labels: torch.Tensor,

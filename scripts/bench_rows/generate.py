@@ -49,7 +49,7 @@ def kiln(p: dict) -> dict:
     import torch
 
     from kiln.checkpointing.resume import find_checkpoint
-    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.components.models.generation import Sampling, generate
     from kiln.recipes.loading.checkpoint_model import load_model
 
     set_threads(p["threads"])

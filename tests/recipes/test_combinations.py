@@ -116,7 +116,13 @@ def ac_modes() -> dict[str, tuple[str, ...]]:
 PAIRS = Path(__file__).parent / "pairs"
 STEP_DATA = {"preference": (
     "--data.type=preference", f"--data.path={PAIRS / 'sums.jsonl'}",
-    f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2")}
+    f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2"),
+    # GRPO samples 2 answers to each sum's prompt and rewards the chosen one
+    "grpo": ("--data.type=prompts", f"--data.path={PAIRS / 'sums.jsonl'}",
+             f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2",
+             "--training.step.group_size=2", "--training.step.rollout.max_new_tokens=4",
+             "--rewards.right.type=exact_match", "--rewards.right.field=chosen",
+             "--rewards.right.extract=all")}
 
 
 def recipe_for(family: str, folder, *extra: str, step: str = ""):
@@ -172,7 +178,8 @@ def cases():
         for step in steps_for(family):
             for float8 in ("off", "rowwise"):
                 for ac in ac_modes():
-                    for eval_first in (False, True):
+                    for eval_first in (False, True) if step != "grpo" else (False,):
+                        # (prompts have no held-out loss to evaluate first)
                         yield pytest.param(family, step, float8, ac, eval_first,
                                            id=f"{family}-{step}-f8_{float8}-{ac}-"
                                               f"{'eval_first' if eval_first else 'train_first'}")
@@ -284,7 +291,7 @@ def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
     every attention has a cache (or falls back to recomputing), looped cores get one slot per
     loop, MoE routes one new token as it routes it inside the whole sequence."""
     from kiln.components.attention import kv_cache
-    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.components.models.generation import Sampling, generate
 
     model = _family_model(family)
     assert kv_cache.supports_cache(model), f"{family}: no KV cache, generation recomputes"

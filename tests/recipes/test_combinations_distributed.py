@@ -45,7 +45,14 @@ DPO = {"dpo": ("--training.step.type=preference",),
                    "--training.step.precompute_reference=true"),
        # KTO on unpaired examples: its KL estimate is the mean over both ranks
        "kto": ("--training.step.type=preference", "--training.step.loss.type=kto",
-               f"--data.path={PAIRS / 'sums_unpaired.jsonl'}")}
+               f"--data.path={PAIRS / 'sums_unpaired.jsonl'}"),
+       # GRPO: each rank samples its prompts' groups (per-completion seeds: the same
+       # completions as one process), the KL to a frozen reference sharded as the policy
+       "grpo": ("--training.step.type=grpo", "--training.step.beta=0.1")}
+
+
+def _step(name: str) -> str:
+    return "grpo" if name == "grpo" else "preference"
 
 
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
@@ -67,11 +74,11 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
             results[f"{name}_plan"] = trainer.parallel_summary
             results[f"{name}_resumed"], _ = train(recipe_for(
                 family, f"{folder}/{name}", *args, f"--training.steps={STEPS + 1}"))
-        # Preference tuning under FSDP2 (a frozen reference sharded as the policy; LoRA with
-        # the adapters switched off as the reference), saved for the elastic resume below
+        # Preference tuning and GRPO under FSDP2 (a frozen reference sharded as the policy;
+        # LoRA with the adapters switched off as the reference), saved for the elastic resume
         for name, extra in DPO.items():
             results[name], _ = train(recipe_for("dense", f"{folder}/{name}", *FSDP2_SAVED,
-                                                *extra, step="preference"))
+                                                *extra, step=_step(name)))
         # Downstream tasks under FSDP2: batches split over the ranks, scores reduced
         from tests.recipes.hooks.test_downstream import task_flags
 
@@ -129,11 +136,11 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
     for name, extra in DPO.items():  # 2 processes equal 1; the checkpoint resumes on 1
         assert ranks[1][name] == ranks[0][name], f"{name}: ranks disagree"
         one, _ = train(recipe_for("dense", tmp_path / f"{name}1", *FSDP2_SAVED, *extra,
-                                  step="preference"))
+                                  step=_step(name)))
         assert ranks[0][name] == pytest.approx(one, rel=1e-5, abs=1e-6), name
         out = io.StringIO()
         losses, _ = train(recipe_for("dense", tmp_path / name, *FSDP2_SAVED, *extra,
-                                     f"--training.steps={STEPS + 1}", step="preference"),
+                                     f"--training.steps={STEPS + 1}", step=_step(name)),
                           out=out)
         assert len(losses) == 1 and math.isfinite(losses[0]), (name, losses)
         assert "-> 1 process" in out.getvalue(), name

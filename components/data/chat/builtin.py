@@ -36,3 +36,13 @@ def conversations(n: int, seed: int) -> list[dict]:
             value = new
         rows.append({"messages": messages})
     return rows
+
+
+def question(rng: np.random.Generator) -> tuple[list[dict], int, int, str]:
+    """A first turn of the set: (the prompt's messages, some with the system prompt; the
+    operands; the operator), drawn from ``rng`` (the preference and prompt sets use it)."""
+    prompt = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []
+    a, b = (int(x) for x in rng.integers(2, 60, size=2))
+    op = str(rng.choice(list(OPS)))
+    prompt.append({"role": "user", "content": f"What is {a} {OPS[op][0]} {b}?"})
+    return prompt, a, b, op

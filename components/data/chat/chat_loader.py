@@ -23,6 +23,8 @@ SPLIT_FILES = ("tokens", "trained", "docs")
 class ChatRows:
     """Random access to a split's rows; memmaps opened lazily so workers pickle cheaply."""
 
+    files = SPLIT_FILES  # the split's arrays: ``{split}_{name}.npy``
+
     def __init__(self, folder: Path, split: str, seed: int) -> None:
         self.folder, self.split, self.seed = folder, split, seed
         self._arrays: tuple[np.ndarray, ...] | None = None
@@ -36,7 +38,7 @@ class ChatRows:
             try:
                 self._arrays = tuple(np.load(self.folder / f"{self.split}_{name}.npy",
                                              mmap_mode="r", allow_pickle=False)
-                                     for name in SPLIT_FILES)
+                                     for name in self.files)
             except (OSError, ValueError) as exc:
                 raise DataError(f"{self.folder}: damaged chat data ({exc}); delete the folder "
                                 "to rebuild it") from None

@@ -111,6 +111,25 @@ def to_messages(row: dict, fields: dict[str, str], where: str) -> list[Message]:
     return messages
 
 
+def prompt_messages(row: dict, fields: dict[str, str], where: str) -> list[Message]:
+    """A prompt's messages: ``fields["prompt"]`` (default ``prompt``) is text (one user turn),
+    a list of messages, or a format string over the row's fields; ``fields["system"]`` adds a
+    system message first."""
+    path = fields.get("prompt", "prompt")
+    if "{" in path:  # a format string over the row's fields
+        prompt = [{"role": "user", "content": field_text(row, path, where)}]
+    elif isinstance(got := value(row, path, where), str):
+        prompt = [{"role": "user", "content": got}]
+    elif isinstance(got, list):
+        prompt = [message(m, where, i) for i, m in enumerate(got)]
+    else:
+        raise DataError(f"{where}: prompt must be text or a list of messages, got "
+                        f"{type(got).__name__}")
+    if "system" in fields:
+        prompt.insert(0, {"role": "system", "content": field_text(row, fields["system"], where)})
+    return prompt
+
+
 def message(m: Any, where: str, i: int) -> Message:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
             or not isinstance(m.get("content"), str):

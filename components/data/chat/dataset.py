@@ -36,19 +36,25 @@ from kiln.components.tokenizers import chat_templates as templates
 FORMAT = "kiln-chat-v2"  # v2: meta.json records the rows' checksum and empty assistant turns
 
 
-class ChatConfig(ComponentConfig):
+class RowsConfig(ComponentConfig):
+    """What chat, preference and prompt data share: the split, the template, the cache."""
+
+    split: str = Field("train", description="split of a saved or Hub dataset")
+    template: str = Field("", description='chat template: "" = the tokenizer\'s Hugging Face '
+                          'folder, "chatml", a .jinja file or a model folder')
+    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
+
+
+class ChatConfig(RowsConfig):
     """Where the conversations come from, how they are rendered, masked and packed."""
 
     path: str = Field("", description='.jsonl(.gz/.zst) / .parquet / .arrow file, folder, glob, '
                       'saved dataset or hf://datasets/OWNER/NAME; "" = the built-in arithmetic '
                       "dialogues")
-    split: str = Field("train", description="split of a saved or Hub dataset")
     fields: dict[str, str] = Field(
         default_factory=dict, description="canonical name -> the row's field: messages, or "
         'prompt / completion / system (a dotted path or a format string like "{instruction}'
         '\\n\\n{input}")')
-    template: str = Field("", description='chat template: "" = the tokenizer\'s Hugging Face '
-                          'folder, "chatml", a .jinja file or a model folder')
     train_on: masks.TrainOn = Field("assistant", description="tokens the loss is taken on: "
                                     "every assistant turn, the last one, or all tokens")
     pack: bool = Field(True, description="several conversations per row (false: one per row, "
@@ -60,7 +66,6 @@ class ChatConfig(ComponentConfig):
                                  "out for evaluation")
     builtin_rows: int = Field(4000, ge=2, description='conversations of the built-in set '
                               '(path = "")')
-    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
 
 
 @register("dataset", "chat")
@@ -70,6 +75,7 @@ class ChatDataset(DatasetContract):
     Config = ChatConfig
     cache_name = "chat"  # its folder under the cache root
     token_weighted = True  # the step averages over the global batch's trained tokens
+    split_files = SPLIT_FILES  # the arrays ``_write`` stores per split
 
     def __init__(self, cfg: ChatConfig, *, tokenizer: Any, seq_len: int, seed: int = 0,
                  **context: Any) -> None:
@@ -168,7 +174,7 @@ class ChatDataset(DatasetContract):
                 "vocab_size": int(self.tokenizer.vocab_size)}
         rows = xxhash.xxh3_128()
         for split, (arrays, stats) in splits.items():
-            for name, array in zip(SPLIT_FILES, arrays, strict=True):
+            for name, array in zip(self.split_files, arrays, strict=True):
                 np.save(tmp / f"{split}_{name}.npy", array, allow_pickle=False)
                 rows.update(np.ascontiguousarray(array).view(np.uint8))
             meta["splits"][split] = stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.components.data.chat.builtin import OPS, SYSTEM
+from kiln.components.data.chat.builtin import OPS, question
 
 
 def pairs(n: int, seed: int) -> list[dict]:
@@ -22,11 +22,8 @@ def pairs(n: int, seed: int) -> list[dict]:
     rng = np.random.default_rng([seed, 0xD90])
     rows = []
     for _ in range(n):
-        prompt = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []
-        a, b = (int(x) for x in rng.integers(2, 60, size=2))
-        op = str(rng.choice(list(OPS)))
-        word, fn = OPS[op]
-        prompt.append({"role": "user", "content": f"What is {a} {word} {b}?"})
+        prompt, a, b, op = question(rng)
+        fn = OPS[op][1]
         kind = rng.random()
         if kind < 0.5:  # an operand miscopied, the value computed from it
             off = int(rng.choice([-1, 1])) * int(rng.integers(1, 10))

@@ -19,11 +19,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kiln.components.base import ComponentConfig
 from kiln.components.data.chat import packing
 from kiln.components.data.chat.chat_loader import ChatLoader, ChatRows
 from kiln.components.data.chat.conversations import read_rows
-from kiln.components.data.chat.dataset import ChatDataset
+from kiln.components.data.chat.dataset import ChatDataset, RowsConfig
 from kiln.components.data.preference import builtin, encode
 from kiln.components.data.preference.pairs import Pair, is_unpaired, to_pair, to_unpaired
 from kiln.components.errors import DataError
@@ -32,25 +31,21 @@ from kiln.components.registry import register
 FORMAT = "kiln-preference-v2"  # v2: unpaired examples (labels, KL rows)
 
 
-class PreferenceConfig(ComponentConfig):
+class PreferenceConfig(RowsConfig):
     """Where the pairs come from and how they are rendered."""
 
     path: str = Field("", description='.jsonl(.gz/.zst) / .parquet / .arrow file, folder, glob, '
                       'saved dataset or hf://datasets/OWNER/NAME; "" = the built-in arithmetic '
                       "pairs")
-    split: str = Field("train", description="split of a saved or Hub dataset")
     fields: dict[str, str] = Field(
         default_factory=dict, description="canonical name -> the row's field: prompt, chosen, "
         "rejected, system (a dotted path; a text prompt or system may be a format string)")
-    template: str = Field("", description='chat template: "" = the tokenizer\'s Hugging Face '
-                          'folder, "chatml", a .jinja file or a model folder')
     overlong: packing.Overlong = Field(
         "truncate", description="a side longer than seq_len + 1: cut both sides' completions "
         "to the row, drop the pair, or stop with an error")
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of pairs held out for "
                                  "evaluation (held-out preference accuracy)")
     builtin_rows: int = Field(4000, ge=2, description='pairs of the built-in set (path = "")')
-    cache_dir: str = Field("", description='cache root; "" = $KILN_CACHE or ~/.cache/kiln')
 
 
 class PairRows(ChatRows):

@@ -38,10 +38,7 @@ def to_pair(row: dict, fields: dict[str, str], where: str) -> Pair:
     sides = {side: _side(row, fields.get(side, side), side, where) for side in SIDES}
     prompt_key = fields.get("prompt", "prompt")
     if "prompt" in fields or _has(row, prompt_key):
-        prompt = _prompt(row, prompt_key, where)
-        if "system" in fields:
-            prompt.insert(0, {"role": "system",
-                              "content": conversations.field_text(row, fields["system"], where)})
+        prompt = conversations.prompt_messages(row, fields, where)
         completions = {s: _completion(v, s, where) for s, v in sides.items()}
     else:
         prompt, completions = _split_implicit(sides, where)
@@ -67,18 +64,6 @@ def _side(row: dict, path: str, side: str, where: str) -> Any:
         raise DataError(f"{where}: {side} must be text or a list of messages, got "
                         f"{type(got).__name__}")
     return got
-
-
-def _prompt(row: dict, path: str, where: str) -> list[Message]:
-    if "{" in path:  # a format string over the row's fields
-        return [{"role": "user", "content": conversations.field_text(row, path, where)}]
-    got = value(row, path, where)
-    if isinstance(got, str):
-        return [{"role": "user", "content": got}]
-    if isinstance(got, list):
-        return [conversations.message(m, where, i) for i, m in enumerate(got)]
-    raise DataError(f"{where}: prompt must be text or a list of messages, got "
-                    f"{type(got).__name__}")
 
 
 def _completion(got: Any, side: str, where: str) -> list[Message]:
@@ -137,10 +122,7 @@ def to_unpaired(row: dict, fields: dict[str, str], where: str
     if not isinstance(label, bool):
         raise DataError(f"{where}: label must be true (desirable) or false, got {label!r}")
     got = _side(row, fields.get("completion", "completion"), "completion", where)
-    prompt = _prompt(row, fields.get("prompt", "prompt"), where)
-    if "system" in fields:
-        prompt.insert(0, {"role": "system",
-                          "content": conversations.field_text(row, fields["system"], where)})
+    prompt = conversations.prompt_messages(row, fields, where)
     completion = _completion(got, "completion", where)
     if not any(m["content"].strip() for m in completion):
         raise DataError(f"{where}: the completion is empty; drop the row")

@@ -100,8 +100,8 @@ def run(args) -> int:
 
     from kiln.checkpointing.resume import find_checkpoint
     from kiln.components.devices import pick_device
+    from kiln.components.models.generation import Sampling, generate
     from kiln.recipes.config.files import load_recipe
-    from kiln.recipes.inference.generate import Sampling, generate
     from kiln.recipes.loading.checkpoint_model import load_model
 
     prompts = _prompts(args)

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
-from tests.conftest import CONFIGS
+from tests.components.steps import recorded_runs
 
 PAIRS = ("--data.type=preference", "--data.template=chatml", "--data.builtin_rows=120",
          "--data.eval_fraction=0.1", "--training.step.type=preference")
@@ -30,26 +29,12 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
            "logps/chosen", "logps/rejected")
 
 
-class Record:
-    def __init__(self):
-        self.loss: dict[int, float] = {}
-        self.metrics: dict[int, dict[str, float]] = {}
-
-    def on_step_end(self, trainer, result):
-        self.loss[trainer.progress.step] = result.loss
-        self.metrics[trainer.progress.step] = result.metrics
-
-
 def _recipe(folder, *extra, steps=4, data=PAIRS):
-    return load_recipe(CONFIGS / "debug.toml", [*TINY, *data, f"--training.steps={steps}",
-                                                f"--run.folder={folder}", *extra])
+    return recorded_runs.recipe((*TINY, *data), folder, *extra, steps=steps)
 
 
 def _run(folder, *extra, steps=4, data=PAIRS):
-    record, out = Record(), io.StringIO()
-    trainer = Trainer(_recipe(folder, *extra, steps=steps, data=data), hooks=[record], out=out)
-    trainer.fit()
-    return record, trainer, out.getvalue()
+    return recorded_runs.run((*TINY, *data), folder, *extra, steps=steps)
 
 
 def _lines(folder):

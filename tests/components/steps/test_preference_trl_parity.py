@@ -8,14 +8,11 @@ gradients)."""
 
 from __future__ import annotations
 
-import copy
 import types
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from kiln.checkpointing.huggingface.export import export
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.models.token_logprobs import LogprobHead
 from kiln.components.steps.preference_losses import (
@@ -31,6 +28,7 @@ from kiln.components.steps.preference_losses import (
     SimPOConfig,
 )
 from tests.checkpointing.huggingface.hf_tiny import kiln_from_hf, save_tiny
+from tests.components.steps.hf_grads import hf_grads
 
 trl = pytest.importorskip("trl")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -99,18 +97,6 @@ def _trl_step(trainer, hf_policy, inputs):
     return loss.detach(), trainer._metrics["train"]
 
 
-def _hf_grads(kiln_model, folder) -> dict[str, torch.Tensor]:
-    """kiln's gradients under Hugging Face's names and layout (exported as if weights)."""
-    grads = copy.deepcopy(kiln_model)
-    with torch.no_grad():
-        for (_, g), (_, p) in zip(grads.named_parameters(), kiln_model.named_parameters(),
-                                  strict=True):
-            g.copy_(p.grad)
-    export(grads, None, folder, model_table={}, recipe_file=None, force=True)
-    out = {}
-    for f in folder.glob("*.safetensors"):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("loss_types, weights, build", [
@@ -137,11 +123,11 @@ def test_loss_rewards_and_gradients_equal_trl_dpo_trainer(models, loss_types, we
                                **TOL)
     torch.testing.assert_close(out.rejected_rewards.mean().item(),
                                seen["rewards/rejected"][0], **TOL)
-    grads = _hf_grads(policy, root / f"grads_{loss_type}")
-    hf_grads = {n: p.grad for n, p in hf_policy.named_parameters()}
-    assert set(grads) == set(hf_grads)
+    grads = hf_grads(policy, root / f"grads_{loss_type}")
+    want = {n: p.grad for n, p in hf_policy.named_parameters()}
+    assert set(grads) == set(want)
     for name, g in grads.items():
-        torch.testing.assert_close(g, hf_grads[name], **TOL, msg=name)
+        torch.testing.assert_close(g, want[name], **TOL, msg=name)
     assert any(g.abs().sum() > 0 for g in grads.values())
 
 
@@ -259,6 +245,6 @@ def test_kto_loss_rewards_and_gradients_equal_trl_kto_trainer(models):
     torch.testing.assert_close(out.extra["kl"].item(), seen["kl"][0], **TOL)
     torch.testing.assert_close(out.chosen_rewards.nansum().item() / 2,
                                seen["rewards/chosen"][0], **TOL)
-    grads = _hf_grads(policy, root / "grads_kto")
+    grads = hf_grads(policy, root / "grads_kto")
     for name, g in grads.items():
         torch.testing.assert_close(g, hf_policy.get_parameter(name).grad, **TOL, msg=name)

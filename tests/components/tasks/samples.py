@@ -59,8 +59,8 @@ def tiny_model(seed: int = 0, max_seq_len: int = 128, **overrides):
 
 
 def scorer(model=None, *, max_len: int = 128, use_cache: bool = True):
+    from kiln.components.models.generation import Sampling, generate
     from kiln.components.tasks.scorer import Scorer
-    from kiln.recipes.inference.generate import Sampling, generate
 
     model = model if model is not None else tiny_model(max_seq_len=max_len)
     return Scorer(model, max_len=max_len, vocab_size=258, use_cache=use_cache,

@@ -76,7 +76,7 @@ def test_generation_stops_at_the_stop_string(tmp_path, use_cache):
     texts = task.generations(samples.scorer(model, use_cache=use_cache), batch)
     assert all("a" not in t and "e" not in t for t in texts)
     # the reference: each prompt alone, greedy, without stop strings, cut at the first stop
-    from kiln.recipes.inference.generate import Sampling, generate
+    from kiln.components.models.generation import Sampling, generate
 
     for ex, text in zip(batch.payload, texts, strict=True):
         ids = generate(model, [ex.prompt], max_new_tokens=12, sampling=Sampling(temperature=0),

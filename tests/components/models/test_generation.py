@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.components.models.generation import Sampling, generate, sample
 from kiln.recipes.cli import main
-from kiln.recipes.inference.generate import Sampling, generate, sample
 from kiln.recipes.loading.checkpoint_model import load_model
 from tests.checkpointing.huggingface.hf_tiny import LLAMA3, kiln_from_hf, save_tiny
 from tests.checkpointing.huggingface.test_export import TINY, checkpoint
@@ -149,7 +149,7 @@ def metaspace_tokenizer(folder) -> str:
 def test_kiln_generate_keeps_the_space_a_metaspace_decoder_strips(tmp_path, capsys, monkeypatch):
     """Decoding only the new ids drops the first one's leading space ('a1 1 1'): the text shown
     is decode(prompt + new) minus decode(prompt), streamed or batched."""
-    import kiln.recipes.inference.generate as gen
+    import kiln.components.models.generation as gen
 
     path = metaspace_tokenizer(tmp_path / "tok")
     folder, _ = checkpoint(tmp_path, "--tokenizer.type=huggingface", f"--tokenizer.path={path}")
@@ -174,3 +174,44 @@ def test_a_prompts_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompts-file", str(tmp_path / "p.txt")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "p.txt: byte 3 is not UTF-8" in err
+
+
+def test_row_seeds_make_each_row_independent_of_its_batch(tmp_path):
+    """RL rollouts: a row's sampled tokens depend on its own seed only, not on the rows that
+    share its batch (1 or 2 processes, a resume); temperature 0 is greedy."""
+    save_tiny(tmp_path / "hf", "qwen3")
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    prompts, seeds = [[1, 2, 3, 4, 5], [9], [4, 4, 4]], [11, 12, 13]
+    warm = Sampling(temperature=1.0, top_p=0.9)
+    together = generate(model, prompts, max_new_tokens=12, sampling=warm, row_seeds=seeds)
+    alone = [generate(model, [p], max_new_tokens=12, sampling=warm, row_seeds=[s])[0]
+             for p, s in zip(prompts, seeds, strict=True)]
+    assert together == alone
+    other = generate(model, prompts, max_new_tokens=12, sampling=warm, row_seeds=[1, 2, 3])
+    assert other != together
+    greedy = generate(model, prompts, max_new_tokens=12, sampling=GREEDY)
+    assert generate(model, prompts, max_new_tokens=12, sampling=GREEDY, row_seeds=seeds) == greedy
+
+
+def test_the_reported_log_probabilities_are_the_forwards(tmp_path):
+    """``stats``: each sampled token's log-probability under the tempered distribution and its
+    entropy; the same as a forward over the whole sequence (<= 1e-5, fp32)."""
+    from kiln.components.models.token_logprobs import label_logprobs
+
+    save_tiny(tmp_path / "hf", "llama")
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 4]]
+    stats: list = []
+    out = generate(model, prompts, max_new_tokens=10, sampling=Sampling(temperature=0.7),
+                   row_seeds=[1, 2, 3], stats=stats)
+    for p, new, row in zip(prompts, out, stats, strict=True):
+        seq = torch.tensor([p + new])
+        with torch.no_grad():
+            z = model(seq[:, :-1]).float() / 0.7
+        want = label_logprobs(z, seq[:, 1:])[0, len(p) - 1:]
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in row]), want, atol=1e-5,
+                                   rtol=0)
+        logp = z[0, len(p) - 1:].log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        torch.testing.assert_close(torch.tensor([h for _, h in row]), entropy, atol=1e-5,
+                                   rtol=0)

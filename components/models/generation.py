@@ -1,5 +1,12 @@
 """Sampling text from a kiln model: batched prompts (left-padded), a KV cache, temperature /
-top-k / top-p sampling from a seeded generator, tokens handed to a callback as they come.
+top-k / top-p sampling from a seeded generator (or one per row: ``row_seeds``), tokens handed to
+a callback as they come.
+
+With ``row_seeds`` each row draws from its own generator (one uniform per token, inverted
+through the row's cumulative probabilities), so a row's tokens do not depend on which other rows
+share its batch: RL rollouts give the same completions on 1 or 2 processes and after a resume.
+``stats`` collects each sampled token's log-probability and the entropy of the distribution it
+was drawn from (the logits divided by the temperature: what the training forward recomputes).
 
 With the cache (``components/attention/kv_cache.py``) the prompt runs once and every later
 forward runs one token per row; without it every step reruns the whole sequence (the reference
@@ -31,8 +38,10 @@ class Sampling:
             raise ValueError("sampling: temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
 
 
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V)."""
+def sample(logits: torch.Tensor, s: Sampling,
+           generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V); ``generator``: one for the batch, or one per
+    row."""
     if s.temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / s.temperature
@@ -46,7 +55,22 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> tor
         drop = probs.cumsum(-1) - probs >= s.top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # Per row (written here: multinomial draws a batch from one stream): the first token whose
+    # cumulative probability exceeds the row's uniform (tokens of probability 0 never win).
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generator])
+    cdf = probs.double().cumsum(-1)
+    at = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)
+    return at.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def token_stats(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, 2): each sampled token's log-probability and the entropy of the distribution
+    (``logits / temperature``; temperature 0 counts as 1), fp32."""
+    logp = (logits.float() / (temperature or 1.0)).log_softmax(-1)
+    entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+    return torch.stack([logp.gather(-1, token[:, None]).squeeze(-1), entropy], -1)
 
 
 def _padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,15 +91,21 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              loops: int | None = None, pad_id: int = 0, vocab_size: int | None = None,
              on_tokens: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
              until: Callable[[list[int]], bool] | None = None,
-             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
+             all_done: Callable[[bool], bool] | None = None,
+             row_seeds: list[int] | None = None,
+             stats: list[list[tuple[float, float]]] | None = None) -> list[list[int]]:
     """New tokens per prompt (a row stops after EOS, which it keeps). ``on_tokens(ids (B,),
     live (B,) bool)`` sees every step's tokens (those of finished rows are not live);
     ``loops`` is a looped model's loop count; ``vocab_size`` (the tokenizer's) keeps sampling
     off the padding rows of a model whose vocabulary was rounded up (``vocab_multiple``).
     ``until(row's new ids)`` stops a row when true (stop strings); ``all_done(this batch is
-    done) -> every rank's is`` keeps data-parallel ranks stepping together (evaluation)."""
+    done) -> every rank's is`` keeps data-parallel ranks stepping together (evaluation).
+    ``row_seeds``: a generator per row (instead of ``sampling.seed``); ``stats``: an empty list
+    that receives, per row, ``(log-probability, entropy)`` of each new token."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one non-empty prompt")
+    if row_seeds is not None and len(row_seeds) != len(prompts):
+        raise ValueError("generate: row_seeds needs one seed per prompt")
     device = next(model.parameters()).device
     model.eval()
     kwargs = {} if loops is None else {"loops": loops}
@@ -86,13 +116,20 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
             if all_done is not None:
                 raise ValueError("generating prompts of several lengths in step with other "
                                  "ranks needs a model whose attention has a KV cache")
-            return [generate(model, [p], max_new_tokens=max_new_tokens, sampling=sampling,
-                             eos_id=eos_id, use_cache=use_cache, loops=loops, pad_id=pad_id,
-                             vocab_size=vocab_size, on_tokens=None, until=until)[0]
-                    for p in prompts]
+            out = []
+            for i, p in enumerate(prompts):
+                row_stats = [] if stats is not None else None
+                out.append(generate(
+                    model, [p], max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                    use_cache=use_cache, loops=loops, pad_id=pad_id, vocab_size=vocab_size,
+                    on_tokens=None, until=until, stats=row_stats,
+                    row_seeds=None if row_seeds is None else [row_seeds[i]])[0])
+                if stats is not None:
+                    stats.extend(row_stats)
+            return out
         step = lambda new: model(  # noqa: E731
             torch.cat([ids, *new], 1), **kwargs)[:, -1, :vocab_size]
-        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens)
+        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
     with kv_cache.attach(model, len(prompts), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
             session.begin(None if new else valid)  # None: one valid token per row
@@ -100,7 +137,7 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
             session.end()
             return logits
 
-        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens)
+        return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
 
 
 @dataclass(frozen=True)
@@ -125,18 +162,28 @@ class _Stops:
 
 
 def _loop(step, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, stops: _Stops,
-          on_tokens) -> list[list[int]]:
+          on_tokens, row_seeds: list[int] | None = None,
+          stats: list | None = None) -> list[list[int]]:
     """Sample ``max_new_tokens`` steps; ``step(new_columns) -> logits (B, V)``."""
-    generator = torch.Generator(ids.device).manual_seed(sampling.seed)
+    generator = torch.Generator(ids.device).manual_seed(sampling.seed) if row_seeds is None \
+        else [torch.Generator().manual_seed(s) for s in row_seeds]  # (CPU: one draw per row)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     new: list[torch.Tensor] = []  # (B, 1) each
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    if stats is not None:
+        stats.extend([] for _ in range(ids.shape[0]))
+        first = len(stats) - ids.shape[0]
     for _ in range(max_new_tokens):
-        token = sample(step(new), sampling, generator)  # (B,)
+        logits = step(new)
+        token = sample(logits, sampling, generator)  # (B,)
         token = torch.where(done, torch.zeros_like(token), token)
+        measured = token_stats(logits, token, sampling.temperature).tolist() \
+            if stats is not None else None
         for i, (t, d) in enumerate(zip(token.tolist(), done.tolist(), strict=True)):
             if not d:
                 out[i].append(t)
+                if measured is not None:
+                    stats[first + i].append(tuple(measured[i]))
         finished = stops.finished(done, token, out)
         if on_tokens is not None:
             on_tokens(token, ~done)

@@ -1,0 +1,1 @@
+"""Prompt data: prompts with the fields rewards check (reinforcement learning)."""

@@ -1,0 +1,1 @@
+"""Rewards of reinforcement learning: registered components scoring completions."""

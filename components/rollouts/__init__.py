@@ -1,0 +1,1 @@
+"""Rollouts: completions sampled from the policy for reinforcement learning."""

@@ -1,0 +1,53 @@
+"""The built-in rewards: exact match after each extractor, numeric equality within a tolerance,
+the format regex, DAPO's soft length punishment; bad settings are refused."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kiln.components.base import default_config
+from kiln.components.rewards.builtin import Completion
+
+
+def _reward(name, **values):
+    return default_config("reward", name, **values).build()
+
+
+def _c(text, tokens=5, **fields):
+    return Completion(text, tokens, False, fields)
+
+
+def test_exact_match_with_a_regex_the_last_number_or_the_whole_text():
+    texts = [_c("47 * 22 = 1034.", answer="1034"), _c("47 * 22 = 1035.", answer="1034"),
+             _c("no idea", answer="1034")]
+    assert _reward("exact_match", regex=r"= (-?\d+)")(texts) == [1.0, 0.0, 0.0]
+    assert _reward("exact_match", extract="last_number")(texts) == [1.0, 0.0, 0.0]
+    assert _reward("exact_match", extract="all", field="x", ignore_case=True)(
+        [_c(" Yes ", x="yes"), _c("yes.", x="yes")]) == [1.0, 0.0]
+    last = _reward("exact_match", regex=r"(\d+)", occurrence="last", field="v")
+    assert last([_c("1 then 2", v="2")]) == [1.0]
+
+
+def test_numeric_within_a_tolerance_and_commas():
+    r = _reward("numeric", tolerance=0.01)
+    assert r([_c("about 3.141", answer="3.14"), _c("1,034", answer="1034"),
+              _c("3.2", answer="3.14"), _c("none", answer="1")]) == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="'answer' is not a number"):
+        r([_c("1", answer="many")])
+
+
+def test_format_and_length():
+    fmt = _reward("format", regex=r"^\d+ [-+*] \d+ = -?\d+\.$", full=True)
+    assert fmt([_c("2 + 3 = 5."), _c("2 + 3 = 5. And more")]) == [1.0, 0.0]
+    length = _reward("length", max_tokens=10, buffer=4)
+    assert length([_c("", tokens=n) for n in (6, 8, 10, 12)]) == [0.0, -0.5, -1.0, -1.0]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValidationError, match="is not a regular expression"):
+        default_config("reward", "format", regex="(")
+    with pytest.raises(ValueError, match="needs a regex"):
+        _reward("exact_match")
+    with pytest.raises(ValueError, match="buffer must be at most"):
+        _reward("length", max_tokens=2, buffer=4)
