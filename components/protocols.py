@@ -112,7 +112,8 @@ class StepBuildContext(Protocol):
     ranks: int
     is_main: bool
 
-    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
+                       temperature: float = 1.0, vocab: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``StepContext.token_logprobs`` of a batch (to the device), before the first step."""
 

@@ -16,7 +16,7 @@ SHRINK = {
     "eval": ["--tokens", "1024"],
     "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
 }
-# ... and of 64 tokens, unless the recipe trains on conversations or preference pairs: a
+# ... and of 64 tokens, unless the recipe trains on conversations, preference pairs or prompts: a
 # conversation longer than seq_len is dropped, not cut, so a shorter window would leave the chat
 # and preference recipes no data.
 SHORT = {"train": ["--training.seq_len=64", "--eval.tokens=256"],
@@ -41,7 +41,7 @@ def shorter(kind: str, args: list[str], workdir: Path) -> list[str]:
     if kind not in SHORT or not args or not (workdir / args[0]).is_file():
         return []
     try:
-        chat = load_recipe(workdir / args[0]).data.type in ("chat", "preference")
+        chat = load_recipe(workdir / args[0]).data.type in ("chat", "preference", "prompts")
     except KilnError:
         return []
     return [] if chat else SHORT[kind]

@@ -34,9 +34,11 @@ class StepBuild(StepBuildContext):
         self.is_main: bool = trainer.world.is_main
         self.lines: list[str] = []  # for the start-up log
 
-    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+    def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
+                       temperature: float = 1.0, vocab: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._trainer.step_context.token_logprobs(self._trainer.to_device(batch), model)
+        return self._trainer.step_context.token_logprobs(self._trainer.to_device(batch), model,
+                                                         temperature, vocab)
 
     def without_adapters(self) -> AbstractContextManager | None:
         adapter = self._trainer.adapter
