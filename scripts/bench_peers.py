@@ -25,7 +25,10 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
   optimizer state vs full fine-tuning (``bench_rows/lora.py``, ``lora_memory.py``);
 - ``dpo-step``, ``dpo-memory``: a DPO step vs TRL's ``DPOTrainer`` on ``transformers``, and the
   peak memory of a LoRA DPO step with the adapters-off reference vs a frozen copy
-  (``bench_rows/dpo.py``, ``dpo_memory.py``).
+  (``bench_rows/dpo.py``, ``dpo_memory.py``);
+- ``grpo-rollout``, ``grpo-step``: sampled rollouts (tokens/s) vs ``transformers`` ``generate``
+  as TRL's ``GRPOTrainer`` calls it, and a whole GRPO step vs ``GRPOTrainer.training_step``
+  (``bench_rows/grpo.py``).
 
 Every side runs in a fresh process; each round runs every group's two sides, the order of the two
 alternating from round to round, so drift in the machine's load hits both. The table gives each
@@ -158,6 +161,16 @@ def groups(args) -> list[Group]:
                      [Row("DPO step with LoRA, peak memory: adapters-off reference", "peak_mb",
                           "MiB", higher_is_better=False, goal="report")],
                      {**base}, third_party=False))
+    grpo = {**base, "prompts": 4, "group": 8, "prompt": 32,
+            "new_tokens": 8 if quick else 64, "repeats": 1 if quick else 3}
+    out.append(Group("grpo-rollout", "grpo", "transformers generate, TRL GRPO's sampling",
+                     [Row(f"GRPO rollout, 4 prompts x 8, {grpo['new_tokens']} new tokens, "
+                          "temperature 1", "tokens_per_second", "tok/s", goal=">= 1.5x")],
+                     {**grpo, "what": "rollout"}))
+    out.append(Group("grpo-step", "grpo", "TRL GRPOTrainer.training_step on transformers",
+                     [Row("GRPO step (rollout + update), fp32", "steps_per_second", "steps/s",
+                          goal=">= 1.3x")],
+                     {**grpo, "what": "step"}))
     return out
 
 

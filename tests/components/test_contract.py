@@ -142,6 +142,25 @@ def test_component_contract(entry, tmp_path):
         out.losses.mean().backward()
         assert torch.isfinite(out.losses).all() and torch.isfinite(chosen.grad).all()
         assert not out.chosen_rewards.requires_grad
+    elif kind == "reward":  # one finite score per completion, from its text and fields
+        from kiln.components.rewards.builtin import Completion
+
+        needs = {"exact_match": {"regex": r"(\d+)"}, "format": {"regex": r"\d"},
+                 "length": {"max_tokens": 4, "buffer": 2}}
+        reward = _default(entry, **needs.get(entry.name, {})).build()
+        done = [Completion(t, n, False, {"answer": "12"}) for t, n in (("= 12", 3), ("x", 6))]
+        scores = reward(done)
+        assert len(scores) == 2 and all(math.isfinite(x) for x in scores)
+    elif kind == "rollout":  # a completion per prompt from a tiny model, with its statistics
+        model = registry.get("model", "transformer").config(
+            type="transformer", dim=DIM, n_layers=1, attention=registry.get(
+                "attention", "causal").config(type="causal", n_heads=4)).build(
+                    vocab_size=V, seq_len=T)
+        rollout = _default(entry, max_new_tokens=3).build()
+        out = rollout(model, [[1, 2, 3], [4]], [7, 8], decode=lambda ids: "", stops=[],
+                      eos_id=None, pad_id=0, vocab_size=V, lockstep=False)
+        assert [len(s.ids) for s in out] == [3, 3] and all(s.truncated for s in out)
+        assert all(len(s.logprobs) == len(s.entropies) == 3 for s in out)
     elif kind == "guard":
         guard = _default(entry).build(run_dir=tmp_path)
         decision = guard.decide({"loss": 2.0, "grad_norm": 1.0}, 0, 0)
