@@ -13,7 +13,9 @@ update. The generator's own log-probabilities only feed the ``rollout/logp_diff`
 
 With ``beta > 0`` a KL term to a frozen reference (the starting weights sharded like the policy,
 or the policy with its adapters off) joins the loss. ``dynamic_sampling`` leaves out of the loss
-the groups whose rewards are all equal (DAPO); the others keep their weight.
+the groups whose rewards are all equal (DAPO): up to ``refill_rounds`` times it samples a
+group for another prompt (drawn per slot of the global batch from the seed and the step, so the
+same on any layout) in place of each such group, then drops those still equal.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ class GRPOStepConfig(ComponentConfig):
         "group", description='divide the advantages by the group\'s reward std ("group"), the '
         'batch\'s ("batch") or not ("none": Dr. GRPO)')
     iterations: int = Field(1, ge=1, description="optimizer steps per rollout batch (μ)")
-    dynamic_sampling: bool = Field(False, description="leave groups whose rewards are all "
-                                   "equal out of the loss (DAPO)")
+    dynamic_sampling: bool = Field(False, description="replace groups whose rewards are all "
+                                   "equal with groups of other prompts (refill_rounds tries), "
+                                   "and leave those still equal out of the loss (DAPO)")
+    refill_rounds: int = Field(2, ge=0, description="with dynamic_sampling: rounds of sampling "
+                               "replacement prompts for the equal groups (0 = only drop them)")
     overlong_filter: bool = Field(False, description="completions cut by max_new_tokens count "
                                   "no token in the loss (DAPO)")
     log_rollouts: int = Field(0, ge=0, description="every N steps write the step's completions "
@@ -167,6 +172,44 @@ class GRPOStep(StepContract):
                                lockstep=distributed.is_initialized())
         return repeated, samples, rows, ds.prompt_fields("train", rows)
 
+    def refill(self, ctx: StepContext, prompts, samples, rows, fields, values, total) -> int:
+        """Replace, in place, groups whose rewards are all equal with groups sampled for other
+        prompts; returns how many were replaced. Every rank samples as many groups per round as
+        the rank needing the most (padding with its first prompt), so the ranks' forwards stay
+        in step under FSDP2."""
+        g, ds = self.cfg.group_size, self.dataset
+        count, replaced = ds.prompt_count("train"), 0
+        for round_ in range(self.cfg.refill_rounds):
+            equal = grpo_loss.group_advantages(total, g, "none")[1][::g].tolist()
+            need = [i for i, e in enumerate(equal) if e]
+            most = torch.tensor([float(len(need))])
+            distributed.all_reduce_(most, op="max")
+            if not int(most):
+                break
+            slots = [self.rank * len(rows) + i for i in need]  # the global batch's slots
+            picks = [grpo_batch.refill_row(self.seed, ctx.step, s, round_, count) for s in slots]
+            picks += [rows[0]] * (int(most) - len(need))
+            new_prompts = ds.prompt_ids("train", picks)
+            seeds = [grpo_batch.completion_seed(self.seed, ctx.step, r, j + g * (round_ + 1))
+                     for r in picks for j in range(g)]
+            repeated = [q for q in new_prompts for _ in range(g)]
+            new = self.rollout(ctx.model, repeated, seeds, decode=ds.decode,
+                               stops=ds.stop_strings, eos_id=ds.tokenizer.eos_id,
+                               pad_id=ds.pad_id, vocab_size=ds.tokenizer.vocab_size,
+                               lockstep=distributed.is_initialized())
+            new_fields = ds.prompt_fields("train", picks)
+            v, t = grpo_batch.score(self.rewards, new[:len(need) * g], new_fields, g)
+            still = grpo_loss.group_advantages(t, g, "none")[1][::g].tolist()
+            for k, i in enumerate(need):
+                if still[k]:
+                    continue
+                at, got = slice(i * g, (i + 1) * g), slice(k * g, (k + 1) * g)
+                prompts[at], samples[at] = repeated[got], new[got]
+                rows[i], fields[i] = picks[k], new_fields[k]
+                values[at], total[at] = v[got], t[got]
+                replaced += 1
+        return replaced
+
     @torch.no_grad()
     def reference_logprobs(self, ctx: StepContext, rows: grpo_batch.Rows) -> torch.Tensor:
         t = self.rollout.temperature
@@ -189,6 +232,9 @@ class GRPOStep(StepContract):
         cfg, g = self.cfg, self.cfg.group_size
         prompts, samples, rows, fields = self.sample(ctx, micro_batches)
         values, total = grpo_batch.score(self.rewards, samples, fields, g)
+        refilled = 0
+        if cfg.dynamic_sampling and cfg.refill_rounds:
+            refilled = self.refill(ctx, prompts, samples, rows, fields, values, total)
         batch_std = _global_std(total, ctx.device) if cfg.scale_rewards == "batch" else None
         adv, zero_std = grpo_loss.group_advantages(total, g, cfg.scale_rewards, batch_std)
         data = grpo_batch.training_rows(prompts, samples, self.dataset.pad_id, ctx.device,
@@ -240,6 +286,9 @@ class GRPOStep(StepContract):
             if decision.skip:
                 break
         metrics = self.metrics(ctx, values, total, zero_std, samples, sums, data)
+        if cfg.dynamic_sampling:
+            metrics["refilled_groups"] = float(_all_sum(torch.tensor([float(refilled)]),
+                                                        ctx.device)[0])
         if cfg.log_rollouts and (ctx.step + 1) % cfg.log_rollouts == 0:
             self.write_rollouts(ctx, prompts, samples, rows, values, total, adv)
         return StepResult(loss=losses[-1], tokens=int(metrics.pop("tokens")),

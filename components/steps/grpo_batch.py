@@ -22,6 +22,12 @@ def completion_seed(seed: int, step: int, row: int, sample: int) -> int:
     return int(np.random.SeedSequence([seed, 0x6290, step, row, sample]).generate_state(1)[0])
 
 
+def refill_row(seed: int, step: int, slot: int, round_: int, count: int) -> int:
+    """The stored row of the prompt replacing slot ``slot``'s group in refill round ``round_``
+    (dynamic sampling): a function of the slot, not of the rank."""
+    return int(np.random.default_rng([seed, 0x5EF, step, slot, round_]).integers(count))
+
+
 def score(rewards: dict, samples: list, fields: list[dict], group: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each reward's values (N, K) in ``rewards``' order, the weighted total (N,)) of

@@ -48,7 +48,9 @@ DPO = {"dpo": ("--training.step.type=preference",),
                f"--data.path={PAIRS / 'sums_unpaired.jsonl'}"),
        # GRPO: each rank samples its prompts' groups (per-completion seeds: the same
        # completions as one process), the KL to a frozen reference sharded as the policy
-       "grpo": ("--training.step.type=grpo", "--training.step.beta=0.1")}
+       # dynamic sampling: ranks refill their equal groups in step with each other
+       "grpo": ("--training.step.type=grpo", "--training.step.beta=0.1",
+                "--training.step.dynamic_sampling=true")}
 
 
 def _step(name: str) -> str:

@@ -158,11 +158,23 @@ class PromptDataset(ChatDataset):
             self.prepare()
         return max(s["longest"] for s in self.meta["splits"].values())
 
-    def prompt_fields(self, split: str, rows: list[int]) -> list[dict[str, Any]]:
-        """The stored fields of prompts ``rows`` of ``split``."""
+    def _split(self, split: str) -> PromptRows:
         if split not in self._rows_of:
             self._rows_of[split] = PromptRows(self.prepare(), split, self.seed)
-        return self._rows_of[split].fields(rows)
+        return self._rows_of[split]
+
+    def prompt_fields(self, split: str, rows: list[int]) -> list[dict[str, Any]]:
+        """The stored fields of prompts ``rows`` of ``split``."""
+        return self._split(split).fields(rows)
+
+    def prompt_ids(self, split: str, rows: list[int]) -> list[list[int]]:
+        """The token ids of prompts ``rows`` of ``split``."""
+        batch = self._split(split).gather(np.asarray(rows, dtype=np.int64))
+        return [ids[:n] for ids, n in zip(batch["prompt_ids"].tolist(),
+                                          batch["prompt_lengths"].tolist(), strict=True)]
+
+    def prompt_count(self, split: str) -> int:
+        return len(self._split(split))
 
     def decode(self, ids: list[int]) -> str:
         """A completion's text, the template's special tokens kept (so a stop string such as

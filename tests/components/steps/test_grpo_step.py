@@ -110,6 +110,17 @@ def test_other_aggregations_and_batch_scaling_train(tmp_path, mode):
     assert all(torch.isfinite(torch.tensor(v)) for v in record.loss.values())
 
 
+def test_dynamic_sampling_refills_groups_whose_rewards_are_all_equal(tmp_path):
+    base, *_ = _run(tmp_path / "plain", steps=2)
+    record, *_ = _run(tmp_path / "dyn", "--training.step.dynamic_sampling=true",
+                      "--training.step.refill_rounds=3", steps=2)
+    assert sum(record.metrics[s]["refilled_groups"] for s in (1, 2)) > 0
+    assert record.metrics[1]["frac_reward_zero_std"] < base.metrics[1]["frac_reward_zero_std"]
+    again, *_ = _run(tmp_path / "again", "--training.step.dynamic_sampling=true",
+                     "--training.step.refill_rounds=3", steps=2)
+    assert again.loss == record.loss and again.metrics == record.metrics
+
+
 def test_a_group_whose_rewards_are_all_equal_gets_no_gradient():
     logp = torch.randn(4, 5, requires_grad=True)
     adv, zero = grpo_loss.group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, "group")
