@@ -130,12 +130,22 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
         step = lambda new: model(  # noqa: E731
             torch.cat([ids, *new], 1), **kwargs)[:, -1, :vocab_size]
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
-    with kv_cache.attach(model, len(prompts), ids.shape[1] + max_new_tokens, device) as session:
+    # A prompt repeated in the batch (an RL group's completions) is run once: its cache rows
+    # are then copied to every row that shares it.
+    at = {}  # each distinct prompt's row in the first forward
+    owner_rows = [at.setdefault(tuple(p), len(at)) for p in prompts]
+    first_ids, first_valid = (ids, valid) if len(at) == len(prompts) else \
+        _padded([list(p) for p in at], pad_id, device)
+    owner = torch.tensor(owner_rows, device=device) if len(at) < len(prompts) else None
+    with kv_cache.attach(model, len(at), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
-            session.begin(None if new else valid)  # None: one valid token per row
-            logits = model(ids if not new else new[-1], **kwargs)[:, -1, :vocab_size]  # (B, V)
+            session.begin(None if new else first_valid)  # None: one valid token per row
+            logits = model(first_ids if not new else new[-1], **kwargs)[:, -1, :vocab_size]
             session.end()
-            return logits
+            if not new and owner is not None:
+                session.select(owner)
+                logits = logits[owner]
+            return logits  # (B, V)
 
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
 

@@ -193,6 +193,26 @@ def test_row_seeds_make_each_row_independent_of_its_batch(tmp_path):
     assert generate(model, prompts, max_new_tokens=12, sampling=GREEDY, row_seeds=seeds) == greedy
 
 
+def test_a_repeated_prompt_is_run_once_and_gives_each_row_what_it_gives_alone(tmp_path):
+    """An RL group repeats its prompt: the prompt's forward runs once for all its rows (fewer
+    rows in the first forward, counted) and every row continues as it would alone."""
+    save_tiny(tmp_path / "hf", "qwen3")
+    model = kiln_from_hf(tmp_path / "hf", 64)
+    prompts = [[1, 2, 3, 4, 5], [9], [1, 2, 3, 4, 5], [9], [1, 2, 3, 4, 5]]
+    seeds = [3, 4, 5, 6, 7]
+    rows = []
+    hook = model.blocks()[0].register_forward_hook(lambda m, a, out: rows.append(a[0].shape[0]))
+    warm = Sampling(temperature=1.0)
+    together = generate(model, prompts, max_new_tokens=6, sampling=warm, row_seeds=seeds)
+    hook.remove()
+    assert rows[0] == 2 and set(rows[1:]) == {5}  # two distinct prompts, then five rows
+    alone = [generate(model, [p], max_new_tokens=6, sampling=warm, row_seeds=[s])[0]
+             for p, s in zip(prompts, seeds, strict=True)]
+    assert together == alone
+    greedy = generate(model, prompts, max_new_tokens=6, sampling=GREEDY)
+    assert greedy[0] == greedy[2] == greedy[4] and greedy[1] == greedy[3]
+
+
 def test_the_reported_log_probabilities_are_the_forwards(tmp_path):
     """``stats``: each sampled token's log-probability under the tempered distribution and its
     entropy; the same as a forward over the whole sequence (<= 1e-5, fp32)."""

@@ -71,6 +71,15 @@ def test_logs_trls_metrics_and_the_rollouts(grpo):
         assert sum(r["advantage"] for r in g) == pytest.approx(0, abs=1e-5)
 
 
+def test_on_a_reward_the_samples_reach_the_mean_reward_rises(tmp_path):
+    """From a random start, rewarding answers that begin with "1": within 25 steps most do."""
+    record, *_ = _run(tmp_path / "rise", "--training.step.group_size=8",
+                      "--training.step.rollout.max_new_tokens=4", "--rewards.one.type=format",
+                      "--rewards.one.regex='^1'", steps=25, data=(*DATA, *STEP))
+    rewards = [record.metrics[s]["reward"] for s in range(1, 26)]
+    assert sum(rewards[:5]) / 5 < 0.1 and sum(rewards[-5:]) / 5 > 0.5, rewards
+
+
 def test_a_killed_and_resumed_run_continues_exactly(grpo, tmp_path):
     whole = grpo[0]
     _run(tmp_path / "cut", steps=2)
