@@ -26,8 +26,9 @@ def shipped_recipes(folder=CONFIGS) -> list:
 SHIPPED = shipped_recipes()
 HUB_DATA = {"nova_10b_dense.toml"}  # its data is on the Hub: validated without reading it
 # its base is another recipe's export (docs/finetuning.md makes it; tests/recipes/
-# test_dpo_recipe.py runs the chain at toy size): validated from a random start
-AFTER_ANOTHER = {"dpo_debug.toml": ['--checkpoint.init_from=""']}
+# test_dpo_recipe.py and docs/rl.md run the chains at toy size): validated from a random start
+AFTER_ANOTHER = {name: ['--checkpoint.init_from=""'] for name in ("dpo_debug.toml",
+                                                                  "grpo_debug.toml")}
 
 
 def test_help_lists_every_command(capsys):
