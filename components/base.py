@@ -8,6 +8,7 @@ recipe loader knows which registry table to look the ``type`` up in.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -72,3 +73,12 @@ def Sub(kind: str) -> Any:  # noqa: N802 - reads as a type in annotations
 
 def OptionalSub(kind: str) -> Any:  # noqa: N802
     return Annotated[SerializeAsAny[ComponentConfig] | None, Kind(kind)]
+
+
+def regex(v: str) -> str:
+    """A config field's value that must be a regular expression (its validator's body)."""
+    try:
+        re.compile(v)
+    except re.error as exc:
+        raise ValueError(f"{v!r} is not a regular expression: {exc}") from None
+    return v

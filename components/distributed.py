@@ -131,6 +131,13 @@ def all_reduce_(t: torch.Tensor, op: str = "sum",
     return _copy_back(t, work)
 
 
+def all_done(done: bool) -> bool:
+    """Whether every rank is done (each passes its own flag): ranks that generate in step."""
+    flag = torch.tensor([0.0 if done else 1.0])
+    all_reduce_(flag)
+    return float(flag) == 0.0
+
+
 def broadcast_(t: torch.Tensor, src: int = 0,
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Overwrite ``t`` in place with rank ``src``'s values (``src`` is a global rank)."""

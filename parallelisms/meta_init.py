@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kiln.components.adapter_contract import adapter_layers
 from kiln.components.distributed import is_dtensor
 from kiln.components.errors import KilnError
-from kiln.components.protocols import adapter_layers
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -30,8 +30,8 @@ from kiln.checkpointing.huggingface import config as hf_config
 from kiln.checkpointing.huggingface import files as hf_files
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.components import distributed
+from kiln.components.adapter_contract import adapter_layers
 from kiln.components.errors import CheckpointError, RecipeError
-from kiln.components.protocols import adapter_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

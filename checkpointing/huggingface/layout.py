@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.components.protocols import adapter_parameter_names
+from kiln.components.adapter_contract import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
 
 

@@ -27,8 +27,8 @@ from torch import nn
 
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.storage import save_safetensors
+from kiln.components.adapter_contract import adapter_layers
 from kiln.components.errors import CheckpointError
-from kiln.components.protocols import adapter_layers
 from kiln.parallelisms.blocks import clean_name
 
 CONFIG = "adapter_config.json"

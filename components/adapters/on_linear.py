@@ -19,9 +19,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from kiln.components.adapter_contract import AdapterContract, AdapterLayer, adapter_layers
 from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
-from kiln.components.protocols import AdapterContract, AdapterLayer, adapter_layers
 
 # Every linear layer of the attention: wq, wk, wv and wo, or a fused wqkv and wo (Nova).
 DEFAULT_TARGETS = ["*.attention.*"]

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kiln.components.base import ComponentConfig
+from kiln.components.base import ComponentConfig, regex
 from kiln.components.registry import register
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -50,11 +50,7 @@ class RegexChecked(RewardConfig):
     @field_validator("regex", check_fields=False)
     @classmethod
     def _compiles(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as exc:
-            raise ValueError(f"{v!r} is not a regular expression: {exc}") from None
-        return v
+        return regex(v)
 
 
 class ExtractConfig(RegexChecked):

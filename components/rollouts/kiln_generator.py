@@ -93,7 +93,7 @@ class KilnRollout:
                     sampling=self.sampling, eos_id=eos_id, use_cache=self.cfg.use_cache,
                     pad_id=pad_id, vocab_size=vocab_size, row_seeds=seeds[part], stats=stats,
                     until=lambda new: bool(stops) and any(s in decode(new) for s in stops),
-                    all_done=_all_ranks_done if lockstep else None)
+                    all_done=distributed.all_done if lockstep else None)
                 for row, row_stats in zip(ids, stats, strict=True):
                     text = decode(row)
                     cut = [text.index(s) for s in stops if s in text]
@@ -104,9 +104,3 @@ class KilnRollout:
         finally:
             model.train(was_training)
         return out
-
-
-def _all_ranks_done(done: bool) -> bool:
-    flag = torch.tensor([0.0 if done else 1.0])
-    distributed.all_reduce_(flag)
-    return float(flag) == 0.0

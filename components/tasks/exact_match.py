@@ -19,6 +19,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, field_validator
 
+from kiln.components.base import regex
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 from kiln.components.tasks import common, task_files
@@ -54,11 +55,7 @@ class ExactMatchConfig(common.TaskConfig):
     @field_validator("answer_regex", "extract_regex")
     @classmethod
     def _compiles(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as exc:
-            raise ValueError(f"{v!r} is not a regular expression: {exc}") from None
-        return v
+        return regex(v)
 
 
 @dataclass

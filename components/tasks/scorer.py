@@ -135,7 +135,7 @@ class Scorer:
         def until(ids: list[int]) -> bool:
             return bool(stop) and any(s in decode(ids) for s in stop)
 
-        all_done = _all_ranks_done if self.lockstep else None
+        all_done = distributed.all_done if self.lockstep else None
         with self.autocast:
             return self.generate_fn(self.model, prompts, max_new_tokens=max_new_tokens,
                                     eos_id=eos_id, vocab_size=self.vocab_size,
@@ -152,9 +152,3 @@ def _pick(logp: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:
     """Sum of ``logp`` (n, V) at ``target`` (n,) and whether each target is the argmax."""
     ll = logp.gather(1, target[:, None]).sum()
     return float(ll), bool((logp.argmax(-1) == target).all())
-
-
-def _all_ranks_done(done: bool) -> bool:
-    flag = torch.tensor([0.0 if done else 1.0])
-    distributed.all_reduce_(flag)
-    return float(flag) == 0.0

@@ -24,9 +24,9 @@ from kiln.checkpointing import layout, storage
 from kiln.checkpointing.huggingface import importer as hf_import
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.resume import check_base, find_checkpoint, parent_record
+from kiln.components.adapter_contract import adapter_layers
 from kiln.components.errors import CheckpointError
 from kiln.components.models.block import padded_vocab
-from kiln.components.protocols import adapter_layers
 from kiln.recipes.config.files import load_recipe, to_dict
 from kiln.recipes.loading.hf_recipe import differences
 from kiln.recipes.runs import lineage

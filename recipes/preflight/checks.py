@@ -18,8 +18,9 @@ from typing import Any
 from torch import nn
 
 from kiln.checkpointing.layout import newest_complete
+from kiln.components.adapter_contract import AdapterContract
 from kiln.components.errors import RecipeError
-from kiln.components.protocols import AdapterContract, complete_dataset, complete_step
+from kiln.components.protocols import complete_dataset, complete_step
 from kiln.parallelisms.layout.check import raise_problems, training_problems
 from kiln.parallelisms.layout.mesh import Layout, layout
 from kiln.recipes.hooks.evaluate import eval_sources, split_loader

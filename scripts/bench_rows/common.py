@@ -62,3 +62,15 @@ def set_threads(threads: int) -> None:
 
 # torchtitan's llama3 debug shape (6,163,712 parameters at seq 256): the dense rows' model
 LLAMA_DEBUG = str(REPO / "train_configs" / "llama_debug.toml")
+
+
+def word_tokenizer():
+    """A ``transformers`` tokenizer whose word ``tN`` is id N (N < 258; BOS t256, EOS t257,
+    padding t0): TRL's trainers take text, and these words are kiln's byte ids."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(258)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, eos_token="t257", pad_token="t0", bos_token="t256")

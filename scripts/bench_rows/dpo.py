@@ -18,7 +18,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from bench_rows.common import Unavailable, median_seconds, set_threads
+from bench_rows.common import Unavailable, median_seconds, set_threads, word_tokenizer
 from bench_rows.generate import setup  # noqa: F401  (the same checkpoint and export)
 
 PAIRS, WIDTH, PROMPT = 4, 257, 64
@@ -93,7 +93,6 @@ def peer(p: dict) -> dict:
         import transformers
         import trl
         from datasets import Dataset
-        from tokenizers import Tokenizer, models, pre_tokenizers
     except ImportError as exc:
         raise Unavailable(f"trl and transformers are not importable in {sys.executable} "
                           f"({exc})") from None
@@ -101,10 +100,7 @@ def peer(p: dict) -> dict:
     load = transformers.AutoModelForCausalLM.from_pretrained
     export = Path(p["work"]) / "export"
     policy, ref = (load(export, dtype=torch.float32) for _ in range(2))
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(258)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, eos_token="t257", pad_token="t0", bos_token="t256")
+    tokenizer = word_tokenizer()
     args = trl.DPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True,
                          bf16=False, beta=0.1, learning_rate=1e-5)
     pairs = Dataset.from_list([{"prompt": "t1", "chosen": "t2", "rejected": "t3"}] * 2)

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_rows.common import Unavailable, median_seconds, set_threads
+from bench_rows.common import Unavailable, median_seconds, set_threads, word_tokenizer
 from bench_rows.generate import setup  # noqa: F401  (the same checkpoint and export)
 
 
@@ -97,17 +97,13 @@ def peer(p: dict) -> dict:
         import transformers
         import trl
         from datasets import Dataset
-        from tokenizers import Tokenizer, models, pre_tokenizers
     except ImportError as exc:
         raise Unavailable(f"trl and transformers are not importable in {sys.executable} "
                           f"({exc})") from None
     set_threads(p["threads"])
     policy = transformers.AutoModelForCausalLM.from_pretrained(
         Path(p["work"]) / "export", dtype=torch.float32)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(258)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, eos_token="t257", pad_token="t0", bos_token="t256")
+    tokenizer = word_tokenizer()
     n = p["prompts"] * p["group"]
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False,

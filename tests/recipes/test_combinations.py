@@ -114,15 +114,12 @@ def ac_modes() -> dict[str, tuple[str, ...]]:
 
 # The data a step needs instead of TINY's text: pairs (sums, no role markers: 16 tokens fit).
 PAIRS = Path(__file__).parent / "pairs"
-STEP_DATA = {"preference": (
-    "--data.type=preference", f"--data.path={PAIRS / 'sums.jsonl'}",
-    f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2"),
-    # GRPO samples 2 answers to each sum's prompt and rewards the chosen one
-    "grpo": ("--data.type=prompts", f"--data.path={PAIRS / 'sums.jsonl'}",
-             f"--data.template={PAIRS / 'plain.jinja'}", "--data.eval_fraction=0.2",
-             "--training.step.group_size=2", "--training.step.rollout.max_new_tokens=4",
-             "--rewards.right.type=exact_match", "--rewards.right.field=chosen",
-             "--rewards.right.extract=all")}
+SUMS = (f"--data.path={PAIRS / 'sums.jsonl'}", f"--data.template={PAIRS / 'plain.jinja'}",
+        "--data.eval_fraction=0.2")
+STEP_DATA = {"preference": ("--data.type=preference", *SUMS),  # GRPO: 2 answers per sum
+             "grpo": ("--data.type=prompts", *SUMS, "--training.step.group_size=2",
+                      "--training.step.rollout.max_new_tokens=4", "--rewards.right.field=chosen",
+                      "--rewards.right.type=exact_match", "--rewards.right.extract=all")}
 
 
 def recipe_for(family: str, folder, *extra: str, step: str = ""):
@@ -140,18 +137,9 @@ class Record:
         self.losses: list[float] = []
         self.skipped: list[bool] = []
 
-    def on_train_start(self, trainer) -> None:
-        pass
-
     def on_step_end(self, trainer, result) -> None:
         self.losses.append(result.loss)
         self.skipped.append(result.skipped)
-
-    def on_train_end(self, trainer) -> None:
-        pass
-
-    def close(self, trainer) -> None:
-        pass
 
 
 def train(recipe, *, eval_first: bool = False, out=None) -> tuple[list[float], object]:
@@ -179,7 +167,6 @@ def cases():
             for float8 in ("off", "rowwise"):
                 for ac in ac_modes():
                     for eval_first in (False, True) if step != "grpo" else (False,):
-                        # (prompts have no held-out loss to evaluate first)
                         yield pytest.param(family, step, float8, ac, eval_first,
                                            id=f"{family}-{step}-f8_{float8}-{ac}-"
                                               f"{'eval_first' if eval_first else 'train_first'}")
