@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import types
 
-import torch
-
 from kiln.components.base import default_config
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.steps import grpo_batch
