@@ -80,6 +80,7 @@ class GRPOStep(StepContract):
         self.cfg = cfg
         self.rollout = cfg.rollout.build()
         self.rewards: dict = {}
+        self.weights: list[float] = []  # each reward's (a plugin's config without one: 1)
         self.seed = 0
         self.reference: torch.nn.Module | None = None
         self.adapters_off = None
@@ -119,6 +120,7 @@ class GRPOStep(StepContract):
                               'training.step.reference = "auto", "frozen_copy" or "adapters_off"')
         if self.cfg.beta and self.cfg.reference == "adapters_off" and recipe.adapter is None:
             raise RecipeError('training.step.reference = "adapters_off" needs an [adapter]')
+        self.weights = [float(getattr(cfg, "weight", 1.0)) for cfg in recipe.rewards.values()]
         self.seed = recipe.training.seed
 
     def check_data(self, dataset) -> None:
@@ -198,7 +200,8 @@ class GRPOStep(StepContract):
                                pad_id=ds.pad_id, vocab_size=ds.tokenizer.vocab_size,
                                lockstep=distributed.is_initialized())
             new_fields = ds.prompt_fields("train", picks)
-            v, t = grpo_batch.score(self.rewards, new[:len(need) * g], new_fields, g)
+            v, t = grpo_batch.score(self.rewards, self.weights, new[:len(need) * g],
+                                    new_fields, g)
             still = grpo_loss.group_advantages(t, g, "none")[1][::g].tolist()
             for k, i in enumerate(need):
                 if still[k]:
@@ -231,7 +234,7 @@ class GRPOStep(StepContract):
     def __call__(self, ctx: StepContext, micro_batches) -> StepResult:
         cfg, g = self.cfg, self.cfg.group_size
         prompts, samples, rows, fields = self.sample(ctx, micro_batches)
-        values, total = grpo_batch.score(self.rewards, samples, fields, g)
+        values, total = grpo_batch.score(self.rewards, self.weights, samples, fields, g)
         refilled = 0
         if cfg.dynamic_sampling and cfg.refill_rounds:
             refilled = self.refill(ctx, prompts, samples, rows, fields, values, total)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.components.errors import DataError
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.rewards.builtin import Completion
 
@@ -28,16 +29,29 @@ def refill_row(seed: int, step: int, slot: int, round_: int, count: int) -> int:
     return int(np.random.default_rng([seed, 0x5EF, step, slot, round_]).integers(count))
 
 
-def score(rewards: dict, samples: list, fields: list[dict], group: int
+def score(rewards: dict, weights: list[float], samples: list, fields: list[dict], group: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each reward's values (N, K) in ``rewards``' order, the weighted total (N,)) of
-    completions ``samples`` whose prompts' ``fields`` come ``group`` at a time."""
+    """(each reward's values (N, K) in ``rewards``' order, the total weighted by ``weights``
+    (N,)) of completions ``samples`` whose prompts' ``fields`` come ``group`` at a time."""
     completions = [Completion(s.text, len(s.ids), s.truncated, fields[i // group])
                    for i, s in enumerate(samples)]
-    values = torch.tensor([list(reward(completions)) for reward in rewards.values()],
+    values = torch.tensor([_scores(name, reward, completions)
+                           for name, reward in rewards.items()],
                           dtype=torch.float32).T.reshape(len(samples), len(rewards))
-    weights = torch.tensor([r.cfg.weight for r in rewards.values()], dtype=torch.float32)
-    return values, (values * weights).sum(1)
+    return values, (values * torch.tensor(weights, dtype=torch.float32)).sum(1)
+
+
+def _scores(name: str, reward, completions: list[Completion]) -> list[float]:
+    """One reward's scores, a float per completion; what it cannot score stops the run with
+    one line naming it (a gold answer that is not a number, a plugin's own error)."""
+    try:
+        scores = [float(x) for x in reward(completions)]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"rewards.{name}: {exc}") from None
+    if len(scores) != len(completions):
+        raise DataError(f"rewards.{name} gave {len(scores)} scores for {len(completions)} "
+                        "completions (one float each)")
+    return scores
 
 
 @dataclass

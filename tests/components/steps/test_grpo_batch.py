@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 from kiln.components.base import default_config
+from kiln.components.errors import DataError
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.steps import grpo_batch
 
@@ -43,12 +46,21 @@ def test_training_rows_label_the_completion_and_carry_the_sampling_logprobs():
 
 def test_rewards_per_completion_with_their_prompts_fields_and_weights():
     rewards = {"right": default_config("reward", "exact_match", extract="all").build(),
-               "short": default_config("reward", "length", max_tokens=2, buffer=1,
-                                       weight=0.5).build()}
+               "short": default_config("reward", "length", max_tokens=2, buffer=1).build()}
     samples = [_sample([1], "5"), _sample([1, 2, 3], "6"), _sample([1], "7"), _sample([1], "x")]
-    values, total = grpo_batch.score(rewards, samples, [{"answer": "5"}, {"answer": "7"}], 2)
+    values, total = grpo_batch.score(rewards, [1.0, 0.5], samples,
+                                     [{"answer": "5"}, {"answer": "7"}], 2)
     assert values.tolist() == [[1.0, 0.0], [0.0, -1.0], [1.0, 0.0], [0.0, 0.0]]
     assert total.tolist() == [1.0, -0.5, 1.0, 0.0]
+
+
+def test_a_reward_that_cannot_score_stops_with_one_line_naming_it():
+    numeric = {"value": default_config("reward", "numeric").build()}
+    with pytest.raises(DataError, match="rewards.value: the prompt's 'answer' is not a number"):
+        grpo_batch.score(numeric, [1.0], [_sample([1], "3")], [{"answer": "many"}], 1)
+    short = {"mine": lambda completions: [1.0]}  # a plugin's reward missing a score
+    with pytest.raises(DataError, match="rewards.mine gave 1 scores for 2 completions"):
+        grpo_batch.score(short, [1.0], [_sample([1]), _sample([2])], [{}, {}], 2)
 
 
 def test_the_rollout_log_is_replaced_whole(tmp_path):
