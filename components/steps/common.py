@@ -31,6 +31,27 @@ def unguarded(stats: dict[str, float]) -> GuardDecision:
         "from its checkpoint with checkpoint.weights_only = true)"))
 
 
+@torch.no_grad()
+def reference_logprobs(ctx, batch: dict[str, torch.Tensor], reference: torch.nn.Module | None,
+                       adapters_off, **sampler) -> torch.Tensor:
+    """A reference's token log-probabilities (B, T) of ``batch``: a frozen model's, or the
+    policy's within ``adapters_off`` (in eval mode, so without dropout; the auxiliary loss of
+    an MoE policy's forward dropped). ``sampler``: ``temperature`` / ``vocab`` as
+    ``ctx.token_logprobs`` takes them."""
+    if reference is not None:
+        return ctx.token_logprobs(batch, reference, **sampler)[0]
+    policy = ctx.model
+    was_training = policy.training
+    policy.eval()
+    try:
+        with adapters_off:
+            logp = ctx.token_logprobs(batch, **sampler)[0]
+        policy.pop_aux_loss()
+    finally:
+        policy.train(was_training)
+    return logp
+
+
 def sequence_parallel_refusal(step: str, layout) -> None:
     """A step built on whole sequences' log-probabilities refuses layouts where a rank lacks
     them (a RecipeError naming the setting)."""

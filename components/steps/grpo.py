@@ -32,7 +32,7 @@ from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 from kiln.components.steps import grpo_batch, grpo_loss
-from kiln.components.steps.common import sequence_parallel_refusal
+from kiln.components.steps.common import reference_logprobs, sequence_parallel_refusal
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
 
@@ -163,16 +163,21 @@ class GRPOStep(StepContract):
                                    b["rows"].tolist(), strict=True):
                 prompts.append(ids[:n])
                 rows.append(row)
-        g = self.cfg.group_size
-        seeds = [grpo_batch.completion_seed(self.seed, ctx.step, r, j) for r in rows
-                 for j in range(g)]
+        repeated, samples = self.groups(ctx, prompts, rows)
+        return repeated, samples, rows, self.dataset.prompt_fields("train", rows)
+
+    def groups(self, ctx: StepContext, prompts: list[list[int]], rows: list[int],
+               first_sample: int = 0) -> tuple[list, list]:
+        """(each prompt repeated ``group_size`` times, a completion of each), the completions
+        seeded by the stored rows and their places in the group from ``first_sample``."""
+        g, ds = self.cfg.group_size, self.dataset
+        seeds = [grpo_batch.completion_seed(self.seed, ctx.step, r, first_sample + j)
+                 for r in rows for j in range(g)]
         repeated = [p for p in prompts for _ in range(g)]
-        ds = self.dataset
-        samples = self.rollout(ctx.model, repeated, seeds, decode=ds.decode,
-                               stops=ds.stop_strings, eos_id=ds.tokenizer.eos_id,
-                               pad_id=ds.pad_id, vocab_size=ds.tokenizer.vocab_size,
-                               lockstep=distributed.is_initialized())
-        return repeated, samples, rows, ds.prompt_fields("train", rows)
+        return repeated, self.rollout(
+            ctx.model, repeated, seeds, decode=ds.decode, stops=ds.stop_strings,
+            eos_id=ds.tokenizer.eos_id, pad_id=ds.pad_id, vocab_size=self.vocab,
+            lockstep=distributed.is_initialized())
 
     def refill(self, ctx: StepContext, prompts, samples, rows, fields, values, total) -> int:
         """Replace, in place, groups whose rewards are all equal with groups sampled for other
@@ -191,14 +196,8 @@ class GRPOStep(StepContract):
             slots = [self.rank * len(rows) + i for i in need]  # the global batch's slots
             picks = [grpo_batch.refill_row(self.seed, ctx.step, s, round_, count) for s in slots]
             picks += [rows[0]] * (int(most) - len(need))
-            new_prompts = ds.prompt_ids("train", picks)
-            seeds = [grpo_batch.completion_seed(self.seed, ctx.step, r, j + g * (round_ + 1))
-                     for r in picks for j in range(g)]
-            repeated = [q for q in new_prompts for _ in range(g)]
-            new = self.rollout(ctx.model, repeated, seeds, decode=ds.decode,
-                               stops=ds.stop_strings, eos_id=ds.tokenizer.eos_id,
-                               pad_id=ds.pad_id, vocab_size=ds.tokenizer.vocab_size,
-                               lockstep=distributed.is_initialized())
+            repeated, new = self.groups(ctx, ds.prompt_ids("train", picks), picks,
+                                        first_sample=g * (round_ + 1))
             new_fields = ds.prompt_fields("train", picks)
             v, t = grpo_batch.score(self.rewards, self.weights, new[:len(need) * g],
                                     new_fields, g)
@@ -213,22 +212,9 @@ class GRPOStep(StepContract):
                 replaced += 1
         return replaced
 
-    @torch.no_grad()
     def reference_logprobs(self, ctx: StepContext, rows: grpo_batch.Rows) -> torch.Tensor:
-        t = self.rollout.temperature
-        if self.reference is not None:
-            return ctx.token_logprobs(rows.batch, self.reference, temperature=t,
-                                      vocab=self.vocab)[0]
-        policy = ctx.model
-        was_training = policy.training
-        policy.eval()
-        try:
-            with self.adapters_off:
-                logp = ctx.token_logprobs(rows.batch, temperature=t, vocab=self.vocab)[0]
-            policy.pop_aux_loss()
-        finally:
-            policy.train(was_training)
-        return logp
+        return reference_logprobs(ctx, rows.batch, self.reference, self.adapters_off,
+                                  temperature=self.rollout.temperature, vocab=self.vocab)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, ctx: StepContext, micro_batches) -> StepResult:
@@ -288,7 +274,7 @@ class GRPOStep(StepContract):
             losses.append(stats["loss"])
             if decision.skip:
                 break
-        metrics = self.metrics(ctx, values, total, zero_std, samples, sums, data)
+        metrics = self.metrics(ctx, values, total, zero_std, prompts, samples, sums)
         if cfg.dynamic_sampling:
             metrics["refilled_groups"] = float(_all_sum(torch.tensor([float(refilled)]),
                                                         ctx.device)[0])
@@ -306,14 +292,16 @@ class GRPOStep(StepContract):
             ctx.model.pop_aux_loss()
         return logp
 
-    def metrics(self, ctx, values, total, zero_std, samples, sums, data) -> dict[str, float]:
+    def metrics(self, ctx, values, total, zero_std, prompts, samples, sums
+                ) -> dict[str, float]:
         """TRL's names, over the global batch (one all-reduce)."""
         lengths = torch.tensor([float(len(s.ids)) for s in samples])
         stats = [total.sum(), (total ** 2).sum(), torch.tensor(float(len(total))),
                  zero_std.float().sum(), lengths.sum(), torch.tensor(
                      float(sum(s.truncated for s in samples))),
                  torch.tensor(float(sum(sum(s.entropies) for s in samples))),
-                 torch.tensor(float((data.batch["input_ids"] != self.dataset.pad_id).sum()))]
+                 torch.tensor(float(sum(len(p) + len(s.ids)
+                                        for p, s in zip(prompts, samples, strict=True))))]
         stats += [v for k in range(values.shape[1]) for v in (values[:, k].sum(),
                                                               (values[:, k] ** 2).sum())]
         first = 8  # the rewards' sums

@@ -27,11 +27,6 @@ Scale = Literal["group", "batch", "none"]
 STD_EPS = 1e-4  # TRL's: added to the standard deviation
 
 
-def unbiased_std(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The standard deviation with Bessel's correction (torch.std's default)."""
-    return x.std(dim=dim) if dim is not None else x.std()
-
-
 def group_advantages(rewards: torch.Tensor, group: int, scale: Scale,
                      batch_std: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +35,7 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: Scale,
     (``scale = "batch"``; the step all-reduces it)."""
     grouped = rewards.view(-1, group)
     mean = grouped.mean(1).repeat_interleave(group)
-    std = unbiased_std(grouped, 1).repeat_interleave(group)
+    std = grouped.std(1).repeat_interleave(group)  # unbiased (Bessel), as TRL's
     advantages = rewards - mean
     if scale == "group":
         advantages = advantages / (std + STD_EPS)

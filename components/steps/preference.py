@@ -30,7 +30,7 @@ from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 from kiln.components.steps import reference_table
-from kiln.components.steps.common import sequence_parallel_refusal
+from kiln.components.steps.common import reference_logprobs, sequence_parallel_refusal
 from kiln.components.steps.preference_losses import PairLogps, PairLoss
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
@@ -119,19 +119,7 @@ class PreferenceStep(StepContract):
         if self.stored is not None:  # precomputed: looked up by each row's pair and side
             return self.stored.lookup(split, batch).to(ctx.device)
         self.reference_forwards += 1
-        if self.reference is not None:
-            logp, _ = ctx.token_logprobs(batch, self.reference)
-            return logp.sum(-1)
-        policy = ctx.model
-        was_training = policy.training
-        policy.eval()  # the reference has no dropout
-        try:
-            with self.adapters_off:
-                logp, _ = ctx.token_logprobs(batch)
-            policy.pop_aux_loss()  # (an MoE policy's auxiliary loss of this forward: unused)
-        finally:
-            policy.train(was_training)
-        return logp.sum(-1)
+        return reference_logprobs(ctx, batch, self.reference, self.adapters_off).sum(-1)
 
     # ------------------------------------------------------------------ the loss
     def pair_loss(self, ctx: StepContext, batch, split: str = "train"
