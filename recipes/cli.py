@@ -45,6 +45,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "one table: recipe keys that differ between runs beside their results"),
     "plot": ("kiln.recipes.commands.plot",
              "overlay runs' curves (legend: what differs), expert-load heatmap; a PNG"),
+    "ladder": ("kiln.recipes.commands.ladder",
+               "one recipe as a ladder of model sizes with token budgets (tokens per parameter "
+               "or iso-FLOP), trained in turn (resumable) or as a SLURM array"),
+    "fit": ("kiln.recipes.commands.fit",
+            "fit a scaling law (Chinchilla L(N, D), L(N), L(C)) to one or two ladders, with "
+            "bootstrap intervals, the target's prediction and where two curves cross"),
     "sweep": ("kiln.recipes.commands.sweep",
               "train a grid of overrides one run after another (resumable) or as a SLURM array"),
 }

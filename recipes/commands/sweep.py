@@ -67,44 +67,7 @@ def run(args) -> int:
         print(f"kiln sweep: wrote {path}; submit: sbatch {path}\n"
               f"then: kiln compare {sweep_dir}/*")
         return 0
-    failed, busy = [], []
-
-    def train(i: int, point) -> None:
-        if point.finished:  # also by another sweep of the same grid
-            print(f"kiln sweep: [{i}/{len(points)}] {point.folder} finished; skipped")
-            return
-        what = ", ".join(f"{k}={v}" for k, v in point.values)
-        state = "continues" if (point.folder / "recipe.toml").is_file() else "starts"
-        print(f"kiln sweep: [{i}/{len(points)}] {what} {state} in {point.folder}", flush=True)
-        cmd = _train_command(args.recipe, [*args.overrides, *point.overrides])
-        # the run dies with the sweep (kill -9 of it too): a rerun continues the point alone
-        status = subprocess.call(cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        if status == 0:
-            mark_done(point)
-        else:
-            failed.append(f"{point.folder} (exit {status}): {shlex.join(cmd)}")
-
-    for i, point in enumerate(points, 1):
-        try:  # the point is this sweep's while it trains it and records the outcome
-            claim = RunLock.take(point.folder, "kiln sweep", name=CLAIM)
-        except RunFolderInUse:
-            print(f"kiln sweep: [{i}/{len(points)}] {point.folder} is being trained by another "
-                  f"sweep ({holder_of(point.folder / CLAIM)}); back to it after the other points",
-                  flush=True)
-            busy.append((i, point))
-            continue
-        try:
-            train(i, point)
-        finally:
-            claim.release()
-    for i, point in busy:  # then wait for the other sweep: it may also stop before the end
-        print(f"kiln sweep: [{i}/{len(points)}] waiting for the other sweep to end "
-              f"{point.folder}", flush=True)
-        claim = RunLock.take(point.folder, "kiln sweep", name=CLAIM, wait=True)
-        try:
-            train(i, point)
-        finally:
-            claim.release()
+    failed = train_points(args.recipe, list(args.overrides), points)
     shown = [str(p.folder) for p in points if (p.folder / "metrics.jsonl").is_file()]
     if shown:
         from kiln.recipes.commands.compare import report, verdicts
@@ -117,3 +80,47 @@ def run(args) -> int:
               + "\n  ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def train_points(recipe: str, extra: list[str], points, tag: str = "kiln sweep") -> list[str]:
+    """Train each point not yet finished, one after another; a point another sweep holds is
+    trained after the others (when that sweep lets go of it). The failed points' lines."""
+    failed, busy = [], []
+
+    def train(i: int, point) -> None:
+        if point.finished:  # also by another sweep of the same grid
+            print(f"{tag}: [{i}/{len(points)}] {point.folder} finished; skipped")
+            return
+        what = ", ".join(f"{k}={v}" for k, v in point.values)
+        state = "continues" if (point.folder / "recipe.toml").is_file() else "starts"
+        print(f"{tag}: [{i}/{len(points)}] {what} {state} in {point.folder}", flush=True)
+        cmd = _train_command(recipe, [*extra, *point.overrides])
+        # the run dies with the sweep (kill -9 of it too): a rerun continues the point alone
+        status = subprocess.call(cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        if status == 0:
+            mark_done(point)
+        else:
+            failed.append(f"{point.folder} (exit {status}): {shlex.join(cmd)}")
+
+    for i, point in enumerate(points, 1):
+        try:  # the point is this sweep's while it trains it and records the outcome
+            claim = RunLock.take(point.folder, tag, name=CLAIM)
+        except RunFolderInUse:
+            print(f"{tag}: [{i}/{len(points)}] {point.folder} is being trained by another "
+                  f"sweep ({holder_of(point.folder / CLAIM)}); back to it after the other points",
+                  flush=True)
+            busy.append((i, point))
+            continue
+        try:
+            train(i, point)
+        finally:
+            claim.release()
+    for i, point in busy:  # then wait for the other sweep: it may also stop before the end
+        print(f"{tag}: [{i}/{len(points)}] waiting for the other sweep to end "
+              f"{point.folder}", flush=True)
+        claim = RunLock.take(point.folder, tag, name=CLAIM, wait=True)
+        try:
+            train(i, point)
+        finally:
+            claim.release()
+    return failed

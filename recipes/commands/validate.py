@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import torch
 
 from kiln.components.errors import KilnError, RecipeError
-from kiln.components.models.block import padded_vocab
 from kiln.components.protocols import complete_model
 from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.pipeline.checks import pipeline_problems
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.loading.meta_model import build_meta_model
 from kiln.recipes.preflight import batch_plan, checks
 from kiln.recipes.training.layout_report import layout_report
 from kiln.recipes.training.model_inputs import ModelInputs
@@ -36,13 +36,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-data", action="store_true",
                         help="leave the data out: do not prepare or read it (its checks run at "
                         "train start)")
-
-
-def build_meta_model(recipe, tokenizer=None):
-    tokenizer = tokenizer or recipe.tokenizer.build()
-    with torch.device("meta"):
-        return recipe.model.build(vocab_size=padded_vocab(recipe.model, tokenizer.vocab_size),
-                                  seq_len=recipe.training.seq_len)
 
 
 def human_count(n: int) -> str:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kiln.components.protocols import Hook
-from kiln.recipes.commands.validate import build_meta_model
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.loading.meta_model import build_meta_model
 from kiln.recipes.training.optimizer_set import OptimizerSet
 from kiln.recipes.training.trainer import Trainer
 from tests.conftest import CONFIGS

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kiln.recipes.cli import main
-from kiln.recipes.commands.validate import build_meta_model
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.loading.meta_model import build_meta_model
 from tests.conftest import CONFIGS
 
 
