@@ -200,6 +200,15 @@ class ModelContract:
         """Parameter counts by part, printed by ``kiln validate``."""
         return {}
 
+    def lr_multipliers(self) -> dict[str, float]:
+        """Per-parameter factors on an AdamW-family optimizer's LR, by parameter name (µP's
+        hidden matrices: 1 / width multiplier); parameters not named keep the optimizer's LR."""
+        return {}
+
+    def width_multiplier(self) -> float:
+        """µP's width / base width (1 under the standard parametrization)."""
+        return 1.0
+
 
 class DatasetContract:
     """The optional part of the dataset contract (docs/design.md "Dataset protocol"): what a

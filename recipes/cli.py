@@ -48,6 +48,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ladder": ("kiln.recipes.commands.ladder",
                "one recipe as a ladder of model sizes with token budgets (tokens per parameter "
                "or iso-FLOP), trained in turn (resumable) or as a SLURM array"),
+    "mup": ("kiln.recipes.commands.mup",
+            "mup check RECIPE --widths ...: the µP coordinate check (layer sizes per width, "
+            "under µP and the standard parametrization; a table and a PNG)"),
     "fit": ("kiln.recipes.commands.fit",
             "fit a scaling law (Chinchilla L(N, D), L(N), L(C)) to one or two ladders, with "
             "bootstrap intervals, the target's prediction and where two curves cross"),

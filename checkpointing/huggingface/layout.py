@@ -82,6 +82,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         return f"model is {type(model).__name__}, not the dense transformer"
     if model.logit_softcap:
         return "logit soft-capping"
+    if model.width_multiplier() != 1.0:
+        return "µP's output multiplier (model.parametrization = \"mup\" at dim != base_dim)"
     if model.pos_embeddings is not None:
         return "learned absolute positions"
     if type(model.norm) is not RMSNorm or model.norm.weight is None:
@@ -91,6 +93,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         attn, ffn = block.attention, block.feed_forward
         if type(attn) is not CausalAttention:
             return f"layer {i} attention is {type(attn).__name__}"
+        if attn.q_scale != 1.0:
+            return "µP's attention scale (model.base_head_dim)"
         if type(attn.position) is not RoPE:
             return f"position encoding {type(attn.position).__name__}"
         if type(ffn) is not SwiGLU:

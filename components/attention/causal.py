@@ -104,6 +104,9 @@ class CausalAttention(nn.Module):
     """Causal self-attention (SDPA) with GQA, RoPE and optional QK-norm, torchtitan v0.2 names."""
 
     Config = CausalAttentionConfig
+    # A factor on the queries (after QK-norm): the score scale becomes q_scale / sqrt(head_dim).
+    # 1 except under µP with a base head width (components/models/mup.py sets it).
+    q_scale: float = 1.0
 
     def __init__(
         self, cfg: CausalAttentionConfig, *, dim: int, layer_idx: int, n_layers: int,
@@ -161,6 +164,8 @@ class CausalAttention(nn.Module):
         q, k, v = self.project_qkv(x) if cache is None else self._decode_qkv(x, cache)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
+            q = q * self.q_scale
         if cache is None:
             if context is None:
                 q, k = self.position(q, k)
@@ -184,6 +189,8 @@ class CausalAttention(nn.Module):
         q, k, _ = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
+            q = q * self.q_scale
         q, k = self.position(q, k)
         return [(q.transpose(1, 2), k.transpose(1, 2))]
 

@@ -159,6 +159,8 @@ class DifferentialAttention(CausalAttention):
         q, k = q.reshape(b, t, 2 * h, half), k.reshape(b, t, 2 * hk, half)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
+            q = q * self.q_scale
         q, k = self.position(q, k)
         q, k = q.reshape(b, t, h, 2, half), k.reshape(b, t, hk, 2, half)
         return [(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2)) for c in (0, 1)]
@@ -173,6 +175,8 @@ class DifferentialAttention(CausalAttention):
         k = k.reshape(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
+            q = q * self.q_scale
         cache = self.kv_cache
         if cache is None and context is not None:  # both maps under the context's mask
             q, k = self.position(q, k, **context.rope_args())

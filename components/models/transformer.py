@@ -18,6 +18,8 @@ Initialisation (torchtitan llama3, so loss curves are comparable):
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field, model_validator
 from torch import nn
@@ -26,6 +28,7 @@ from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
+from kiln.components.models import mup
 from kiln.components.models.absolute_positions import AbsolutePositions
 from kiln.components.models.block import (
     RetiedOnEmpty,
@@ -63,6 +66,15 @@ class TransformerConfig(ComponentConfig):
         True, description="scale output-projection init by layer depth (else by n_layers)"
     )
     layerscale_init: float = Field(0.0, ge=0, description="LayerScale initial value; 0 = off")
+    parametrization: Literal["standard", "mup"] = Field(
+        "standard", description="mup: µP (Tensor Programs V): init, AdamW-family LRs, output "
+        "multiplier and attention scale by width / base_dim, so hyperparameters tuned at "
+        "base_dim transfer to other widths (docs/scaling.md)")
+    base_dim: int = Field(256, ge=1, description="µP: the width where µP equals the standard "
+                          "parametrization (where its hyperparameters were tuned)")
+    base_head_dim: int = Field(
+        0, ge=0, description="µP: attention scores scale as sqrt(base_head_dim) / head_dim; 0 = "
+        "the head width (1/sqrt(head_dim): right when heads keep their width as dim grows)")
     attention: Sub("attention") = component("attention", "causal", "token mixer of each block")
     ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
     norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
@@ -97,6 +109,7 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         self.tied = cfg.tie_embeddings
         self.logit_softcap = cfg.logit_softcap
         self.init_std, self.depth_init = cfg.init_std, cfg.depth_init
+        self.width_mult = mup.width_mult(cfg)  # µP's m (1: the standard parametrization)
         dim, n = cfg.dim, cfg.n_layers
         # Constructors draw from the RNG (nn.Linear's default init); fork it so that
         # init_weights() below starts from the caller's RNG state, exactly as it does after
@@ -111,6 +124,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             self.output = nn.Linear(dim, self.vocab_size, bias=False)
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
+        if cfg.parametrization == "mup":
+            mup.set_attention_scale(self.blocks(), cfg.base_head_dim)
         if self.pos_embeddings is not None:  # a pipeline's first stage holds it too
             self.pipeline_ends = {**self.pipeline_ends,
                                   "first": ("tok_embeddings", "pos_embeddings")}
@@ -129,8 +144,11 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std if self.tied else 1.0)
         if self.pos_embeddings is not None:
             nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=std)
-        init_blocks(self.blocks(), std, self.depth_init,
+        m = self.width_mult
+        init_blocks(self.blocks(), std / m**0.5, self.depth_init,  # µP: variance 1 / fan_in
                     indices=[int(k) for k in self.layers], n_layers=self.n_layers)
+        if m != 1.0:
+            mup.rescale_routers(self.blocks(), m)
         if self.norm is not None:
             init_component(self.norm, std, std)
         if not self.tied and self.output is not None:
@@ -161,6 +179,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         if not last:
             return h
         h = self.norm(h)
+        if self.width_mult != 1.0:  # µP's output multiplier 1 / m, on the logits' operand
+            h = h * (1.0 / self.width_mult)
         if head is not None:
             return head(*head_operands(h, self.output), self.logit_softcap)
         return logits(h, self.output, self.logit_softcap)  # (B, T, V)
@@ -176,6 +196,14 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         if exclude_embeddings and self.pos_embeddings is not None:
             n -= self.pos_embeddings.weight.numel()
         return n
+
+    def width_multiplier(self) -> float:
+        return self.width_mult
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """µP: the hidden matrices' AdamW-family LR factor 1 / m (``models/mup.py``)."""
+        m = self.width_mult
+        return mup.hidden_multipliers(self, m) if m != 1.0 else {}
 
     def param_summary(self) -> dict[str, int]:
         """For ``kiln validate``: with MoE layers, the parameters one token uses."""

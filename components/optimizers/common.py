@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from kiln.components.base import ComponentConfig, Config, Sub, component
+from kiln.components.errors import RecipeError
 from kiln.components.optimizers.memory import optimizer_state_bytes  # noqa: F401  (kiln bench)
 
 
@@ -54,6 +55,19 @@ class OptimizerConfig(ComponentConfig):
         "segment",
         description="with segmented steps: step after every segment, or on the last one only",
     )
+
+    # How µP's per-parameter LR factors (the model's ``lr_multipliers``) apply: "scale" for
+    # updates normalised entry by entry (AdamW family, sign SGD: Tensor Programs V, Table 3),
+    # "own" where the optimizer keeps its LR width-independent itself (Muon's spectral
+    # scaling), "refuse" where kiln has no µP rule (plain SGD).
+    mup_rule: ClassVar[str] = "scale"
+
+    def check_mup(self, table: str) -> None:
+        """Raise a RecipeError when this optimizer cannot train a µP model as configured."""
+        if self.mup_rule == "refuse":
+            raise RecipeError(f"[{table}] ({self.type}): no µP learning-rate rule for this "
+                              "optimizer; use adamw (or another AdamW-family optimizer) or muon, "
+                              "or model.parametrization = \"standard\"")
 
     @field_validator("no_decay", mode="before")
     @classmethod

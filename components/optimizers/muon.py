@@ -1,8 +1,9 @@
 """Muon: momentum orthogonalised by Newton–Schulz, for 2-D weight matrices (Keller Jordan 2024).
 
 The update rule is torch.optim.Muon's (momentum EMA with Nesterov, quintic NS in bf16, decoupled
-weight decay, ``original`` or ``match_rms_adamw`` LR scaling), bit for bit in one process, and
-the state is its ``momentum_buffer``, so checkpoints load into either. torch's class is not used
+weight decay, ``original`` or ``match_rms_adamw`` LR scaling; kiln adds ``spectral`` for µP),
+bit for bit in one process, and the state is its ``momentum_buffer``, so checkpoints load into
+either. torch's class is not used
 directly because under FSDP2 it is wrong or fails (measured, torch 2.13, gloo): on DTensor
 parameters its steps drifted from the single-process result (0.014 max abs after 3 steps on
 matrices whose updates are ~0.05) and a matrix with fewer rows than ranks raised in ``add_``;
@@ -14,7 +15,7 @@ orthogonalised per expert, and parameters Muon cannot train are reported by name
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -52,11 +53,21 @@ class MuonConfig(OptimizerConfig):
         description="Newton–Schulz precision: auto = bfloat16 on GPUs and other accelerators "
         "(torch.optim.Muon's), float32 on CPU (emulated bf16 matmuls are slower there)",
     )
-    lr_scaling: Literal["original", "match_rms_adamw"] = Field(
+    lr_scaling: Literal["original", "match_rms_adamw", "spectral"] = Field(
         "original",
         description="per-matrix LR factor: original = max(1, rows/cols)**0.5 (Keller); "
-        "match_rms_adamw = 0.2*sqrt(max(rows, cols)) (Moonlight: AdamW-like LR and decay)",
+        "match_rms_adamw = 0.2*sqrt(max(rows, cols)) (Moonlight: AdamW-like LR and decay); "
+        "spectral = sqrt(rows/cols) (fan_out/fan_in: width-independent, what µP needs)",
     )
+    mup_rule: ClassVar[str] = "own"
+
+    def check_mup(self, table: str) -> None:
+        if self.lr_scaling != "spectral":
+            raise RecipeError(
+                f"[optimizers.{table}] (muon) with model.parametrization = \"mup\": "
+                f"lr_scaling = \"{self.lr_scaling}\" changes the update's size with width; set "
+                "lr_scaling = \"spectral\" (sqrt(fan_out / fan_in), Yang, Simon & Bernstein "
+                "2023), which keeps Muon's learning rate width-independent")
     expert_stacks: bool = Field(
         False, description="also accept 3-D (experts, rows, cols) stacks, orthogonalised per expert"
     )

@@ -63,12 +63,16 @@ def resolve_ns_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def lr_scale(rule: str, rows: int, cols: int) -> float:
-    """Muon's per-matrix LR factor: Keller's ``original`` or Moonlight's ``match_rms_adamw``."""
+    """Muon's per-matrix LR factor: Keller's ``original``, Moonlight's ``match_rms_adamw`` or the
+    spectral condition's ``spectral``."""
     if rule == "original":
         return math.sqrt(max(1.0, rows / cols))
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"unknown Muon lr scaling {rule!r}; valid: original, match_rms_adamw")
+    if rule == "spectral":  # a (fan_out, fan_in) matrix: spectral norm sqrt(fan_out / fan_in)
+        return math.sqrt(rows / cols)
+    raise ValueError(f"unknown Muon lr scaling {rule!r}; valid: original, match_rms_adamw, "
+                     "spectral")
 
 
 def chunk_rows(rows: int, world: int) -> list[int]:

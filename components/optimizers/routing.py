@@ -107,21 +107,30 @@ def _by_mesh(members: list[tuple[str, nn.Parameter]]) -> list[list[nn.Parameter]
     return list(parts.values())
 
 
-def param_groups(route_: Route, cfg: OptimizerConfig) -> list[dict]:
+def param_groups(route_: Route, cfg: OptimizerConfig,
+                 multipliers: dict[str, float] | None = None) -> list[dict]:
     """torch param groups for one optimizer: decayed and non-decayed, each with its peak LR
-    (each split by device mesh when parallelism makes the parameters differ in kind)."""
+    (each split by device mesh when parallelism makes the parameters differ in kind).
+    ``multipliers`` (parameter name -> LR factor: µP's hidden matrices) puts the parameters
+    with a factor in groups of their own, named ``NAME/mup`` (``NAME/mup/no_decay``)."""
+    multipliers = multipliers or {}
     groups = []
     for suffix, members, wd in (
         ("", route_.decay, cfg.weight_decay), ("no_decay", route_.no_decay, 0.0)
     ):
-        for params in _by_mesh(members):
-            groups.append({
-                "params": params,
-                "lr": cfg.lr,
-                "peak_lr": cfg.lr,
-                "weight_decay": wd,
-                "name": f"{route_.name}/{suffix}" if suffix else route_.name,
-            })
+        by_factor: dict[float, list[tuple[str, nn.Parameter]]] = {}
+        for n, p in members:
+            by_factor.setdefault(multipliers.get(n, 1.0), []).append((n, p))
+        for factor, part in by_factor.items():
+            tag = "/".join(t for t in ("mup" if factor != 1.0 else "", suffix) if t)
+            for params in _by_mesh(part):
+                groups.append({
+                    "params": params,
+                    "lr": cfg.lr * factor,
+                    "peak_lr": cfg.lr * factor,
+                    "weight_decay": wd,
+                    "name": f"{route_.name}/{tag}" if tag else route_.name,
+                })
     return groups
 
 

@@ -18,6 +18,7 @@ and lambda by only ``jac * lr`` (0.25 lr at lambda = lambda_max / 2).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -29,6 +30,7 @@ from kiln.components.registry import register
 
 
 class SGDConfig(OptimizerConfig):
+    mup_rule: ClassVar[str] = "refuse"  # µP's SGD rules (input and output LRs) are not here
     momentum: float = Field(0.0, ge=0, lt=1, description="momentum factor (0 = plain SGD)")
     nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0)")
     dampening: float = Field(0.0, ge=0, le=1, description="dampening of the momentum")

@@ -53,7 +53,7 @@ def size_values(base, width: int, depth: str) -> list[tuple[str, str]]:
     if attn is not None and getattr(attn, "n_heads", 0):
         head_dim = getattr(attn, "head_dim", 0) or model.dim // attn.n_heads
         if width % head_dim:
-            raise RecipeError(f"--sizes {width}: not a multiple of the base recipe's head width "
+            raise RecipeError(f"width {width}: not a multiple of the base recipe's head width "
                               f"{head_dim} (model.dim / model.attention.n_heads); pick widths "
                               f"that are")
         heads = width // head_dim
@@ -61,7 +61,7 @@ def size_values(base, width: int, depth: str) -> list[tuple[str, str]]:
         kv = getattr(attn, "n_kv_heads", 0)
         if kv:
             if (heads * kv) % attn.n_heads:
-                raise RecipeError(f"--sizes {width}: {heads} heads cannot keep the base ratio of "
+                raise RecipeError(f"width {width}: {heads} heads cannot keep the base ratio of "
                                   f"{attn.n_heads} heads to {kv} key/value heads")
             out.append(("model.attention.n_kv_heads", str(heads * kv // attn.n_heads)))
     ffn = getattr(model, "ffn", None)

@@ -61,3 +61,25 @@ def _exponents(f: Fitted) -> str:
     if law.form == "chinchilla":
         return f"alpha {law.alpha:.3f}, beta {law.beta:.3f}, E {law.E:.3f}"
     return f"alpha {law.alpha:.3f}, E {law.E:.3f}"
+
+
+def draw_coords(results, out: str | Path) -> Path:
+    """The coordinate check: one panel per parametrization, each layer's update size (mean
+    |output - output at step 0| after the last step) against width, on log axes."""
+    plt = require_matplotlib("kiln mup check")
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True)
+    for ax, coords in zip(np.atleast_1d(axes), results, strict=True):
+        for name, by_width in coords.change.items():
+            ax.plot(coords.widths, [by_width[w][-1] for w in coords.widths], marker="o",
+                    linewidth=1, label=name if len(coords.change) <= 12 else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("width (model.dim)")
+        ax.set_title(f"{coords.parametrization}: update size per layer")
+    np.atleast_1d(axes)[0].set_ylabel("mean |h_t - h_0|")
+    if len(results[0].change) <= 12:
+        np.atleast_1d(axes)[-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = save(fig, out)
+    plt.close(fig)
+    return path

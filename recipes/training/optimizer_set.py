@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kiln.components.optimizers.routing import param_groups, route, routing_table
+from kiln.components.protocols import ModelContract
 
 
 class OptimizerSet:
@@ -16,8 +17,14 @@ class OptimizerSet:
         self.routes = route(model, tables)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedules = {}
+        # µP: the model's per-parameter LR factors (components/models/mup.py), applied by the
+        # optimizers whose rule is to scale them (OptimizerConfig.mup_rule)
+        multipliers = model.lr_multipliers() if isinstance(model, ModelContract) else {}
         for name, cfg in tables.items():
-            groups = param_groups(self.routes[name], cfg)
+            if multipliers and self.routes[name].numel:
+                cfg.check_mup(name)
+            scaled = multipliers if cfg.mup_rule == "scale" else {}
+            groups = param_groups(self.routes[name], cfg, scaled)
             if not groups:
                 continue  # an optimizer whose rule selected nothing (e.g. no scalar params)
             self.optimizers[name] = cfg.build(groups)

@@ -49,9 +49,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "--model.ffn.top_k=2", "--model.ffn.hidden_dim=32",
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1")),
     # 8-bit AdamW eager: its compiled update (a compile per parameter shape and process, tested
-    # in test_adamw8bit and tests/nova_dist.py) is no combination's subject
+    # in test_adamw8bit and tests/nova_dist.py) is no combination's subject. Under µP at twice
+    # its base width (output multiplier, scaled init, per-group AdamW LRs, Muon's spectral
+    # scaling), so µP meets every step, checkpointing mode, float8 and parallelism.
     "diff_layerscale": ("nova_debug.toml", (*DENSE, "--model.attention.n_kv_heads=1",
-                                            "--optimizers.adamw.compile=false")),
+                                            "--optimizers.adamw.compile=false",
+                                            "--model.parametrization=mup", "--model.base_dim=16",
+                                            "--optimizers.muon.lr_scaling=spectral")),
     "looped_moe": ("looped_moe_debug.toml", (
         "--model.dim=32", "--model.attention.n_heads=2", "--model.ffn.n_experts=4",
         "--model.ffn.hidden_dim=32", "--model.ffn.aux_loss_coeff=0.01",
@@ -260,6 +264,7 @@ def test_the_matrix_covers_what_kiln_ships():
     assert looped and all("segmented_bptt" in steps_for(f) for f in looped)
     nova = load_recipe(CONFIGS / families["diff_layerscale"][0], families["diff_layerscale"][1])
     assert nova.model.attention.type == "differential" and nova.model.layerscale_init > 0
+    assert nova.model.parametrization == "mup" and nova.model.dim == 2 * nova.model.base_dim
 
 
 # ------------------------------------------------- generation and Hugging Face interop
