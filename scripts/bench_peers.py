@@ -28,7 +28,9 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
   (``bench_rows/dpo.py``, ``dpo_memory.py``);
 - ``grpo-rollout``, ``grpo-step``: sampled rollouts (tokens/s) vs ``transformers`` ``generate``
   as TRL's ``GRPOTrainer`` calls it, and a whole GRPO step vs ``GRPOTrainer.training_step``
-  (``bench_rows/grpo.py``).
+  (``bench_rows/grpo.py``);
+- ``fit``: ``kiln fit``'s scaling-law fit with 1,000 bootstrap refits vs the same refits one
+  scipy L-BFGS call each (``bench_rows/fit.py``).
 
 Every side runs in a fresh process; each round runs every group's two sides, the order of the two
 alternating from round to round, so drift in the machine's load hits both. The table gives each
@@ -171,6 +173,10 @@ def groups(args) -> list[Group]:
                      [Row("GRPO step (rollout + update), fp32", "steps_per_second", "steps/s",
                           goal=">= 1.3x")],
                      {**grpo, "what": "step"}))
+    out.append(Group("fit", "fit", "the same fit, one scipy L-BFGS refit per resample",
+                     [Row("scaling-law fit, 20 points, 1,000 bootstrap refits", "seconds", "s",
+                          higher_is_better=False, goal="< 10 s")],
+                     {**base, "resamples": 100 if quick else 1000}, third_party=False))
     return out
 
 

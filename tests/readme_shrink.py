@@ -15,12 +15,18 @@ SHRINK = {
     "bench": ["--steps", "1", "--warmup", "0", *BATCH],
     "eval": ["--tokens", "1024"],
     "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
+    # every size's override, and a thousandth of the tokens (--flops ladders: see shrink())
+    "ladder": [*BATCH, "--checkpoint.enable=false", "--eval.tokens=256"],
+    "mup": ["--steps", "1", "--batch", "1", "--seq-len", "16"],
+    "fit": ["--bootstrap", "100"],
 }
+LADDER_TOKENS = ["--tokens-per-param", "0.001"]
 # ... and of 64 tokens, unless the recipe trains on conversations, preference pairs or prompts: a
 # conversation longer than seq_len is dropped, not cut, so a shorter window would leave the chat
 # and preference recipes no data.
 SHORT = {"train": ["--training.seq_len=64", "--eval.tokens=256"],
-         "bench": ["--training.seq_len=64"], "sweep": ["--training.seq_len=64"]}
+         "bench": ["--training.seq_len=64"], "sweep": ["--training.seq_len=64"],
+         "ladder": ["--training.seq_len=64"]}
 
 
 def shrink(cmd: Command, workdir: Path) -> list[str]:
@@ -28,7 +34,8 @@ def shrink(cmd: Command, workdir: Path) -> list[str]:
     if Path(argv[0]).name == "run_train.sh":
         return [*argv, *SHRINK["train"], *shorter("train", argv[1:], workdir)]
     if argv[0] == "kiln" and len(argv) > 1 and "--emit" not in argv:
-        return [*argv, *SHRINK.get(argv[1], []), *shorter(argv[1], argv[2:], workdir)]
+        tokens = LADDER_TOKENS if argv[1] == "ladder" and "--flops" not in argv else []
+        return [*argv, *SHRINK.get(argv[1], []), *tokens, *shorter(argv[1], argv[2:], workdir)]
     return argv
 
 

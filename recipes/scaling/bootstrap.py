@@ -12,10 +12,7 @@ Two resampling schemes:
   fewer than three distinct sizes (or two distinct token counts) is drawn again.
 
 Refitting a thousand ladders one L-BFGS call at a time costs ~25 ms each here, so the refits
-run all at once: a batched Levenberg-Marquardt on the iteratively reweighted least-squares
-form of the same Huber objective (its gradient is exactly the Huber gradient; a step is kept
-only where it lowers the Huber objective), started from the fit on the full ladder. numpy does
-the batched linear algebra; scipy offers no batched nonlinear solver.
+run all at once (``solver.refit``), started from the fit on the full ladder.
 """
 
 from __future__ import annotations
@@ -24,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.recipes.scaling.laws import BOUNDS, HUBER_DELTA, FitError, Law, terms, theta_of
+from kiln.recipes.scaling.laws import FitError, Law, theta_of
+from kiln.recipes.scaling.solver import HUBER_DELTA, refit, terms
 
 SCHEMES = ("residuals", "cases")
 
@@ -73,60 +71,6 @@ def law_of(form: str, theta: np.ndarray) -> Law:
         return Law(form, np.exp(e), np.exp(a), alpha, B=float(np.exp(theta[3])),
                    beta=float(theta[4]))
     return Law(form, float(np.exp(e)), float(np.exp(a)), alpha)
-
-
-def _residuals(theta: np.ndarray, logx, logd, logl) -> tuple[np.ndarray, np.ndarray]:
-    """Log-space residuals (B, P) and their Jacobian (B, P, K), for B parameter rows."""
-    t = terms(theta, logx, logd)  # (B, P, T)
-    top = t.max(axis=2, keepdims=True)
-    w = np.exp(t - top)
-    lse = top[..., 0] + np.log(w.sum(axis=2))
-    w /= w.sum(axis=2, keepdims=True)
-    jac = [w[..., 0], w[..., 1], -w[..., 1] * logx]
-    if logd is not None:
-        jac += [w[..., 2], -w[..., 2] * logd]
-    return lse - logl, np.stack(jac, axis=2)
-
-
-def _huber(r: np.ndarray, counts: np.ndarray, delta: float) -> np.ndarray:
-    a = np.abs(r)
-    return (counts * np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))).sum(axis=1)
-
-
-def refit(theta0: np.ndarray, logx, logd, logl: np.ndarray, counts: np.ndarray, *,
-          delta: float = HUBER_DELTA, iters: int = 400) -> np.ndarray:
-    """Minimise each row's weighted Huber objective from ``theta0``; (B, K) parameters.
-
-    ``logl`` and ``counts`` are (B, P): each resample's observed log losses and point weights.
-    """
-    names = ["e", "a", "alpha"] + (["b", "beta"] if logd is not None else [])
-    lo = np.array([BOUNDS[n][0] for n in names])
-    hi = np.array([BOUNDS[n][1] for n in names])
-    theta = np.array(np.broadcast_to(theta0, (len(logl), len(names))))
-    r, jac = _residuals(theta, logx, logd, logl)
-    f = _huber(r, counts, delta)
-    damping = np.full(len(theta), 1e-3)
-    eye = np.eye(len(names))
-    for _ in range(iters):
-        weight = counts * np.where(np.abs(r) <= delta, 1.0, delta / np.maximum(np.abs(r), delta))
-        grad = np.einsum("bp,bpk->bk", weight * r, jac)  # the Huber gradient
-        gn = np.einsum("bp,bpk,bpj->bkj", weight, jac, jac)  # IRLS Gauss-Newton curvature
-        diag = np.einsum("bkk->bk", gn)
-        lhs = gn + (damping[:, None, None] * (diag[:, :, None] + 1e-12)) * eye + 1e-14 * eye
-        step = np.linalg.solve(lhs, -grad[..., None])[..., 0]
-        trial = np.clip(theta + step, lo, hi)
-        r_new, jac_new = _residuals(trial, logx, logd, logl)
-        f_new = _huber(r_new, counts, delta)
-        better = f_new < f
-        theta = np.where(better[:, None], trial, theta)
-        r = np.where(better[:, None], r_new, r)
-        jac = np.where(better[:, None, None], jac_new, jac)
-        done = np.abs(f - f_new) <= 1e-14 * np.maximum(f, 1e-30)
-        f = np.where(better, f_new, f)
-        damping = np.where(better, damping / 3, damping * 4).clip(1e-12, 1e12)
-        if np.all(done | (damping >= 1e12)):
-            break
-    return theta
 
 
 def draw(law: Law, x, loss, d=None, *, n: int = 1000, seed: int = 0, level: float = 0.95,

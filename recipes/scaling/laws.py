@@ -6,13 +6,11 @@
 
 The fit follows approach 3: in log space, with ``e = log E``, ``a = log A``, ``b = log B``, the
 predicted log loss is ``LSE(a - alpha log N, b - beta log D, e)``; the parameters minimise the
-Huber loss (delta 1e-3) between it and the observed log loss, with L-BFGS from a grid of
-starting points, keeping the best. The paper starts L-BFGS from every point of its grid; here
-the grid is first scored in one vectorised pass and L-BFGS starts from its best few points (the
-rest lie in the basins of those few on every ladder we tried; ``starts`` sets how many), which
-keeps a fit to milliseconds so a thousand bootstrap refits take seconds. scipy's L-BFGS-B runs
-the optimisation (with the analytic gradient written below: the objective is kiln's choice of
-Huber on log loss, which scipy does not offer as a ready-made loss with these bounds).
+Huber loss (delta 1e-3) between it and the observed log loss, from a grid of starting points,
+keeping the best. The paper runs L-BFGS from every point of its grid; here the grid (the
+paper's) is scored in one vectorised pass, its best ``starts`` points are optimised together by
+the batched solver (``solver.py``), and scipy's L-BFGS-B polishes the best of them to a tight
+tolerance (the analytic gradient is ``solver.objective``). A fit takes tens of milliseconds.
 
 Besiroglu et al. 2024 ("Chinchilla scaling: a replication attempt") found that the paper's
 optimiser stopped early and that its reported intervals were too narrow to be right; kiln runs
@@ -27,18 +25,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, approach 3
+from kiln.recipes.scaling.solver import (
+    BOUNDS,
+    HUBER_DELTA,
+    grid_scores,
+    objective,
+    refit,
+)
+
 FORMS = ("chinchilla", "params", "compute")
 # The paper's grid of initialisations (approach 3): alpha, beta in 0..2, e in -1..1, a, b in 0..25.
 GRID_EXPONENT = np.arange(0.0, 2.01, 0.5)
 GRID_E = np.arange(-1.0, 1.01, 0.5)
 GRID_AB = np.arange(0.0, 25.1, 5.0)
-# Bounds keep exp() finite and the exponents positive (a negative exponent is not a power law
-# that falls); a fit that ends on a bound is reported (``Law.at_bound``).
-BOUNDS = {"e": (-10.0, 5.0), "a": (-20.0, 80.0), "alpha": (0.0, 5.0), "b": (-20.0, 80.0),
-          "beta": (0.0, 5.0)}
-
-
 class FitError(ValueError):
     """A ladder that cannot be fitted (too few points, no spread, a non-finite loss)."""
 
@@ -84,49 +83,12 @@ class Law:
         return {k: getattr(self, k) for k in names}
 
 
-def terms(theta: np.ndarray, logx: np.ndarray, logd: np.ndarray | None) -> np.ndarray:
-    """The log of each additive term for rows of parameters ``theta`` (B, K): (B, P, 2 or 3),
-    [e, a - alpha log x, (b - beta log d)]."""
-    cols = [np.broadcast_to(theta[:, :1], (len(theta), len(logx))),
-            theta[:, 1:2] - theta[:, 2:3] * logx]
-    if logd is not None:
-        cols.append(theta[:, 3:4] - theta[:, 4:5] * logd)
-    return np.stack(cols, axis=2)
-
-
-def objective(theta: np.ndarray, logx: np.ndarray, logd: np.ndarray | None,
-              logl: np.ndarray, delta: float = HUBER_DELTA) -> tuple[float, np.ndarray]:
-    """Huber loss of the log-space residuals, summed over points, and its gradient."""
-    t = terms(theta[None, :], logx, logd)[0]  # (P, K)
-    top = t.max(axis=1, keepdims=True)
-    w = np.exp(t - top)
-    lse = top[:, 0] + np.log(w.sum(axis=1))
-    w /= w.sum(axis=1, keepdims=True)  # d lse / d term
-    r = lse - logl
-    small = np.abs(r) <= delta
-    loss = np.where(small, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum()
-    psi = np.clip(r, -delta, delta)  # d huber / d r
-    grad = [np.dot(psi, w[:, 0]), np.dot(psi, w[:, 1]), -np.dot(psi, w[:, 1] * logx)]
-    if logd is not None:
-        grad += [np.dot(psi, w[:, 2]), -np.dot(psi, w[:, 2] * logd)]
-    return float(loss), np.asarray(grad)
-
-
 def grid(form: str) -> np.ndarray:
     """The paper's starting points, (S, 3 or 5) in the order (e, a, alpha[, b, beta])."""
     axes = [GRID_E, GRID_AB, GRID_EXPONENT]
     if form == "chinchilla":
         axes += [GRID_AB, GRID_EXPONENT]
     return np.array(list(itertools.product(*axes)))
-
-
-def grid_scores(starts: np.ndarray, logx: np.ndarray, logd: np.ndarray | None,
-                logl: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
-    """The objective at every starting point at once, (S,)."""
-    t = terms(starts, logx, logd)  # (S, P, K)
-    top = t.max(axis=2, keepdims=True)
-    r = top[..., 0] + np.log(np.exp(t - top).sum(axis=2)) - logl
-    return np.where(np.abs(r) <= delta, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum(1)
 
 
 def check_points(form: str, x: np.ndarray, d: np.ndarray | None, loss: np.ndarray) -> None:
@@ -155,8 +117,7 @@ def check_points(form: str, x: np.ndarray, d: np.ndarray | None, loss: np.ndarra
                            "--form params, or vary the token budget")
 
 
-def fit(form: str, x, loss, d=None, *, starts: int = 8, init: np.ndarray | None = None,
-        delta: float = HUBER_DELTA) -> Law:
+def fit(form: str, x, loss, d=None, *, starts: int = 32, delta: float = HUBER_DELTA) -> Law:
     """Fit ``form`` to points (x = N or C, d = tokens for chinchilla, loss); see the module."""
     from scipy.optimize import minimize
 
@@ -169,18 +130,18 @@ def fit(form: str, x, loss, d=None, *, starts: int = 8, init: np.ndarray | None 
     logx, logl = np.log(x), np.log(loss)
     logd = None if d is None else np.log(d)
     candidates = grid(form)
-    best_starts = candidates[np.argsort(grid_scores(candidates, logx, logd, logl, delta))[:starts]]
-    if init is not None:
-        best_starts = np.vstack([init[None, :], best_starts])
+    ranked = candidates[np.argsort(grid_scores(candidates, logx, logd, logl, delta))[:starts]]
+    rows = refit(ranked, logx, logd, np.broadcast_to(logl, (len(ranked), len(logl))),
+                 np.ones((len(ranked), len(logl))), delta=delta, iters=60)
+    values = [objective(r, logx, logd, logl, delta)[0] for r in rows]
+    start = rows[int(np.argmin(values))]
     names = ["e", "a", "alpha"] + (["b", "beta"] if d is not None else [])
     bounds = [BOUNDS[n] for n in names]
-    best = None
-    for start in best_starts:
-        res = minimize(objective, start, args=(logx, logd, logl, delta), jac=True,
-                       method="L-BFGS-B", bounds=bounds,
-                       options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12})
-        if best is None or res.fun < best.fun:
-            best = res
+    best = minimize(objective, start, args=(logx, logd, logl, delta), jac=True,
+                    method="L-BFGS-B", bounds=bounds,
+                    options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12})
+    if best.fun > min(values):  # L-BFGS only polishes: never a worse point than it started at
+        best.x, best.fun = start, min(values)
     theta = best.x
     edge = tuple(n for n, v, (lo, hi) in zip(names, theta, bounds, strict=True)
                  if n in ("alpha", "beta") and (v <= lo + 1e-6 or v >= hi - 1e-6))

@@ -100,7 +100,7 @@ def _peer_has(module: str, python: str = PEER_PYTHON) -> bool:
 
 
 NEEDS = {"train": "torchtitan", "moe": "torchtitan", "generate": "transformers"}
-QUICK = ["train-fp32", "moe-bf16", "generate-b8", "eval", "checkpoint", "overhead"]
+QUICK = ["train-fp32", "moe-bf16", "generate-b8", "eval", "checkpoint", "overhead", "fit"]
 
 
 def _missing(group: str) -> str:

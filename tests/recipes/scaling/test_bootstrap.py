@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from kiln.recipes.scaling import bootstrap, laws
+from kiln.recipes.scaling import bootstrap, laws, solver
 from tests.recipes.scaling.ladders import BESIROGLU, HOFFMANN, ladder
 
 
@@ -17,16 +17,16 @@ def test_batched_refits_equal_scipy_on_the_same_resamples():
     law = laws.fit("chinchilla", n, loss, d)
     logs = np.log(n), np.log(d), np.log(loss)
     counts = bootstrap._case_counts(np.random.default_rng(1), 4, *logs[:2])
-    theta = bootstrap.refit(laws.theta_of(law), *logs[:2],
+    theta = solver.refit(laws.theta_of(law), *logs[:2],
                             np.broadcast_to(logs[2], (4, len(n))), counts)
-    bounds = [laws.BOUNDS[k] for k in ("e", "a", "alpha", "b", "beta")]
+    bounds = [solver.BOUNDS[k] for k in ("e", "a", "alpha", "b", "beta")]
     for row, c in zip(theta, counts, strict=True):
         keep = np.repeat(np.arange(len(n)), c.astype(int))  # a point drawn twice counts twice
-        ref = minimize(laws.objective, laws.theta_of(law),
+        ref = minimize(solver.objective, laws.theta_of(law),
                        args=(logs[0][keep], logs[1][keep], logs[2][keep]), jac=True,
                        method="L-BFGS-B", bounds=bounds,
                        options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12})
-        ours = laws.objective(row, logs[0][keep], logs[1][keep], logs[2][keep])[0]
+        ours = solver.objective(row, logs[0][keep], logs[1][keep], logs[2][keep])[0]
         assert ours <= ref.fun * (1 + 1e-6)
         np.testing.assert_allclose(row, ref.x, rtol=1e-3, atol=1e-4)
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kiln.recipes.scaling import laws
+from kiln.recipes.scaling import laws, solver
 from tests.recipes.scaling.ladders import BESIROGLU, HOFFMANN, ladder
 
 NAMES = ("E", "A", "B", "alpha", "beta")
@@ -50,12 +50,12 @@ def test_the_gradient_is_the_objectives():
     n, d, loss = ladder(HOFFMANN, sigma=0.01)
     args = (np.log(n), np.log(d), np.log(loss))
     theta = np.array([0.4, 6.2, 0.36, 5.8, 0.27])
-    _, grad = laws.objective(theta, *args)
+    _, grad = solver.objective(theta, *args)
     for i in range(5):
         step = np.zeros(5)
         step[i] = 1e-7
-        numeric = (laws.objective(theta + step, *args)[0]
-                   - laws.objective(theta - step, *args)[0]) / 2e-7
+        numeric = (solver.objective(theta + step, *args)[0]
+                   - solver.objective(theta - step, *args)[0]) / 2e-7
         assert grad[i] == pytest.approx(numeric, rel=1e-4, abs=1e-10)
 
 
