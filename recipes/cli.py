@@ -45,13 +45,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "one table: recipe keys that differ between runs beside their results"),
     "plot": ("kiln.recipes.commands.plot",
              "overlay runs' curves (legend: what differs), expert-load heatmap; a PNG"),
-    "ladder": ("kiln.recipes.commands.ladder",
+    "ladder": ("kiln.recipes.commands.scaling.ladder",
                "one recipe as a ladder of model sizes with token budgets (tokens per parameter "
                "or iso-FLOP), trained in turn (resumable) or as a SLURM array"),
-    "mup": ("kiln.recipes.commands.mup",
+    "mup": ("kiln.recipes.commands.scaling.mup",
             "mup check RECIPE --widths ...: the µP coordinate check (layer sizes per width, "
             "under µP and the standard parametrization; a table and a PNG)"),
-    "fit": ("kiln.recipes.commands.fit",
+    "fit": ("kiln.recipes.commands.scaling.fit",
             "fit a scaling law (Chinchilla L(N, D), L(N), L(C)) to one or two ladders, with "
             "bootstrap intervals, the target's prediction and where two curves cross"),
     "sweep": ("kiln.recipes.commands.sweep",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.runs.ladder import size_values
+from kiln.recipes.scaling.ladder import size_values
 
 RECIPE = Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml"
 LRS = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]

@@ -104,7 +104,8 @@ def test_no_import_cycles():
 # The rooms of the top floor, bottom to top: a room imports only rooms below it (cli.py, the
 # entry point, may import any). docs/design.md "Floors" draws the same tree.
 RECIPES_ROOMS = ["probes", "config", "runs", "loading", "inference", "hooks", "preflight",
-                 "training", "commands.models", "commands"]
+                 "training", "scaling", "commands.models",
+                 "commands.scaling", "commands"]
 
 
 def _room(module: str) -> str:

@@ -65,9 +65,9 @@ class OptimizerConfig(ComponentConfig):
     def check_mup(self, table: str) -> None:
         """Raise a RecipeError when this optimizer cannot train a µP model as configured."""
         if self.mup_rule == "refuse":
-            raise RecipeError(f"[{table}] ({self.type}): no µP learning-rate rule for this "
-                              "optimizer; use adamw (or another AdamW-family optimizer) or muon, "
-                              "or model.parametrization = \"standard\"")
+            raise RecipeError(f"optimizer {table!r} ({self.type}): no µP learning-rate rule "
+                              "for this optimizer; use adamw (or another AdamW-family "
+                              "optimizer) or muon, or model.parametrization = \"standard\"")
 
     @field_validator("no_decay", mode="before")
     @classmethod

@@ -64,7 +64,7 @@ class MuonConfig(OptimizerConfig):
     def check_mup(self, table: str) -> None:
         if self.lr_scaling != "spectral":
             raise RecipeError(
-                f"[optimizers.{table}] (muon) with model.parametrization = \"mup\": "
+                f"optimizer {table!r} (muon) with model.parametrization = \"mup\": "
                 f"lr_scaling = \"{self.lr_scaling}\" changes the update's size with width; set "
                 "lr_scaling = \"spectral\" (sqrt(fan_out / fan_in), Yang, Simon & Bernstein "
                 "2023), which keeps Muon's learning rate width-independent")

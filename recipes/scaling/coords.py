@@ -21,7 +21,7 @@ from torch import nn
 
 from kiln.components.models.block import padded_vocab
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.runs.ladder import size_values
+from kiln.recipes.scaling.ladder import size_values
 from kiln.recipes.training.optimizer_set import OptimizerSet
 
 

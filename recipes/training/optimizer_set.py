@@ -20,6 +20,13 @@ class OptimizerSet:
         # µP: the model's per-parameter LR factors (components/models/mup.py), applied by the
         # optimizers whose rule is to scale them (OptimizerConfig.mup_rule)
         multipliers = model.lr_multipliers() if isinstance(model, ModelContract) else {}
+        self.mup_line = ""
+        if multipliers:
+            m = model.width_multiplier()
+            scaled = [n for n, t in tables.items() if t.mup_rule == "scale"
+                      and self.routes[n].numel]
+            self.mup_line = (f"µP: width multiplier {m:g}; {len(multipliers)} hidden tensors at "
+                             f"lr / {m:g} in {', '.join(scaled) or 'no optimizer'}")
         for name, cfg in tables.items():
             if multipliers and self.routes[name].numel:
                 cfg.check_mup(name)
@@ -37,7 +44,8 @@ class OptimizerSet:
                     opt.set_value_jacobians(found)
 
     def table(self) -> str:
-        return routing_table(self.routes, self.tables)
+        table = routing_table(self.routes, self.tables)
+        return f"{table}\n{self.mup_line}" if self.mup_line else table
 
     def set_lr(self, step: int) -> None:
         for name, opt in self.optimizers.items():

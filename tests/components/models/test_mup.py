@@ -88,7 +88,7 @@ def test_attention_scale_follows_the_base_head_width():
 
 def test_optimizers_without_a_mup_rule_are_refused():
     mu = _model(dim=128, parametrization="mup", base_dim=64)
-    with pytest.raises(RecipeError, match=r"\[main\] \(sgd\): no µP learning-rate rule"):
+    with pytest.raises(RecipeError, match=r"optimizer 'main' \(sgd\): no µP learning-rate rule"):
         OptimizerSet(mu, {"main": default_config("optimizer", "sgd")}, 10)
     muon = {"muon": default_config("optimizer", "muon", params={"ndim": [2],
                                                                "exclude": ["tok_*", "output*"]}),

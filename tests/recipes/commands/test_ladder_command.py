@@ -15,7 +15,7 @@ from kiln.components.errors import RecipeError
 from kiln.recipes.cli import main
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.loading.meta_model import build_meta_model
-from kiln.recipes.runs.ladder import plan
+from kiln.recipes.scaling.ladder import plan
 from tests import forked
 from tests.conftest import CONFIGS
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.runs.ladder import parse_numbers
 from kiln.recipes.scaling import coords as cc
+from kiln.recipes.scaling.ladder import parse_numbers
 
 TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
 

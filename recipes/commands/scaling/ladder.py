@@ -1,6 +1,6 @@
 """`kiln ladder RECIPE --sizes W1,W2,... [--tokens-per-param R | --flops C1,C2] [--depth
 scaled|fixed] [--out DIR] [--emit slurm] [--plan] [--key=value ...]`: one recipe as a ladder of
-model sizes (the rule: ``recipes/runs/ladder.py``), each a run folder under DIR, trained one
+model sizes (the rule: ``recipes/scaling/ladder.py``), each a run folder under DIR, trained one
 after another (resumable: a finished size is skipped) or as a SLURM array; then
 ``kiln fit DIR`` fits it."""
 
@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from kiln.components.errors import RecipeError
-from kiln.recipes.commands.sweep import train_points
 from kiln.recipes.config.files import load_recipe
-from kiln.recipes.runs.ladder import DEPTHS, parse_numbers, plan, write_plan
 from kiln.recipes.runs.sweep import slurm_script
+from kiln.recipes.runs.train_points import train_points
+from kiln.recipes.scaling.ladder import DEPTHS, parse_numbers, plan, write_plan
 
 TAKES_OVERRIDES = True  # kiln --help of the command shows them (recipes/cli.py)
 
