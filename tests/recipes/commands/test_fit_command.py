@@ -61,6 +61,15 @@ def test_a_fixed_ratio_ladder_is_fitted_in_n_and_refused_in_n_d(tmp_path, capsys
     assert capsys.readouterr().out.startswith("form params: L = E + A / N^alpha")
     assert main(["fit", str(tmp_path / "ratio.csv"), "--form=chinchilla"]) == 2
     assert "tokens grow in proportion to parameters" in capsys.readouterr().err
+    # the compute form on the CSV's own FLOPs column, with its plot
+    write_csv(tmp_path / "flops.csv", n, 20 * n, loss, flops=6.5 * n * 20 * n)
+    png = tmp_path / "compute.png"
+    assert main(["fit", str(tmp_path / "flops.csv"), "--form=compute", "--bootstrap=50",
+                 "--target-flops=1e21", f"--plot={png}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["form"] == "compute" and set(out["ladders"][0]["params"]) == {"E", "A", "alpha"}
+    lo, hi = out["ladders"][0]["prediction"]["interval"]
+    assert lo <= out["ladders"][0]["prediction"]["loss"] <= hi and png.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("args, message", [

@@ -89,6 +89,11 @@ def test_plan_writes_recipes_show_and_diff_read(tmp_path, capsys):
     assert main(["diff", str(out / "recipes" / "d64.toml"), str(out / "recipes" / "d128.toml")])
     diff = capsys.readouterr().out
     assert "dim: 64 -> 128" in diff and "n_heads: 2 -> 4" in diff
+    assert main(["ladder", DEBUG, "--sizes", "64,128", "--flops", "1e13", "--emit", "slurm",
+                 "--out", str(out)]) == 0
+    script = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in script and "d128-C1e13" in script
+    assert "submit: sbatch" in capsys.readouterr().out and not (out / "d64-C1e13").exists()
 
 
 @pytest.mark.slow
