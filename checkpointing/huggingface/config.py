@@ -107,7 +107,7 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
         vocab = int(config["vocab_size"])
     except KeyError as exc:
         raise _fail(source, exc.args[0], "missing") from None
-    sliding_window(config, source)  # checks layer_types
+    window, layer_types = windows(config, source)
     kv = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or dim // heads)
     eps = float(config.get("rms_norm_eps", 1e-6))
@@ -122,6 +122,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
         attention["qk_norm"] = True
         attention["qk_norm_eps"] = eps
     attention["position"] = rope_table(config, source)
+    if window:
+        attention["window"] = window
     table: dict[str, Any] = {
         "type": "transformer", "dim": dim, "n_layers": layers, "vocab_size": vocab,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
@@ -130,34 +132,46 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
         "ffn": {"type": "swiglu", "hidden_dim": ffn},
         "norm": {"type": "rmsnorm", "eps": eps},
     }
+    if layer_types:
+        table["layer_types"] = layer_types
+    if window:  # the window is checked against the model's context, not the recipe's rows
+        table["max_seq_len"] = max(window, int(config.get("max_position_embeddings") or window))
     return table
 
 
-def sliding_window(config: dict, source: str) -> int | None:
-    """The attention window a config asks for (None: full attention everywhere); checks that
-    no layer type other than full attention is asked for."""
-    types = set(config.get("layer_types") or ["full_attention"])
-    if config.get("model_type") in ("qwen2", "qwen3"):
-        types.discard("sliding_attention")  # the window decides, below
-    if types != {"full_attention"} and types:
-        raise _fail(source, "layer_types", f"{sorted(types)}: kiln has full attention only")
-    window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-        return None
-    return int(window) if window else None
-
-
-def check_context(config: dict, source: str, seq_len: int) -> None:
-    """kiln has no sliding-window attention: refuse sequences longer than the window."""
-    window = sliding_window(config, source)
-    if window is not None and seq_len > window:
-        raise _fail(source, "sliding_window", f"{window} tokens, but the recipe trains on "
-                    f"{seq_len}: kiln has no sliding-window attention",
-                    f"set training.seq_len <= {window}")
+def windows(config: dict, source: str) -> tuple[int, list[str]]:
+    """The sliding window a config asks for (0: none) and kiln's ``model.layer_types`` ([]:
+    every layer by the window). Mistral windows every layer; Qwen2 / Qwen3 window the layers
+    their ``layer_types`` name ``sliding_attention`` (from ``max_window_layers`` on, when a
+    config has no list) and only with ``use_sliding_window``."""
+    family = config.get("model_type")
+    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    listed = config.get("layer_types") or []
+    unknown = sorted(set(listed) - set(kinds))
+    if unknown:
+        raise _fail(source, "layer_types", f"{unknown}: kiln has full and sliding-window "
+                    "attention layers only")
+    window = int(config.get("sliding_window") or 0)
+    if family == "llama" and "sliding_attention" in listed:
+        raise _fail(source, "layer_types", "sliding_attention layers in a llama config (its "
+                    "model code has no window)")
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        return 0, []
+    if not window or family == "llama":
+        return 0, []
+    if family == "mistral" and not listed:
+        return window, []
+    n = int(config["num_hidden_layers"])
+    if not listed:  # transformers' rule: the layers from max_window_layers on slide
+        first = int(config.get("max_window_layers") or n)
+        listed = ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    types = [kinds[t] for t in listed]
+    return window, ([] if set(types) == {"sliding"} else types)
 
 
 def family_of(model) -> str:
-    """The Hugging Face family whose layout the model has: llama, qwen2 or qwen3."""
+    """The Hugging Face family whose layout the model has: llama (mistral with a sliding
+    window), qwen2 or qwen3."""
     attn = model.blocks()[0].attention
     bias = attn.wo.bias is not None
     qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
@@ -165,7 +179,13 @@ def family_of(model) -> str:
         return "qwen3"
     if qkv_bias and not bias:
         return "qwen2"
-    return "llama"
+    return "mistral" if layer_windows(model)[0] else "llama"
+
+
+def layer_windows(model) -> tuple[int, list[int]]:
+    """The model's window (0: none) and each layer's (0 for a full-attention layer)."""
+    per_layer = [b.attention.window for b in model.blocks()]
+    return max(per_layer), per_layer
 
 
 def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
@@ -187,8 +207,8 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
                       truncate=rope.yarn_truncate)
         if rope.attention_factor:
             params["attention_factor"] = rope.attention_factor
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[family]
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     config: dict[str, Any] = {
         "architectures": [arch],
         "model_type": family,
@@ -222,8 +242,14 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
         config.update(attention_bias=attn0.wo.bias is not None, mlp_bias=False)
     if family == "qwen3":
         config["attention_bias"] = attn0.wo.bias is not None
-    if family != "llama":
-        config.update(use_sliding_window=False, sliding_window=None)
+    window, per_layer = layer_windows(model)
+    if family == "mistral":
+        config["sliding_window"] = window
+    if family in ("qwen2", "qwen3"):
+        types = ["sliding_attention" if w else "full_attention" for w in per_layer]
+        leading = next((i for i, w in enumerate(per_layer) if w), len(per_layer))
+        config.update(use_sliding_window=bool(window), sliding_window=window or None,
+                      max_window_layers=leading, layer_types=types)
     return config
 
 

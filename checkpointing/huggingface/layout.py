@@ -113,6 +113,28 @@ def hf_incompatibility(model: nn.Module) -> str:
                 return "QK-norm with q/k/v-only biases (Qwen3 biases all four projections)"
             if attn.q_norm.eps != eps or attn.q_norm.weight is None:
                 return "QK-norm whose eps differs from the model norm's (Qwen3 shares one)"
+    return _window_problem(model)
+
+
+def _window_problem(model: nn.Module) -> str:
+    """Why the model's sliding windows have no Hugging Face config ("" if they have one):
+    Mistral windows every layer (and has no attention biases); Qwen2 / Qwen3 name each layer's
+    kind (``layer_types``); one window size in all of them."""
+    windows = [b.attention.window for b in model.blocks()]
+    sizes = set(windows) - {0}
+    if not sizes:
+        return ""
+    if len(sizes) > 1:
+        return f"sliding windows of several sizes ({sorted(sizes)})"
+    attn = model.blocks()[0].attention
+    qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
+    if attn.q_norm is not None or (qkv_bias and attn.wo.bias is None):
+        return ""  # Qwen3 / Qwen2: layer_types
+    if 0 in windows:
+        return ("sliding-window layers beside full ones in a Llama layout (Mistral windows "
+                "every layer; Qwen2 / Qwen3 name each layer's kind)")
+    if qkv_bias or attn.wo.bias is not None:
+        return "a sliding window with attention biases (Mistral has none)"
     return ""
 
 

@@ -55,6 +55,10 @@ class CausalAttentionConfig(ComponentConfig):
     positions: Literal["sequence", "per_document"] = Field(
         "sequence", description="training: RoPE positions count from the row's start (sequence) "
         "or restart at every document (per_document; needs document_mask)")
+    window: int = Field(
+        0, ge=0, description="sliding-window attention: a query sees itself and the window - 1 "
+        "tokens before it (Mistral's sliding_window; 0 = every earlier token); with "
+        "model.layer_types, only the \"sliding\" layers")
     mask_kernel: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="kernel of a document mask or context parallel: sdpa (a dense "
         "mask, any device), flex (FlexAttention block mask, CUDA), auto = flex on CUDA, sdpa "
@@ -138,7 +142,14 @@ class CausalAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.position = cfg.position.build(head_dim=self.head_dim, max_seq_len=max_seq_len)
         self.dropout_p = cfg.dropout
+        self.window = cfg.window  # 0: full causal (the model sets it per layer: layer_types)
         self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Scores and mixing: 12 * H * D per key a query sees (the full square's T, or the
+        window of a sliding-window layer), as the model's MFU counts them."""
+        keys = min(seq_len, self.window) if self.window else seq_len
+        return 12.0 * self.n_heads * self.head_dim * keys
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Inputs projections ~ N(0, std), output projection ~ N(0, out_std), biases 0."""
@@ -174,12 +185,12 @@ class CausalAttention(nn.Module):
                 k, v = context.gather(k), context.gather(v)  # (B, T_all, Hk, D)
             # SDPA wants (B, H, T, D); a transpose is a view.
             out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context,
-                       dropout_p=self.dropout_p if self.training else 0.0)
+                       dropout_p=self.dropout_p if self.training else 0.0, window=self.window)
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
             k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hk, S, D)
-            out = cached_sdpa(q.transpose(1, 2), k, v, session)
+            out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window)
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

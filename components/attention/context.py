@@ -23,7 +23,7 @@ CUDA and ``sdpa`` elsewhere.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,25 @@ class AttentionContext:
     mask: Any = None
     kernel: str = "sdpa"
     gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # what a sliding-window layer's mask is built from (once per window size and forward)
+    query_positions: torch.Tensor | None = None  # (Tq,) long
+    doc_ids: torch.Tensor | None = None  # (B, T)
+    windowed: dict[int, Any] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> Any:
+        """The mask of a layer that sees ``window`` tokens (0: every earlier one)."""
+        if not window:
+            return self.mask
+        if window not in self.windowed:
+            device = self.query_positions.device
+            if self.kernel == "flex":
+                built = _block_mask(self.length, self.query_positions, self.doc_ids, device,
+                                    window)
+            else:
+                visible = visibility(self.length, self.query_positions, self.doc_ids, window)
+                built = additive(visible)
+            self.windowed[window] = built
+        return self.windowed[window]
 
     def rope_args(self) -> dict[str, Any]:
         """Keyword arguments for the position component: the positions and their bound (known
@@ -115,17 +134,25 @@ def build_context(length: int, *, doc_ids: torch.Tensor | None = None,
     if kernel == "flex":
         mask = _block_mask(length, q_pos, doc_ids, device)
     else:
-        visible = visibility(length, q_pos, doc_ids)
-        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-    return AttentionContext(length, rope, mask, kernel, gather_kv)
+        mask = additive(visibility(length, q_pos, doc_ids))
+    return AttentionContext(length, rope, mask, kernel, gather_kv, q_pos, doc_ids)
 
 
-def visibility(length: int, q_pos: torch.Tensor,
-               doc_ids: torch.Tensor | None) -> torch.Tensor:
-    """(B or 1, 1, Tq, T) bool: key j is visible to query i (at q_pos[i]) when j <= q_pos[i] and,
-    with documents, both are in the same document."""
+def additive(visible: torch.Tensor) -> torch.Tensor:
+    """A bool visibility mask as SDPA's additive fp32 mask (0 visible, -inf hidden)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible,
+                                                                          float("-inf"))
+
+
+def visibility(length: int, q_pos: torch.Tensor, doc_ids: torch.Tensor | None,
+               window: int = 0) -> torch.Tensor:
+    """(B or 1, 1, Tq, T) bool: key j is visible to query i (at q_pos[i]) when j <= q_pos[i],
+    with documents when both are in the same document, with a ``window`` when
+    q_pos[i] - j < window."""
     k_pos = torch.arange(length, device=q_pos.device)
     mask = q_pos[:, None] >= k_pos[None, :]  # (Tq, T)
+    if window:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
     if doc_ids is not None:
         same = doc_ids[:, q_pos, None] == doc_ids[:, None, :]  # (B, Tq, T)
         mask = mask & same
@@ -134,18 +161,21 @@ def visibility(length: int, q_pos: torch.Tensor,
     return mask[:, None]
 
 
-def _block_mask(length: int, q_pos: torch.Tensor, doc_ids: torch.Tensor | None, device):
+def _block_mask(length: int, q_pos: torch.Tensor, doc_ids: torch.Tensor | None, device,
+                window: int = 0):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    span = window or length + 1  # every earlier key is nearer than length + 1
     if doc_ids is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return q_pos[q_idx] >= kv_idx
+            p = q_pos[q_idx]
+            return (p >= kv_idx) & (p - kv_idx < span)
 
         batch = None
     else:
         def mask_mod(b, h, q_idx, kv_idx):
             p = q_pos[q_idx]
-            return (p >= kv_idx) & (doc_ids[b, p] == doc_ids[b, kv_idx])
+            return (p >= kv_idx) & (p - kv_idx < span) & (doc_ids[b, p] == doc_ids[b, kv_idx])
 
         batch = doc_ids.shape[0]
     # compiled on CUDA: the eager builder materialises the (B, Tq, T) mask
@@ -169,10 +199,12 @@ def _flex(q, k, v, block_mask, gqa: bool) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         context: AttentionContext | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+         context: AttentionContext | None = None, dropout_p: float = 0.0,
+         window: int = 0) -> torch.Tensor:
     """Attention of q (B, H, Tq, D) over k, v (B, Hk, T, D[v]) by the context's mask: causal
     without one. kv heads broadcast to q heads (GQA) without copies. ``dropout_p``: dropout on
-    the attention probabilities (pass 0 outside training).
+    the attention probabilities (pass 0 outside training). ``window``: a query sees itself and
+    the ``window - 1`` keys before it (sliding-window attention; 0 = every earlier key).
 
     `enable_gqa` was as fast as `repeat_interleave` on CPU and does not materialise repeats.
     On CPU with bf16 inputs and small heads (D <= 32) the attention runs in fp32: the CPU
@@ -180,8 +212,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     included); with larger heads or longer sequences bf16 is as fast or faster, so it stays.
     """
     gqa = k.shape[1] != q.shape[1]
-    mask = None if context is None else context.mask
-    if mask is not None and context.kernel == "flex":
+    mask = None if context is None else context.mask_for(window)
+    if mask is None and window:  # rows without a context: causal within the window
+        t = k.shape[2]
+        mask = additive(visibility(t, torch.arange(t - q.shape[2], t, device=q.device), None,
+                                   window))
+    if mask is not None and context is not None and context.kernel == "flex":
         if dropout_p:
             raise RecipeError("model.attention.dropout: the flex kernel has no attention "
                               "dropout; set model.attention.mask_kernel = \"sdpa\" or dropout 0")

@@ -177,11 +177,14 @@ class DifferentialAttention(CausalAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
             q = q * self.q_scale
-        cache = self.kv_cache
+        cache, w = self.kv_cache, self.window
         if cache is None and context is not None:  # both maps under the context's mask
             q, k = self.position(q, k, **context.rope_args())
             k, v = context.gather(k), context.gather(v)  # (B, T_all, 2Hk, d), (B, T_all, Hk, 2d)
-            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, context)  # noqa: E731
+            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, context, window=w)  # noqa: E731
+        elif cache is None and w:
+            q, k = self.position(q, k)
+            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, None, window=w)  # noqa: E731
         elif cache is None:
             q, k = self.position(q, k)
             attend = lambda q_, k_, v_: F.scaled_dot_product_attention(  # noqa: E731
@@ -191,7 +194,7 @@ class DifferentialAttention(CausalAttention):
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
             # cached in SDPA's layout: (B, 2Hk, S, d), (B, Hk, S, 2d)
             k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))
-            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, session)  # noqa: E731
+            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, session, w)  # noqa: E731
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, 2Hk, S, d), (B, Hk, S, 2d)
         q = q.reshape(b, t, h, 2, half).transpose(1, 2)  # (B, H, T, 2, d)

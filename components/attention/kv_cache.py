@@ -48,7 +48,9 @@ class CacheSession:
         self.start = 0  # tokens cached before the current forward
         self.stop = 0  # tokens cached after it
         self.positions: torch.Tensor | None = None  # (B, T) of the new tokens
+        self.key_positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) bool, or None: plain causal
+        self.windowed: dict[int, torch.Tensor] = {}  # sliding-window layers' masks, by window
         self.caches: list[KVCache] = []
 
     def begin(self, valid: torch.Tensor | None, tokens: int = 1) -> None:
@@ -82,8 +84,22 @@ class CacheSession:
             allowed = (k_idx <= q_idx) & seen[:, None, :]  # (B, T, S)
             allowed |= k_idx == q_idx  # padding queries attend to themselves
             self.mask = allowed[:, None]  # (B, 1, T, S)
+        self.key_positions[:, self.start:self.stop] = self.positions
+        self.windowed = {}
         for cache in self.caches:
             cache.calls = 0
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """(B, 1, T, S) bool for a layer whose queries see themselves and the ``window - 1``
+        tokens before them, by position (left padding does not count), built once a forward."""
+        if window not in self.windowed:
+            q_idx = torch.arange(self.start, self.stop, device=self.valid.device)[:, None]
+            k_idx = torch.arange(self.stop, device=self.valid.device)[None, :]
+            allowed = (k_idx <= q_idx)[None] & self.valid[:, None, :self.stop]  # (B, T, S)
+            gap = self.positions[:, :, None] - self.key_positions[:, None, :self.stop]
+            allowed = (allowed & (gap < window)) | (k_idx == q_idx)  # padding sees itself
+            self.windowed[window] = allowed[:, None]
+        return self.windowed[window]
 
     def end(self) -> None:
         self.start = self.stop
@@ -92,6 +108,7 @@ class CacheSession:
         """Between forwards: row i of the cache becomes old row ``rows[i]`` (rows may repeat:
         several continuations scored after one cached context)."""
         self.valid, self.count = self.valid[rows], self.count[rows]
+        self.key_positions = self.key_positions[rows]
         for cache in self.caches:
             cache.slots = [(k[rows], v[rows]) for k, v in cache.slots]
 
@@ -138,9 +155,13 @@ class KVCache:
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                session: CacheSession) -> torch.Tensor:
-    """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D)."""
+                session: CacheSession, window: int = 0) -> torch.Tensor:
+    """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D); ``window``:
+    a sliding-window layer's (the cache keeps every key; the mask hides the far ones)."""
     gqa = k.shape[1] != q.shape[1]
+    if window:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=session.window_mask(window),
+                                              enable_gqa=gqa)
     if session.mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=session.mask, enable_gqa=gqa)
     if session.causal and session.start:

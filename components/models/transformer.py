@@ -75,6 +75,10 @@ class TransformerConfig(ComponentConfig):
     base_head_dim: int = Field(
         0, ge=0, description="µP: attention scores scale as sqrt(base_head_dim) / head_dim; 0 = "
         "the head width (1/sqrt(head_dim): right when heads keep their width as dim grows)")
+    layer_types: list[Literal["full", "sliding"]] = Field(
+        default_factory=list, description="one per layer: \"sliding\" attends within "
+        "attention.window, \"full\" to every earlier token (Gemma's local / global pattern, "
+        "gpt-oss's alternation); [] = every layer by attention.window")
     attention: Sub("attention") = component("attention", "causal", "token mixer of each block")
     ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
     norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
@@ -82,6 +86,17 @@ class TransformerConfig(ComponentConfig):
     @model_validator(mode="after")
     def _check(self) -> TransformerConfig:
         check_block_shapes(self)
+        if self.layer_types:
+            window = getattr(self.attention, "window", None)
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for "
+                                 f"n_layers = {self.n_layers}: give one per layer")
+            if window is None:
+                raise ValueError(f"model.layer_types: attention type {self.attention.type!r} "
+                                 "has no window; use causal or differential attention")
+            if "sliding" in self.layer_types and not window:
+                raise ValueError("model.layer_types names sliding layers but "
+                                 "model.attention.window = 0: set the window")
         if self.absolute_positions and not self.max_seq_len:
             raise ValueError("absolute_positions = true needs model.max_seq_len (the rows of the "
                              "learned position table, GPT-2's n_positions, e.g. 1024)")
@@ -126,6 +141,9 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             self.output.weight = self.tok_embeddings.weight
         if cfg.parametrization == "mup":
             mup.set_attention_scale(self.blocks(), cfg.base_head_dim)
+        for block, kind in zip(self.blocks(), cfg.layer_types, strict=False):
+            if kind == "full":  # [] leaves every layer at attention.window
+                block.attention.window = 0
         if self.pos_embeddings is not None:  # a pipeline's first stage holds it too
             self.pipeline_ends = {**self.pipeline_ends,
                                   "first": ("tok_embeddings", "pos_embeddings")}

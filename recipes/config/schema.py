@@ -208,6 +208,18 @@ class Recipe(Config):
                                  f"set with {table}; [hooks.NAME] adds a plugin's hook")
         return self
 
+    @model_validator(mode="after")
+    def _window_fits_the_sequence(self) -> Recipe:
+        window = getattr(getattr(self.model, "attention", None), "window", 0)
+        context = getattr(self.model, "max_seq_len", 0) or self.training.seq_len
+        if window and window > context:
+            where = ("model.max_seq_len" if getattr(self.model, "max_seq_len", 0)
+                     else "training.seq_len")
+            raise ValueError(f"model.attention.window = {window} is longer than the sequence "
+                             f"({where} = {context}): every query would see every earlier "
+                             "token; lower the window or set it to 0 (full attention)")
+        return self
+
     def optimizer_tables(self) -> dict[str, Config]:
         """Optimizers by name; a single [optimizer] table is called "main"."""
         return {"main": self.optimizer} if self.optimizer is not None else dict(self.optimizers)

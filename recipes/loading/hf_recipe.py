@@ -101,10 +101,8 @@ def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str
     folder = hf_import.source_folder(source, api=api)
     config = hf_import.read_config(folder)
     model = hf_config.model_table(config, source, ignore)
-    window = hf_config.sliding_window(config, source)
-    limits = [config.get("max_position_embeddings") or DEFAULT_SEQ_LEN, window or DEFAULT_SEQ_LEN]
-    seq_len = seq_len or min(DEFAULT_SEQ_LEN, *limits)
-    hf_config.check_context(config, source, seq_len)
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN,
+                             config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
     tokenizer, tokenizer_note = tokenizer_table(source, folder, config, model["vocab_size"])
     checkpoint: dict[str, Any] = {"init_from": source}
     if ignore:

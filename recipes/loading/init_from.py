@@ -33,7 +33,6 @@ def load_pretrained(model: nn.Module, recipe, *, is_main: bool,
     if source.kind == "hf":
         table = hf_config.model_table(source.config, source.spec,
                                       tuple(recipe.checkpoint.init_from_ignore))
-        hf_config.check_context(source.config, source.spec, recipe.training.seq_len)
         recipe_table = to_dict(recipe)["model"]
         if not recipe_table.get("vocab_size"):  # 0: the tokenizer's size, as built
             recipe_table["vocab_size"] = getattr(model, "vocab_size", 0)

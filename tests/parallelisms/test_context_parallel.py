@@ -117,7 +117,10 @@ def _case(folder, corpus, *extra):
 # gpt2: learned absolute positions, each rank adding the rows of its own positions
 # (without its dropout: each rank draws the masks of its own chunks)
 GPT2 = tuple(f for f in FAMILIES["gpt2"][1] if "dropout" not in f)
-TWO = {"plain": (), "gpt2": GPT2, "mask": MASK}  # mask last: its log is read
+# window: sliding-window attention (5 tokens) beside the document mask, each rank's queries
+# windowed over the gathered keys
+TWO = {"plain": (), "gpt2": GPT2, "window": ("--model.attention.window=5", *MASK),
+       "mask": MASK}  # mask last: its log is read
 
 
 def _worker(rank: int, world: int, port: int, folder: str, parts: dict) -> None:

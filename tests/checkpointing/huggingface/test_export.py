@@ -127,7 +127,11 @@ LLAMA3 = ["--model.attention.position.scaling=llama3", "--model.attention.positi
                "--model.attention.position.original_max_seq_len=8"]),
     ("qwen3", ["--model.attention.n_kv_heads=2", "--model.attention.qk_norm=true",
                "--model.attention.head_dim=16", *LLAMA3]),
-], ids=["gqa_tied", "untied_bias", "llama3_rope", "qwen2_yarn", "qwen3"])
+    ("mistral", ["--model.attention.n_kv_heads=2", "--model.attention.window=5"]),
+    ("qwen3", ["--model.attention.qk_norm=true", "--model.attention.window=4",
+               '--model.layer_types=["sliding","full"]']),
+], ids=["gqa_tied", "untied_bias", "llama3_rope", "qwen2_yarn", "qwen3", "mistral_window",
+        "qwen3_layer_types"])
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, family, extra):
     import transformers  # a dev dependency (pyproject.toml): this test never skips
 

@@ -43,7 +43,8 @@ def test_qwen_families():
         qwen2.pop(k)
     t = hf_config.model_table(qwen2, "q")
     assert t["attention"]["qkv_bias"] is True and "qk_norm" not in t["attention"]
-    assert hf_config.sliding_window(qwen2, "q") is None  # use_sliding_window = false
+    assert hf_config.windows(qwen2, "q") == (0, [])  # use_sliding_window = false
+    assert "window" not in t["attention"] and "layer_types" not in t
     qwen3 = {**qwen2, "model_type": "qwen3", "head_dim": 256, "attention_bias": False,
              "rms_norm_eps": 1e-6}
     t = hf_config.model_table(qwen3, "q")
@@ -60,7 +61,9 @@ def test_qwen_families():
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mscale": 1.0}},
      "rope_scaling.mscale"),
     ({"quantization_config": {"bits": 4}}, "quantization_config"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),  # llama
+    ({"model_type": "mistral", "layer_types": ["full_attention", "linear_attention"]},
+     "layer_types"),
     ({"some_new_knob": 3}, "some_new_knob"),
 ])
 def test_unsupported_fields_are_errors_naming_the_field(change, field):
@@ -79,11 +82,19 @@ def test_ignore_lets_a_named_field_through():
     assert hf_config.model_table(config, "src", ignore=("some_new_knob",))["dim"] == 4096
 
 
-def test_sliding_window_limits_the_context():
+def test_sliding_windows_map_to_the_window_and_layer_types():
     mistral = {**LLAMA_31, "model_type": "mistral", "sliding_window": 4096}
-    hf_config.check_context(mistral, "m", 4096)
-    with pytest.raises(CheckpointError, match="sliding_window.*training.seq_len <= 4096"):
-        hf_config.check_context(mistral, "m", 8192)
+    for k in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        mistral.pop(k)
+    t = hf_config.model_table(mistral, "m")
+    assert t["attention"]["window"] == 4096 and "layer_types" not in t  # every layer slides
+    assert t["max_seq_len"] == 131072  # the window is checked against the model's context
+    qwen3 = {**mistral, "model_type": "qwen3", "num_hidden_layers": 4, "use_sliding_window": True,
+             "max_window_layers": 2}
+    t = hf_config.model_table(qwen3, "q")  # transformers' rule: from max_window_layers on
+    assert t["layer_types"] == ["full", "full", "sliding", "sliding"]
+    listed = {**qwen3, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert hf_config.windows(listed, "q") == (4096, ["sliding", "full", "sliding", "full"])
 
 
 def test_transformers_5_rope_parameters():

@@ -32,6 +32,10 @@ TOL = dict(rtol=0, atol=1e-5)
     ("llama", {"rope_parameters": YARN}),
     ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1, "attention_bias": True}),
     ("mistral", {"sliding_window": 64}),
+    ("mistral", {"sliding_window": 5}),  # every layer slides within the 16-token rows
+    # layer 0 full, layer 1 sliding (max_window_layers), QK-norm
+    ("qwen3", {"head_dim": 32, "use_sliding_window": True, "sliding_window": 5,
+               "max_window_layers": 1}),
     ("qwen2", {}),  # q/k/v biases, no o bias
     ("qwen3", {"head_dim": 32}),  # QK-norm, heads wider than hidden / n_heads
 ])
@@ -107,3 +111,19 @@ def test_errors_name_the_tensor(tmp_path):
     (tmp_path / "hf" / first).unlink()
     with pytest.raises(CheckpointError, match=first):
         hf_files.SafetensorsFolder(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", {"sliding_window": 5}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+])
+def test_sliding_window_gradients_match_transformers(tmp_path, family, overrides):
+    """The backward through windowed attention: the same gradients on the token embeddings."""
+    hf = save_tiny(tmp_path / "hf", family, **overrides)
+    model = kiln_from_hf(tmp_path / "hf")
+    assert model.blocks()[-1].attention.window == overrides["sliding_window"]
+    x = ids()
+    (hf(x).logits ** 2).mean().backward()
+    (model(x) ** 2).mean().backward()
+    torch.testing.assert_close(model.tok_embeddings.weight.grad,
+                               hf.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7)

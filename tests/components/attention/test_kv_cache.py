@@ -27,6 +27,11 @@ MODELS = {
     "causal_qkv_bias": [*TINY, "--model.attention.qkv_bias=true"],
     "differential": [*TINY, "--model.attention.type=differential"],
     "looped": LOOPED,
+    # sliding windows shorter than the rows: layer 0 local, layer 1 global
+    "causal_window": [*TINY, "--model.attention.window=5",
+                      '--model.layer_types=["sliding","full"]'],
+    "differential_window": [*TINY, "--model.attention.type=differential",
+                            "--model.attention.window=3"],
 }
 
 
@@ -85,7 +90,8 @@ def test_decoding_projects_q_k_v_with_one_stacked_matrix_when_small(monkeypatch)
     torch.testing.assert_close(separate, full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["causal", "differential", "looped"])
+@pytest.mark.parametrize("name", ["causal", "differential", "looped", "causal_window",
+                                  "differential_window"])
 def test_left_padded_rows_equal_their_unpadded_run(name):
     model = build(MODELS[name])
     rows = [torch.randint(0, 258, (n,), generator=torch.Generator().manual_seed(n))
