@@ -59,6 +59,9 @@ class CausalAttentionConfig(ComponentConfig):
         0, ge=0, description="sliding-window attention: a query sees itself and the window - 1 "
         "tokens before it (Mistral's sliding_window; 0 = every earlier token); with "
         "model.layer_types, only the \"sliding\" layers")
+    sinks: bool = Field(
+        False, description="learned attention sinks (gpt-oss): a logit per head joins every "
+        "query's softmax as a key with no value, so a head can attend to nothing")
     mask_kernel: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="kernel of a document mask or context parallel: sdpa (a dense "
         "mask, any device), flex (FlexAttention block mask, CUDA), auto = flex on CUDA, sdpa "
@@ -143,7 +146,16 @@ class CausalAttention(nn.Module):
         self.position = cfg.position.build(head_dim=self.head_dim, max_seq_len=max_seq_len)
         self.dropout_p = cfg.dropout
         self.window = cfg.window  # 0: full causal (the model sets it per layer: layer_types)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sinks else None  # (H,)
         self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
+
+    def _my_sinks(self, heads: int) -> torch.Tensor | None:
+        """The sink logits of the heads this forward holds (all of them: tensor parallel,
+        which would hold some, refuses sinks)."""
+        if self.sinks is None:
+            return None
+        assert heads == self.sinks.shape[0], "sinks under tensor parallel"
+        return self.sinks
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Scores and mixing: 12 * H * D per key a query sees (the full square's T, or the
@@ -158,6 +170,8 @@ class CausalAttention(nn.Module):
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -185,12 +199,14 @@ class CausalAttention(nn.Module):
                 k, v = context.gather(k), context.gather(v)  # (B, T_all, Hk, D)
             # SDPA wants (B, H, T, D); a transpose is a view.
             out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context,
-                       dropout_p=self.dropout_p if self.training else 0.0, window=self.window)
+                       dropout_p=self.dropout_p if self.training else 0.0, window=self.window,
+                       sinks=self._my_sinks(q.shape[2]))
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
             k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hk, S, D)
-            out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window)
+            out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window,
+                              sinks=self._my_sinks(q.shape[2]))
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

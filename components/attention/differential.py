@@ -73,6 +73,9 @@ class DifferentialAttentionConfig(CausalAttentionConfig):
                        f"head width ({'attention.head_dim' if self.head_dim else 'dim / n_heads'}"
                        f" = {hd}) must be a multiple of 4: change dim, attention.n_heads or "
                        "attention.head_dim")
+        if problem is None and self.sinks:
+            problem = ("attention.sinks are for causal attention (gpt-oss); differential "
+                       "attention has none: set attention.sinks = false")
         return problem
 
 

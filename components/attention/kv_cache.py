@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.components.attention.context import sink_attention
+
 
 class CacheSession:
     """The state shared by every layer's cache during one generation."""
@@ -155,10 +157,15 @@ class KVCache:
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                session: CacheSession, window: int = 0) -> torch.Tensor:
+                session: CacheSession, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D); ``window``:
-    a sliding-window layer's (the cache keeps every key; the mask hides the far ones)."""
+    a sliding-window layer's (the cache keeps every key; the mask hides the far ones);
+    ``sinks``: learned sink logits (``context.sink_attention``)."""
     gqa = k.shape[1] != q.shape[1]
+    if sinks is not None:
+        mask = session.window_mask(window) if window else session.mask  # None: causal
+        return sink_attention(q, k, v, mask, sinks)
     if window:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=session.window_mask(window),
                                               enable_gqa=gqa)

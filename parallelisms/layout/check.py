@@ -43,6 +43,12 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             "position table is added after the token embeddings, whose output tensor parallel "
             "splits by sequence; set parallelism.tp = 1 (FSDP2, context and pipeline parallel "
             "run it)")
+    if any(getattr(getattr(b, "attention", None), "sinks", None) is not None
+           for b in model_blocks(model)):
+        problems.append(
+            f"model.attention.sinks = true cannot run with parallelism.tp = {tp} yet: the "
+            "per-head sink logits are not split with the heads; set parallelism.tp = 1 (FSDP2, "
+            "context and pipeline parallel run them)")
     vocab = getattr(model, "vocab_size", None)
     if vocab:
         _divides(problems, vocab, "model.vocab_size", tp, "tp",

@@ -45,12 +45,12 @@ DENSE = ("--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
 # name -> (recipe, overrides). Every model family kiln ships, at toy size.
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": ("debug.toml", DENSE),
-    # with a sliding window on its first layer (Gemma's local / global pattern): shorter than
-    # the cells' rows, so every step, checkpointing mode and parallelism sees it matter
+    # gpt-oss's attention: a sliding window on its first layer (shorter than the cells' rows,
+    # so every step, checkpointing mode and parallelism sees it matter) and learned sinks
     "moe": ("debug.toml", (*DENSE, "--model.ffn.type=moe", "--model.ffn.n_experts=4",
                            "--model.ffn.top_k=2", "--model.ffn.hidden_dim=32",
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1",
-                           "--model.attention.window=6",
+                           "--model.attention.window=6", "--model.attention.sinks=true",
                            '--model.layer_types=["sliding","full"]')),
     # 8-bit AdamW eager: its compiled update (a compile per parameter shape and process, tested
     # in test_adamw8bit and tests/nova_dist.py) is no combination's subject. Under µP at twice

@@ -32,6 +32,7 @@ MODELS = {
                       '--model.layer_types=["sliding","full"]'],
     "differential_window": [*TINY, "--model.attention.type=differential",
                             "--model.attention.window=3"],
+    "causal_sinks_window": [*TINY, "--model.attention.sinks=true", "--model.attention.window=4"],
 }
 
 
@@ -91,7 +92,7 @@ def test_decoding_projects_q_k_v_with_one_stacked_matrix_when_small(monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["causal", "differential", "looped", "causal_window",
-                                  "differential_window"])
+                                  "differential_window", "causal_sinks_window"])
 def test_left_padded_rows_equal_their_unpadded_run(name):
     model = build(MODELS[name])
     rows = [torch.randint(0, 258, (n,), generator=torch.Generator().manual_seed(n))
