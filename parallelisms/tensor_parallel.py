@@ -212,13 +212,14 @@ def _attention_plan(attn: nn.Module, float8: str, sp: Shard,
             "wq/wk/wv or wqkv and wo Linear layers); model.attention.type = causal or "
             "differential, or parallelism.tp = 1"
         )
-    f8 = _all_float8(_linears(attn, (*names, "wo")), float8)
+    gate = ("wg",) if _linears(attn, ("wg",)) is not None else ()  # the output gate
+    f8 = _all_float8(_linears(attn, (*names, *gate, "wo")), float8)
     if f8:
         _check_float8_backend(mesh)
     col, row, prepare = _styles(f8)
     plan = {"attention": prepare(input_layouts=(sp,), desired_input_layouts=(Replicate(),),
                                  use_local_output=not f8)}
-    plan.update({f"attention.{n}": col() for n in names})
+    plan.update({f"attention.{n}": col() for n in (*names, *gate)})  # gate: split as q
     plan["attention.wo"] = row(output_layouts=sp)
     return plan, f8
 

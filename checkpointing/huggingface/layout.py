@@ -95,6 +95,10 @@ def hf_incompatibility(model: nn.Module) -> str:
             return f"layer {i} attention is {type(attn).__name__}"
         if attn.q_scale != 1.0:
             return "µP's attention scale (model.base_head_dim)"
+        if hasattr(attn, "wg"):
+            return "an attention output gate (Qwen3-Next's; no Llama / Qwen layout)"
+        if attn.sinks is not None:
+            return "attention sinks (gpt-oss's; no Llama / Qwen layout)"
         if type(attn.position) is not RoPE:
             return f"position encoding {type(attn.position).__name__}"
         if type(ffn) is not SwiGLU:

@@ -59,6 +59,9 @@ class CausalAttentionConfig(ComponentConfig):
         0, ge=0, description="sliding-window attention: a query sees itself and the window - 1 "
         "tokens before it (Mistral's sliding_window; 0 = every earlier token); with "
         "model.layer_types, only the \"sliding\" layers")
+    output_gate: bool = Field(
+        False, description="Qwen3-Next's gated attention: the heads' output times "
+        "sigmoid(wg x), one gate per output element, before wo")
     sinks: bool = Field(
         False, description="learned attention sinks (gpt-oss): a logit per head joins every "
         "query's softmax as a key with no value, so a head can attend to nothing")
@@ -137,6 +140,8 @@ class CausalAttention(nn.Module):
             self.wk = nn.Linear(dim, kv_dim, bias=in_bias)
             self.wv = nn.Linear(dim, kv_dim, bias=in_bias)
         self.wo = nn.Linear(q_dim, dim, bias=cfg.bias)
+        if cfg.output_gate:  # after wo in the parameter order: models without it keep theirs
+            self.wg = nn.Linear(dim, q_dim, bias=in_bias)
         if cfg.qk_norm:
             norm_cfg = RMSNormConfig(type="rmsnorm", eps=cfg.qk_norm_eps)
             self.q_norm = RMSNorm(norm_cfg, dim=self.head_dim)
@@ -166,7 +171,8 @@ class CausalAttention(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """Inputs projections ~ N(0, std), output projection ~ N(0, out_std), biases 0."""
         ins = [self.wqkv] if hasattr(self, "wqkv") else [self.wq, self.wk, self.wv]
-        for lin, s in [*((m, std) for m in ins), (self.wo, out_std)]:
+        gate = [self.wg] if hasattr(self, "wg") else []
+        for lin, s in [*((m, std) for m in [*ins, *gate]), (self.wo, out_std)]:
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
@@ -208,7 +214,12 @@ class CausalAttention(nn.Module):
             out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window,
                               sinks=self._my_sinks(q.shape[2]))
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(self.gated(out.transpose(1, 2).reshape(b, t, -1), x))
+
+    def gated(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' output (B, T, H * D) times sigmoid(wg x) with output_gate, else as is."""
+        gate = getattr(self, "wg", None)
+        return out if gate is None else out * torch.sigmoid(gate(x))
 
     def score_inputs(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """q (B, Hq, T, D) and k (B, Hk, T, D) as the training forward hands them to SDPA

@@ -208,4 +208,4 @@ class DifferentialAttention(CausalAttention):
         if self.head_gate is not None:
             gate = self._my_heads(self.head_gate, h)
             out = out * gate.to(out.dtype).view(1, h, 1, 1)
-        return self.wo(out.transpose(1, 2).reshape(b, t, h * self.head_dim))
+        return self.wo(self.gated(out.transpose(1, 2).reshape(b, t, h * self.head_dim), x))

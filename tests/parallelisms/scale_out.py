@@ -45,12 +45,14 @@ def _looped_moe(meta: bool):
 MODELS = {
     "dense": lambda meta: tiny_model(seed=SEED, meta=meta),
     # differential attention, fused kv-grouped QKV, GQA, QK-norm, per-head lambda and gate,
-    # LayerScale, tied embedding/head: every parameter kind tensor parallel leaves whole
+    # LayerScale, tied embedding/head: every parameter kind tensor parallel leaves whole; and
+    # Qwen3-Next's output gate (wg), split by heads as the queries
     "differential": lambda meta: tiny_model(
         seed=SEED, meta=meta, tie_embeddings=True, layerscale_init=0.1,
         attention=default_config("attention", "differential", n_heads=4, n_kv_heads=2,
                                  fused_qkv=True, qk_norm=True, head_gate=True,
-                                 lambda_mode="per_head", lambda_init_schedule="constant")),
+                                 output_gate=True, lambda_mode="per_head",
+                                 lambda_init_schedule="constant")),
     "looped_moe": _looped_moe,
 }
 

@@ -55,9 +55,11 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # 8-bit AdamW eager: its compiled update (a compile per parameter shape and process, tested
     # in test_adamw8bit and tests/nova_dist.py) is no combination's subject. Under µP at twice
     # its base width (output multiplier, scaled init, per-group AdamW LRs, Muon's spectral
-    # scaling), so µP meets every step, checkpointing mode, float8 and parallelism.
+    # scaling), so µP meets every step, checkpointing mode, float8 and parallelism; and
+    # Qwen3-Next's output gate on the attention.
     "diff_layerscale": ("nova_debug.toml", (*DENSE, "--model.attention.n_kv_heads=1",
                                             "--optimizers.adamw.compile=false",
+                                            "--model.attention.output_gate=true",
                                             "--model.parametrization=mup", "--model.base_dim=16",
                                             "--optimizers.muon.lr_scaling=spectral")),
     "looped_moe": ("looped_moe_debug.toml", (
