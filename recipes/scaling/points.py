@@ -62,12 +62,12 @@ def read_ladder(path: str | Path, *, loss: str = "eval",
     if not path.is_dir():
         raise RecipeError(f"{path}: no such file or folder (a ladder is a CSV or a folder of "
                           "run folders)")
-    runs = ladder_runs(path)
-    return Ladder(str(path), tuple(run_point(run, loss=loss, params=params) for run in runs))
+    points = [run_point(run, loss=loss, params=params) for run in ladder_runs(path)]
+    return Ladder(str(path), tuple(sorted(points, key=lambda p: (p.params, p.tokens))))
 
 
 def ladder_runs(folder: Path) -> list[Run]:
-    """The finished run folders of a ladder folder, smallest model first."""
+    """The run folders of a ladder folder (each checked by ``run_point``)."""
     folders = sorted(p.parent for p in folder.glob("*/recipe.toml"))
     if not folders:
         raise RecipeError(f"{folder}: no run folders inside (a ladder folder holds one run "

@@ -38,7 +38,7 @@ def test_run_folders_give_params_tokens_flops_and_loss(tmp_path):
     make_run(tmp_path / "ladder" / "s2", ("--training.steps=30", "--model.n_layers=6"),
              evals=(2.2,))
     ladder = read_ladder(tmp_path / "ladder")
-    one, two = ladder.points
+    one, two = ladder.points  # smallest first
     model = build_meta_model(open_run(small).recipe)
     seq_len = open_run(small).recipe.training.seq_len
     assert one.params == model.num_params(exclude_embeddings=True) < two.params
