@@ -20,7 +20,7 @@ from kiln.recipes.config.files import load_recipe
 from kiln.recipes.scaling.ladder import size_values
 
 RECIPE = Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml"
-LRS = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
+LRS = [1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
 
 
 def eval_loss(folder: Path) -> float | None:
