@@ -5,12 +5,11 @@ activation checkpointing crashed on step 1 while both had passing tests of their
 
 The families cover every registered model, attention, feed-forward, norm and position component;
 one that no family names joins on the dense transformer (``discovered``): no edit here needed.
-The chunked loss (``training.loss_chunk_tokens``) runs in every family beside the unchunked one.
-The document mask runs in every family and step under the checkpointing modes. The hang watchdog
-watches every run (on by default). The same cases on 2 gloo processes (FSDP2, tensor, expert,
-context and pipeline parallel, elastic resume, the device check of every collective) are in
-``test_combinations_distributed``; fine-tuning, data mixtures and float8's kernel in the other
-``test_combinations_*`` modules.
+The chunked loss runs in every family beside the unchunked one, the document mask in every
+family and step under the checkpointing modes, the hang watchdog in every run. The same cases
+on 2 gloo processes (FSDP2, tensor, expert, context and pipeline parallel, elastic resume, the
+device check of every collective) are in ``test_combinations_distributed``; fine-tuning, data
+mixtures and float8's kernel in the other ``test_combinations_*`` modules.
 """
 
 from __future__ import annotations
@@ -45,18 +44,14 @@ DENSE = ("--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
 # name -> (recipe, overrides). Every model family kiln ships, at toy size.
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": ("debug.toml", DENSE),
-    # gpt-oss's attention: a sliding window on its first layer (shorter than the cells' rows,
-    # so every step, checkpointing mode and parallelism sees it matter) and learned sinks
+    # gpt-oss's attention: learned sinks, a window on layer 0 shorter than the cells' rows
     "moe": ("debug.toml", (*DENSE, "--model.ffn.type=moe", "--model.ffn.n_experts=4",
                            "--model.ffn.top_k=2", "--model.ffn.hidden_dim=32",
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1",
                            "--model.attention.window=6", "--model.attention.sinks=true",
                            '--model.layer_types=["sliding","full"]')),
-    # 8-bit AdamW eager: its compiled update (a compile per parameter shape and process, tested
-    # in test_adamw8bit and tests/nova_dist.py) is no combination's subject. Under µP at twice
-    # its base width (output multiplier, scaled init, per-group AdamW LRs, Muon's spectral
-    # scaling), so µP meets every step, checkpointing mode, float8 and parallelism; and
-    # Qwen3-Next's output gate on the attention.
+    # 8-bit AdamW eager (its compile: test_adamw8bit, tests/nova_dist.py); µP at twice its base
+    # width (Muon spectral) and Qwen3-Next's output gate meet every cell here
     "diff_layerscale": ("nova_debug.toml", (*DENSE, "--model.attention.n_kv_heads=1",
                                             "--optimizers.adamw.compile=false",
                                             "--model.attention.output_gate=true",
