@@ -36,9 +36,6 @@ class Samples:
     level: float  # the intervals' nominal coverage, e.g. 0.95
     scheme: str
 
-    def laws(self) -> list[Law]:
-        return [law_of(self.form, t) for t in self.theta]
-
     def interval(self, values: np.ndarray) -> tuple[float, float]:
         """The percentile interval of ``values`` (one per resample) at ``level``."""
         tail = 100 * (1 - self.level) / 2
@@ -63,14 +60,6 @@ class Samples:
             d = np.atleast_1d(np.asarray(d, dtype=np.float64))
             out = out + np.exp(self.theta[:, 3:4]) / d[None, :] ** self.theta[:, 4:5]
         return out
-
-
-def law_of(form: str, theta: np.ndarray) -> Law:
-    e, a, alpha = (float(v) for v in theta[:3])
-    if form == "chinchilla":
-        return Law(form, np.exp(e), np.exp(a), alpha, B=float(np.exp(theta[3])),
-                   beta=float(theta[4]))
-    return Law(form, float(np.exp(e)), float(np.exp(a)), alpha)
 
 
 def draw(law: Law, x, loss, d=None, *, n: int = 1000, seed: int = 0, level: float = 0.95,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,10 +125,3 @@ def table(coords: list[Coords]) -> str:
     return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(r, width, strict=True)))
                      for r in rows)
-
-
-def slope(coords: Coords, name: str) -> float:
-    """Exponent of the change's growth with width (log-log least squares): 0 is flat."""
-    x = np.log(coords.widths)
-    y = np.log([max(coords.change[name][w][-1], 1e-30) for w in coords.widths])
-    return float(np.polyfit(x, y, 1)[0])
