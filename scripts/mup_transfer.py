@@ -3,7 +3,7 @@ and at width 256 (kiln ladder's size rule at fixed depth), under the standard pa
 and under µP with base_dim 64 (so at width 64 the two are the same model); each run's held-out
 loss at its end, and the best LR per column. docs/scaling.md quotes its output.
 
-    python scripts/mup_transfer.py --steps 200 --out /tmp/mup_transfer
+    python scripts/mup_transfer.py --steps 200 --out /tmp/mup_transfer [--seed 1]
 
 Each run is a normal kiln run folder under --out (rerunning skips the finished ones).
 """
@@ -32,7 +32,8 @@ def eval_loss(folder: Path) -> float | None:
     return losses[-1] if losses else None
 
 
-def train(folder: Path, width: int, lr: float, parametrization: str, steps: int) -> float:
+def train(folder: Path, width: int, lr: float, parametrization: str, steps: int,
+          seed: int) -> float:
     from kiln.recipes.training.trainer import Trainer
 
     if (done := eval_loss(folder)) is not None:
@@ -42,6 +43,7 @@ def train(folder: Path, width: int, lr: float, parametrization: str, steps: int)
     recipe = load_recipe(RECIPE, [
         *sized, f"--model.parametrization={parametrization}", "--model.base_dim=64",
         f"--optimizer.lr={lr}", f"--training.steps={steps}", "--training.seq_len=128",
+        f"--training.seed={seed}",
         "--optimizer.schedule.warmup_steps=20", "--eval.interval=0", "--eval.tokens=32768",
         "--checkpoint.enable=false", "--run.progress_bar=false", "--run.tensorboard=false",
         f"--run.folder={json.dumps(str(folder))}"])
@@ -54,16 +56,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="/tmp/mup_transfer")
+    parser.add_argument("--seed", type=int, default=0, help="training.seed (init and data order)")
     args = parser.parse_args()
     out, start = Path(args.out), time.perf_counter()
     columns = {"width 64 (both)": (64, "standard"), "width 256 standard": (256, "standard"),
                "width 256 mup": (256, "mup")}
     results: dict[str, list[float]] = {}
     for name, (width, param) in columns.items():
-        results[name] = [train(out / f"w{width}-{param}-lr{lr:g}", width, lr, param, args.steps)
-                         for lr in LRS]
+        tag = f"-seed{args.seed}" if args.seed else ""  # seed 0: the folders of the first run
+        results[name] = [train(out / f"w{width}-{param}-lr{lr:g}{tag}", width, lr, param,
+                               args.steps, args.seed) for lr in LRS]
     print(f"held-out loss after {args.steps} steps (debug.toml, seq 128, batch 8; µP base_dim "
-          "64)")
+          f"64; seed {args.seed})")
     print(f"{'lr':>8}  " + "  ".join(f"{c:>18}" for c in columns))
     for i, lr in enumerate(LRS):
         print(f"{lr:>8g}  " + "  ".join(f"{results[c][i]:>18.4f}" for c in columns))
