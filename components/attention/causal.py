@@ -151,16 +151,15 @@ class CausalAttention(nn.Module):
         self.position = cfg.position.build(head_dim=self.head_dim, max_seq_len=max_seq_len)
         self.dropout_p = cfg.dropout
         self.window = cfg.window  # 0: full causal (the model sets it per layer: layer_types)
-        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sinks else None  # (H,)
+        # (H,); whole on every rank: tensor parallel, which would split the heads, refuses them
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sinks else None
         self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
 
-    def _my_sinks(self, heads: int) -> torch.Tensor | None:
-        """The sink logits of the heads this forward holds (all of them: tensor parallel,
-        which would hold some, refuses sinks)."""
-        if self.sinks is None:
-            return None
-        assert heads == self.sinks.shape[0], "sinks under tensor parallel"
-        return self.sinks
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k after QK-norm, q times µP's ``q_scale`` (RoPE, linear, commutes with it)."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (q * self.q_scale if self.q_scale != 1.0 else q), k
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Scores and mixing: 12 * H * D per key a query sees (the full square's T, or the
@@ -193,10 +192,7 @@ class CausalAttention(nn.Module):
         cache = self.kv_cache
         # (B, T, Hq, D), (B, T, Hk, D), (B, T, Hk, D)
         q, k, v = self.project_qkv(x) if cache is None else self._decode_qkv(x, cache)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
-            q = q * self.q_scale
+        q, k = self.normed(q, k)
         if cache is None:
             if context is None:
                 q, k = self.position(q, k)
@@ -206,13 +202,13 @@ class CausalAttention(nn.Module):
             # SDPA wants (B, H, T, D); a transpose is a view.
             out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context,
                        dropout_p=self.dropout_p if self.training else 0.0, window=self.window,
-                       sinks=self._my_sinks(q.shape[2]))
+                       sinks=self.sinks)
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
             k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hk, S, D)
             out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window,
-                              sinks=self._my_sinks(q.shape[2]))
+                              sinks=self.sinks)
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(self.gated(out.transpose(1, 2).reshape(b, t, -1), x))
 
@@ -225,10 +221,7 @@ class CausalAttention(nn.Module):
         """q (B, Hq, T, D) and k (B, Hk, T, D) as the training forward hands them to SDPA
         (``logit_stats``: diagnostics recompute the attention logits from them)."""
         q, k, _ = self.project_qkv(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
-            q = q * self.q_scale
+        q, k = self.normed(q, k)
         q, k = self.position(q, k)
         return [(q.transpose(1, 2), k.transpose(1, 2))]
 

@@ -160,10 +160,7 @@ class DifferentialAttention(CausalAttention):
         q, k, _ = self.project_qkv(x)
         h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2
         q, k = q.reshape(b, t, 2 * h, half), k.reshape(b, t, 2 * hk, half)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
-            q = q * self.q_scale
+        q, k = self.normed(q, k)
         q, k = self.position(q, k)
         q, k = q.reshape(b, t, h, 2, half), k.reshape(b, t, hk, 2, half)
         return [(q[:, :, :, c].transpose(1, 2), k[:, :, :, c].transpose(1, 2)) for c in (0, 1)]
@@ -176,10 +173,7 @@ class DifferentialAttention(CausalAttention):
         h, hk, half = q.shape[2], k.shape[2], self.head_dim // 2  # this rank's heads
         q = q.reshape(b, t, 2 * h, half)  # (B, T, 2H, d): sub-head 2i+c is half c of head i
         k = k.reshape(b, t, 2 * hk, half)  # (B, T, 2Hk, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.q_scale != 1.0:  # µP's 1/d attention (models/mup.py); RoPE commutes with it
-            q = q * self.q_scale
+        q, k = self.normed(q, k)
         cache, w = self.kv_cache, self.window
         if cache is None and context is not None:  # both maps under the context's mask
             q, k = self.position(q, k, **context.rope_args())

@@ -20,7 +20,7 @@ at m = 1:
 Muon needs no LR factor: its orthogonalised update with ``lr_scaling = "spectral"`` has spectral
 norm sqrt(fan_out / fan_in), the condition for width-independent feature learning (Yang, Simon
 & Bernstein 2023, "A spectral condition for feature learning"); the optimizers say which rule
-they follow (``OptimizerConfig.mup``). Depth transfer (depth-µP) is not implemented: ladders
+they follow (``OptimizerConfig.mup_rule``). Depth transfer (depth-µP) is not implemented: ladders
 that grow depth keep the standard residual scaling.
 """
 
@@ -33,8 +33,6 @@ from torch import nn
 
 from kiln.components.adapter_contract import AdapterLayer
 from kiln.components.errors import RecipeError
-
-PARAMETRIZATIONS = ("standard", "mup")
 
 
 def width_mult(cfg) -> float:

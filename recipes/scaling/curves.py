@@ -79,9 +79,8 @@ def check_target(form: str, target: Target) -> None:
     if form == "compute" and (target.flops is None or target.params or target.tokens):
         raise FitError("the compute form predicts from --target-flops alone")
     if form == "chinchilla":
-        pair = target.params is not None and target.tokens is not None
-        if not (pair and target.flops is None) and not (target.flops is not None and
-                                                        target.params is None is target.tokens):
+        given = (target.params is not None, target.tokens is not None, target.flops is not None)
+        if given not in ((True, True, False), (False, False, True)):
             raise FitError("the chinchilla form predicts from --target-params with "
                            "--target-tokens, or from --target-flops alone (the compute-optimal "
                            "split)")

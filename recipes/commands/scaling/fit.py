@@ -63,23 +63,26 @@ def pick_form(requested: str, ladders: list[Ladder]) -> str:
     tokens-per-parameter ratio makes the two terms inseparable), else params."""
     if requested != "auto":
         return requested
-    for ladder in ladders:
-        design = np.stack([np.ones(len(ladder.points)), np.log(ladder.column("params")),
-                           np.log(ladder.column("tokens"))], axis=1)
-        if len(ladder.points) < 6 or np.linalg.matrix_rank(design, tol=1e-6) < 3:
-            return "params"
-    return "chinchilla"
+    if all(len(ladder.points) >= 6 and separable(ladder) for ladder in ladders):
+        return "chinchilla"
+    return "params"
+
+
+def separable(ladder: Ladder) -> bool:
+    """Whether log D is not a linear function of log N (else the chinchilla form's two terms
+    cannot be told apart)."""
+    design = np.stack([np.ones(len(ladder.points)), np.log(ladder.column("params")),
+                       np.log(ladder.column("tokens"))], axis=1)
+    return np.linalg.matrix_rank(design, tol=1e-6) == 3
 
 
 def fit_ladder(ladder: Ladder, form: str, args) -> Fitted:
     x = ladder.column("flops" if form == "compute" else "params")
     tokens, loss = ladder.column("tokens"), ladder.column("loss")
-    if form == "chinchilla":
-        design = np.stack([np.ones(len(x)), np.log(x), np.log(tokens)], axis=1)
-        if np.linalg.matrix_rank(design, tol=1e-6) < 3:
-            raise FitError(f"{ladder.name}: tokens grow in proportion to parameters (one "
-                           "tokens-per-parameter ratio), so A/N^alpha and B/D^beta cannot be "
-                           "told apart: fit --form params or compute, or add a second ratio")
+    if form == "chinchilla" and not separable(ladder):
+        raise FitError(f"{ladder.name}: tokens grow in proportion to parameters (one "
+                       "tokens-per-parameter ratio), so A/N^alpha and B/D^beta cannot be "
+                       "told apart: fit --form params or compute, or add a second ratio")
     try:
         law = fit(form, x, loss, tokens)
     except FitError as exc:
