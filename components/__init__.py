@@ -28,6 +28,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.positions.nope",
     "kiln.components.attention.causal",
     "kiln.components.attention.differential",
+    "kiln.components.attention.latent",
     "kiln.components.ffn.swiglu",
     "kiln.components.ffn.mlp",
     "kiln.components.ffn.moe",

@@ -112,7 +112,7 @@ class CacheSession:
         self.valid, self.count = self.valid[rows], self.count[rows]
         self.key_positions = self.key_positions[rows]
         for cache in self.caches:
-            cache.slots = [(k[rows], v[rows]) for k, v in cache.slots]
+            cache.slots = [tuple(t[rows] for t in slot) for slot in cache.slots]
 
     @property
     def limit(self) -> int | None:
@@ -131,29 +131,30 @@ class KVCache:
 
     def __init__(self, session: CacheSession) -> None:
         self.session = session
-        self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slots: list[tuple[torch.Tensor, ...]] = []
         self.calls = 0
         # What the module derives once per generation and drops with the cache (causal
         # attention: its q/k/v projections stacked into one matrix).
         self.derived: dict[str, object] = {}
         session.caches.append(self)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new k (B, Hk, T, Dk) and v (B, Hk, T, Dv); return all so far
-        (B, Hk, S, ...), contiguous per head."""
+    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store the new tokens' tensors, each (B, H, T, D) (keys and values; latent attention
+        caches one latent); return each with everything so far, (B, H, S, D), contiguous per
+        head."""
         s, i = self.session, self.calls
         self.calls += 1
         if i == len(self.slots):
             if s.start:
                 raise RuntimeError("an attention module was called more often than in the "
                                    "first forward of this generation; keep the loop count fixed")
-            b, h = k.shape[:2]
-            self.slots.append((k.new_empty(b, h, s.max_len, k.shape[-1]),
-                               v.new_empty(b, v.shape[1], s.max_len, v.shape[-1])))
-        kc, vc = self.slots[i]
-        kc[:, :, s.start:s.stop] = k
-        vc[:, :, s.start:s.stop] = v
-        return kc[:, :, :s.stop], vc[:, :, :s.stop]
+            self.slots.append(tuple(t.new_empty(*t.shape[:2], s.max_len, t.shape[-1])
+                                    for t in new))
+        out = []
+        for stored, t in zip(self.slots[i], new, strict=True):
+            stored[:, :, s.start:s.stop] = t
+            out.append(stored[:, :, :s.stop])
+        return tuple(out)
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -179,6 +180,17 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=session.causal, enable_gqa=gqa)
+
+
+def cached_mask(session: CacheSession, window: int = 0) -> torch.Tensor | None:
+    """The bool mask (B or 1, 1, T, S) of this forward's T new queries over the S cached keys,
+    or None where every query sees every key (one new token, no padding, no window)."""
+    if window:
+        return session.window_mask(window)
+    if session.mask is not None or not session.causal:
+        return session.mask
+    t, s = session.stop - session.start, session.stop
+    return torch.ones(t, s, dtype=torch.bool, device=session.valid.device).tril(s - t)
 
 
 def supports_cache(model: nn.Module) -> bool:

@@ -49,6 +49,12 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             f"model.attention.sinks = true cannot run with parallelism.tp = {tp} yet: the "
             "per-head sink logits are not split with the heads; set parallelism.tp = 1 (FSDP2, "
             "context and pipeline parallel run them)")
+    if any(hasattr(getattr(b, "attention", None), "wkv_b") for b in model_blocks(model)):
+        problems.append(
+            f"model.attention.type = \"latent\": latent attention cannot run with "
+            f"parallelism.tp = {tp} yet: its latent and shared rope key feed every head, so "
+            "their gradients would need summing over the ranks' heads; set parallelism.tp = 1 "
+            "(FSDP2, context and pipeline parallel run it)")
     vocab = getattr(model, "vocab_size", None)
     if vocab:
         _divides(problems, vocab, "model.vocab_size", tp, "tp",

@@ -119,8 +119,11 @@ def _case(folder, corpus, *extra):
 GPT2 = tuple(f for f in FAMILIES["gpt2"][1] if "dropout" not in f)
 # window: sliding-window attention (5 tokens) beside the document mask, each rank's queries
 # windowed over the gathered keys
+# latent: DeepSeek's latent attention, each rank gathering the latents, not the expanded keys
+LATENT = ("--model.attention.type=latent", "--model.attention.kv_rank=16",
+          "--model.attention.nope_head_dim=8", "--model.attention.rope_head_dim=8")
 TWO = {"plain": (), "gpt2": GPT2, "window": ("--model.attention.window=5", *MASK),
-       "mask": MASK}  # mask last: its log is read
+       "latent": (*LATENT, *MASK), "mask": MASK}  # mask last: its log is read
 
 
 def _worker(rank: int, world: int, port: int, folder: str, parts: dict) -> None:
