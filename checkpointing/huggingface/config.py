@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> kiln's ``[model]`` table, for the Llama family (Llama 2/3/3.1/
-3.2, Mistral, SmolLM, TinyLlama), Qwen2 (q/k/v biases) and Qwen3 (QK-norm).
+3.2, Mistral, SmolLM, TinyLlama), Qwen2 (q/k/v biases), Qwen3 (QK-norm) and GPT-2 (``gpt2``).
 
 Import is strict: every field of the config is either mapped onto the recipe, checked to hold
 the one value kiln computes the same way (``hidden_act = "silu"``, no dropout, no MLP bias, ...),
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.checkpointing.huggingface import gpt2
 from kiln.components.errors import CheckpointError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 # Fields that do not change the network's computation (metadata, ids, generation defaults).
 HARMLESS = frozenset([
@@ -88,19 +89,22 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
     if family not in FAMILIES:
         raise _fail(source, "model_type", f"{family!r} is not supported",
                     f"kiln imports {', '.join(FAMILIES)}")
+    known = gpt2.FIELDS | gpt2.SUMMARY if family == "gpt2" else MODEL_FIELDS
     for name in config:
-        if name not in HARMLESS and name not in MODEL_FIELDS and name not in ignore:
+        if name not in HARMLESS and name not in known and name not in ignore:
             raise _fail(source, name, "unknown to kiln's import, so it may change the model",
                         "if it does not change the computation, pass it to --ignore-field "
                         "(checkpoint.init_from_ignore)")
+    for name in ("quantization_config", "auto_map"):
+        if name in config and name not in ignore:
+            raise _fail(source, name, "quantized or custom-code models are not supported")
+    if family == "gpt2":
+        return gpt2.model_table(config, source, ignore)
     checks = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False,
               "partial_rotary_factor": 1.0, "rope_interleaved": False}
     for name, want in checks.items():
         if config.get(name, want) != want and name not in ignore:
             raise _fail(source, name, f"{config[name]!r} is not supported (kiln: {want!r})")
-    for name in ("quantization_config", "auto_map"):
-        if name in config and name not in ignore:
-            raise _fail(source, name, "quantized or custom-code models are not supported")
     try:
         dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         layers, ffn = int(config["num_hidden_layers"]), int(config["intermediate_size"])
@@ -171,7 +175,9 @@ def windows(config: dict, source: str) -> tuple[int, list[str]]:
 
 def family_of(model) -> str:
     """The Hugging Face family whose layout the model has: llama (mistral with a sliding
-    window), qwen2 or qwen3."""
+    window), qwen2, qwen3 or gpt2 (learned positions)."""
+    if getattr(model, "pos_embeddings", None) is not None:
+        return "gpt2"
     attn = model.blocks()[0].attention
     bias = attn.wo.bias is not None
     qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
@@ -191,6 +197,8 @@ def layer_windows(model) -> tuple[int, list[int]]:
 def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
     """config.json of a kiln transformer with a Hugging Face layout (``hf_incompatibility``
     is empty), in transformers 5's format."""
+    if family == "gpt2":
+        return gpt2.hf_config(model, tokenizer)
     blocks = model.blocks()
     attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
     rope = attn0.position.cfg

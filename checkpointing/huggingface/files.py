@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from kiln.checkpointing.huggingface.layout import Part, from_hf, hf_rows, to_hf
+from kiln.checkpointing.huggingface.parts import Part, from_hf, hf_shapes, to_hf
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
 
@@ -32,6 +32,7 @@ class SafetensorsFolder:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self._open: dict[str, object] = {}
+        self._stored: dict[str, str] = {}  # name asked for -> name in the file (add_prefix)
         index = self.folder / INDEX
         if index.is_file():
             try:
@@ -62,15 +63,28 @@ class SafetensorsFolder:
                                       f"({exc})") from None
         return self._open[file]
 
+    def add_prefix(self, prefix: str, keep: tuple[str, ...] = ()) -> None:
+        """Where no stored name starts with ``prefix``, answer to every name with it (those
+        starting with ``keep`` stay as stored): checkpoints saved from a base model (GPT-2's
+        ``h.0.attn...``) read as their language model's (``transformer.h.0.attn...``)."""
+        if any(name.startswith(prefix) for name in self.weight_map):
+            return
+        renamed = {name if name.startswith(keep) else prefix + name: name
+                   for name in self.weight_map}
+        self.weight_map = {new: self.weight_map[old] for new, old in renamed.items()}
+        self._stored = renamed
+
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        stored = self._stored.get(name, name)
+        return tuple(self._handle(self.weight_map[name]).get_slice(stored).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """``tensor[index]`` of one stored tensor, reading only those bytes."""
-        piece = self._handle(self.weight_map[name]).get_slice(name)
+        stored = self._stored.get(name, name)
+        piece = self._handle(self.weight_map[name]).get_slice(stored)
         return piece[index] if index else piece[:]
 
     def read_rows(self, parts: list[Part], offset: tuple[int, ...],
@@ -86,7 +100,9 @@ class SafetensorsFolder:
             lo, hi = max(a, row0) - row0, min(a + n, row0 + part.rows) - row0
             if lo < hi:
                 s = part.start
-                if part.heads:
+                if part.transposed:  # the rows are the stored tensor's columns
+                    pieces.append(self.read(part.hf_name, (*cols, slice(s + lo, s + hi))).t())
+                elif part.heads:
                     d = part.rows // part.heads
                     h0, h1 = lo // d, (hi - 1) // d + 1
                     block = self.read(part.hf_name, (slice(s + h0 * d, s + h1 * d), *cols))
@@ -112,13 +128,11 @@ def parse_size(text: str | int) -> int:
 
 def _entries(items, dtype) -> list[tuple[str, tuple[int, ...], int]]:
     """(Hugging Face name, shape, bytes) of every tensor to write, in order."""
-    out = []
-    for tensor, parts in items:
-        size = torch.empty((), dtype=dtype or tensor.dtype).element_size()
-        for name, rows in hf_rows(parts).items():
-            shape = (rows, *tensor.shape[1:]) if tensor.dim() else ()
-            out.append((name, shape, size * int(torch.Size(shape).numel())))
-    return out
+    size = {p.hf_name: torch.empty((), dtype=dtype or t.dtype).element_size()
+            for t, parts in items for p in parts}
+    shapes = hf_shapes((tuple(t.shape), parts) for t, parts in items)
+    return [(name, shape, size[name] * int(torch.Size(shape).numel()))
+            for name, shape in shapes.items()]
 
 
 def plan_files(entries, max_bytes: int) -> list[list[str]]:
@@ -157,22 +171,32 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
                                      for i in range(n)]
     file_of = {name: i for i, group in enumerate(files) for name in group}
     pending: dict[int, dict[str, torch.Tensor]] = {}
+    # the parts each Hugging Face tensor waits for (several kiln tensors may hold them)
+    waiting = {p.hf_name: 0 for _, parts in items for p in parts}
+    for _, parts in items:
+        for p in parts:
+            waiting[p.hf_name] += 1
+    pieces: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
     for tensor, parts in items:
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         mine = [p for p in parts if file_of[p.hf_name] % world_size == rank]
         if not mine:
             continue
         full = full.detach().to("cpu", dtype=dtype or full.dtype)
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
         row0 = 0
         for part in parts:
             if part in mine:
                 rows = full if not full.dim() else full[row0:row0 + part.rows]
-                pieces.setdefault(part.hf_name, []).append((part.start, to_hf(rows, part.heads)))
+                piece = rows.t() if part.transposed else to_hf(rows, part.heads)
+                pieces.setdefault(part.hf_name, []).append((part.start, piece, part.transposed))
             row0 += part.rows
-        for name, got in pieces.items():  # one Hugging Face tensor from its parts, by start row
-            got.sort(key=lambda piece: piece[0])
-            whole = (torch.cat([t for _, t in got]) if len(got) > 1  # cat: a new tensor
+        for name in {p.hf_name for p in mine}:  # complete: one tensor from its parts, by start
+            got = pieces[name]
+            if len(got) < waiting[name]:
+                continue
+            got = sorted(pieces.pop(name), key=lambda piece: piece[0])
+            axis = 1 if got[0][2] else 0
+            whole = (torch.cat([t for _, t, _ in got], dim=axis) if len(got) > 1  # new tensor
                      else got[0][1].contiguous().clone())
             pending.setdefault(file_of[name], {})[name] = whole
         for i in [i for i, got in pending.items() if len(got) == len(files[i])]:

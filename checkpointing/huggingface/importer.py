@@ -22,11 +22,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.huggingface.files import SafetensorsFolder
+from kiln.checkpointing.huggingface.parts import hf_shapes
 from kiln.components import distributed
 from kiln.components.errors import CheckpointError
 
-# Stored by some older checkpoints, derived from the config (kiln recomputes its RoPE tables).
-DERIVED = ("rotary_emb.inv_freq",)
+# Stored by some older checkpoints, derived from the config: RoPE tables (kiln recomputes them)
+# and GPT-2's causal masks.
+DERIVED = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 def source_folder(spec: str, *, is_main: bool = True, api=None,
@@ -109,6 +111,8 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                               f"{', '.join(unmapped)}")
     files = SafetensorsFolder(folder)
     needed = {p.hf_name for name in targets for p in layout[name]}
+    if config.get("model_type") == "gpt2":  # OpenAI's checkpoints: no "transformer." prefix
+        files.add_prefix("transformer.", keep=("lm_head.",))
     have = files.keys()
     absent = sorted(needed - have)
     if absent:
@@ -124,14 +128,15 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                               f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} "
                               f"({len(extra)} tensors); check model.tie_embeddings and the "
                               "attention biases against config.json")
+    owner = {p.hf_name: name for name in reversed(targets) for p in layout[name]}
+    for hf_name, want in hf_shapes((tuple(t.shape), layout[n]) for n, t in targets.items()
+                                   ).items():
+        if tuple(files.shape(hf_name)) != want:
+            raise CheckpointError(f"{label}: {hf_name} has shape {list(files.shape(hf_name))}, "
+                                  f"the recipe's model needs {list(want)} (for "
+                                  f"{owner[hf_name]})")
     for name, t in targets.items():
         parts = layout[name]
-        for hf_name, rows in hf_layout.hf_rows(parts).items():
-            want = (rows, *t.shape[1:])
-            if tuple(files.shape(hf_name)) != want:
-                raise CheckpointError(f"{label}: {hf_name} has shape "
-                                      f"{list(files.shape(hf_name))}, the recipe's model "
-                                      f"needs {list(want)} (for {name})")
         local, offset, shape = local_region(t)
         if local.numel():
             local.copy_(files.read_rows(parts, offset, shape).to(local.dtype))

@@ -1,4 +1,5 @@
-"""Which Hugging Face tensors make up each kiln parameter (Llama / Qwen2 / Qwen3 layout).
+"""Which Hugging Face tensors make up each kiln parameter (Llama / Qwen2 / Qwen3 layout; GPT-2's
+is ``gpt2``).
 
 ================================================  ==================================================
 kiln (torchtitan names)                           Hugging Face
@@ -27,51 +28,18 @@ its Hugging Face tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from kiln.checkpointing.huggingface import gpt2
+from kiln.checkpointing.huggingface.parts import Part
 from kiln.components.adapter_contract import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
 
 
-@dataclass(frozen=True)
-class Part:
-    """Rows of a kiln tensor (dim 0) that one Hugging Face tensor holds."""
-
-    hf_name: str
-    rows: int
-    heads: int = 0  # > 0: the rows are this many RoPE heads, permuted between the layouts
-    start: int = 0  # first row of the Hugging Face tensor that this part holds
-
-
-def hf_rows(parts: list[Part]) -> dict[str, int]:
-    """Rows of each Hugging Face tensor that ``parts`` make up, in order of first appearance."""
-    rows: dict[str, int] = {}
-    for part in parts:
-        rows[part.hf_name] = rows.get(part.hf_name, 0) + part.rows
-    return rows
-
-
-def to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows from kiln's adjacent-pair to Hugging Face's half-split RoPE order, per head."""
-    if not heads:
-        return w
-    d = w.shape[0] // heads
-    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of ``to_hf``."""
-    if not heads:
-        return w
-    d = w.shape[0] // heads
-    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def hf_incompatibility(model: nn.Module) -> str:
-    """Why the model has no Hugging Face Llama/Qwen2/Qwen3 layout ("" if it has one)."""
+    """Why the model has no Hugging Face Llama / Qwen2 / Qwen3 / GPT-2 layout ("" if it has
+    one)."""
     from kiln.components.attention.causal import CausalAttention
     from kiln.components.ffn.swiglu import SwiGLU
     from kiln.components.models.transformer import Transformer
@@ -84,8 +52,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         return "logit soft-capping"
     if model.width_multiplier() != 1.0:
         return "µP's output multiplier (model.parametrization = \"mup\" at dim != base_dim)"
-    if model.pos_embeddings is not None:
-        return "learned absolute positions"
+    if model.pos_embeddings is not None:  # GPT-2's learned positions
+        return gpt2.incompatibility(model)
     if type(model.norm) is not RMSNorm or model.norm.weight is None:
         return "final norm is not RMSNorm with a weight"
     eps = model.norm.eps
@@ -161,6 +129,8 @@ def _attention_parts(attn: nn.Module, p: str, kn: str, kind: str) -> dict[str, l
 def parts(model: nn.Module) -> dict[str, list[Part]]:
     """kiln state-dict name (wrapper prefixes removed) -> the Hugging Face tensors it is made
     of, stacked along dim 0. Only for a model with a Hugging Face layout."""
+    if getattr(model, "pos_embeddings", None) is not None:
+        return gpt2.parts(model)
     out: dict[str, list[Part]] = {
         "tok_embeddings.weight": [Part("model.embed_tokens.weight", model.vocab_size)],
     }

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.checkpointing.huggingface import layout as hf_layout
+from kiln.checkpointing.huggingface.parts import to_hf
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.adapter_contract import adapter_layers
 from kiln.components.errors import CheckpointError
@@ -57,11 +58,16 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
                 "(a fused wqkv); peft adapts one module at a time: export merged weights "
                 "instead")
         part = got[0]
+        if part.transposed or part.start:
+            raise CheckpointError(
+                f"--format peft: {clean_name(name)} is {'part of ' if part.start else ''}"
+                f"{part.hf_name}, a GPT-2 Conv1D layer (peft adapts those with fan_in_fan_out "
+                "and one whole module at a time); export merged weights instead")
         module = part.hf_name.removesuffix(".weight")
         for suffix, (tensor, output_rows) in layer.peft_tensors().items():
             t = tensor.detach().float().cpu()
             out[f"base_model.model.{module}.{suffix}"] = (
-                hf_layout.to_hf(t, part.heads) if output_rows else t).contiguous()
+                to_hf(t, part.heads) if output_rows else t).contiguous()
         modules.append(module)
     return out, modules
 

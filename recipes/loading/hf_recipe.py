@@ -101,8 +101,9 @@ def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str
     folder = hf_import.source_folder(source, api=api)
     config = hf_import.read_config(folder)
     model = hf_config.model_table(config, source, ignore)
-    seq_len = seq_len or min(DEFAULT_SEQ_LEN,
-                             config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
+    # the model's context: max_position_embeddings, or GPT-2's n_positions (its max_seq_len)
+    context = config.get("max_position_embeddings") or model.get("max_seq_len")
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
     tokenizer, tokenizer_note = tokenizer_table(source, folder, config, model["vocab_size"])
     checkpoint: dict[str, Any] = {"init_from": source}
     if ignore:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.checkpointing.huggingface.layout import hf_incompatibility
-from kiln.checkpointing.huggingface.layout import to_hf as rope_permute
+from kiln.checkpointing.huggingface.parts import to_hf as rope_permute
 from kiln.checkpointing.manager import CheckpointManager
 from kiln.components.distributed import World
 from kiln.components.errors import CheckpointError

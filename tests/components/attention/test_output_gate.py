@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.checkpointing.huggingface.layout import from_hf
+from kiln.checkpointing.huggingface.parts import from_hf
 from kiln.components.base import default_config
 
 DIM, H, HK, D, T = 32, 4, 2, 8, 12
