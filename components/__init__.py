@@ -29,6 +29,7 @@ BUILTINS: tuple[str, ...] = (
     "kiln.components.attention.causal",
     "kiln.components.attention.differential",
     "kiln.components.attention.latent",
+    "kiln.components.attention.gated_deltanet",
     "kiln.components.ffn.swiglu",
     "kiln.components.ffn.mlp",
     "kiln.components.ffn.moe",

@@ -138,18 +138,25 @@ class KVCache:
         self.derived: dict[str, object] = {}
         session.caches.append(self)
 
+    def next_slot(self, make) -> int:
+        """The index of this call's slot in ``slots``; the first forward of a generation
+        appends ``make()`` (a tuple of tensors, batch first, that ``session.select`` reorders)."""
+        i = self.calls
+        self.calls += 1
+        if i == len(self.slots):
+            if self.session.start:
+                raise RuntimeError("an attention module was called more often than in the "
+                                   "first forward of this generation; keep the loop count fixed")
+            self.slots.append(make())
+        return i
+
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Store the new tokens' tensors, each (B, H, T, D) (keys and values; latent attention
         caches one latent); return each with everything so far, (B, H, S, D), contiguous per
         head."""
-        s, i = self.session, self.calls
-        self.calls += 1
-        if i == len(self.slots):
-            if s.start:
-                raise RuntimeError("an attention module was called more often than in the "
-                                   "first forward of this generation; keep the loop count fixed")
-            self.slots.append(tuple(t.new_empty(*t.shape[:2], s.max_len, t.shape[-1])
-                                    for t in new))
+        s = self.session
+        i = self.next_slot(lambda: tuple(t.new_empty(*t.shape[:2], s.max_len, t.shape[-1])
+                                         for t in new))
         out = []
         for stored, t in zip(self.slots[i], new, strict=True):
             stored[:, :, s.start:s.stop] = t

@@ -85,7 +85,7 @@ def build_blocks(cfg: Any, n_layers: int, max_seq_len: int, dropout: float = 0.0
     dim = cfg.dim
     return nn.ModuleDict({
         str(i): Block(
-            attention=cfg.attention.build(
+            attention=attention_config(cfg, i).build(
                 dim=dim, layer_idx=i, n_layers=n_layers, max_seq_len=max_seq_len),
             feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
             attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
@@ -95,14 +95,24 @@ def build_blocks(cfg: Any, n_layers: int, max_seq_len: int, dropout: float = 0.0
     })
 
 
+def attention_config(cfg: Any, i: int) -> Any:
+    """Layer ``i``'s attention table: ``linear_attention`` where ``layer_types`` says
+    "linear" (a hybrid's linear-attention layers), else ``attention``."""
+    kinds = getattr(cfg, "layer_types", None) or []
+    if kinds and kinds[i] == "linear":
+        return cfg.linear_attention
+    return cfg.attention
+
+
 def check_block_shapes(cfg: Any) -> None:
     """Raise ValueError when a model config's ``attention`` cannot be built at its ``dim`` (the
     attention config's optional ``shape_problem(dim)``). Model configs call it in a validator,
     so ``kiln validate`` / ``train`` report it as a recipe error naming the keys."""
-    check = getattr(cfg.attention, "shape_problem", None)
-    problem = check(cfg.dim) if check is not None else None
-    if problem is not None:
-        raise ValueError(problem)
+    for table in (cfg.attention, getattr(cfg, "linear_attention", None)):
+        check = getattr(table, "shape_problem", None)
+        problem = check(cfg.dim) if check is not None else None
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def init_blocks(blocks: list[nn.Module], std: float, depth_init: bool, *,

@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from kiln.components.attention.context import AttentionContext
-from kiln.components.base import ComponentConfig, Sub, component
+from kiln.components.base import ComponentConfig, OptionalSub, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
 from kiln.components.models import mup
@@ -75,23 +75,36 @@ class TransformerConfig(ComponentConfig):
     base_head_dim: int = Field(
         0, ge=0, description="µP: attention scores scale as sqrt(base_head_dim) / head_dim; 0 = "
         "the head width (1/sqrt(head_dim): right when heads keep their width as dim grows)")
-    layer_types: list[Literal["full", "sliding"]] = Field(
+    layer_types: list[Literal["full", "sliding", "linear"]] = Field(
         default_factory=list, description="one per layer: \"sliding\" attends within "
         "attention.window, \"full\" to every earlier token (Gemma's local / global pattern, "
-        "gpt-oss's alternation); [] = every layer by attention.window")
+        "gpt-oss's alternation), \"linear\" is a model.linear_attention layer (hybrids: "
+        "Qwen3-Next's three Gated DeltaNet layers to one full); [] = every layer by attention")
     attention: Sub("attention") = component("attention", "causal", "token mixer of each block")
+    linear_attention: OptionalSub("attention") = component(
+        "attention", None, "the token mixer of the \"linear\" layers of model.layer_types",
+        implied="gated_deltanet")
     ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
     norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
 
     @model_validator(mode="after")
     def _check(self) -> TransformerConfig:
         check_block_shapes(self)
+        linear = self.linear_attention
+        if ("linear" in self.layer_types) != (linear is not None):
+            raise ValueError("model.linear_attention is the attention of the \"linear\" entries "
+                             "of model.layer_types: give both or neither")
+        if linear is not None and getattr(linear, "document_mask", False) and not getattr(
+                self.attention, "document_mask", False):
+            raise ValueError("model.linear_attention.document_mask = true: a hybrid's layers "
+                             "follow model.attention.document_mask (one mask for every layer); "
+                             "set that instead")
         if self.layer_types:
             window = getattr(self.attention, "window", None)
             if len(self.layer_types) != self.n_layers:
                 raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for "
                                  f"n_layers = {self.n_layers}: give one per layer")
-            if window is None:
+            if window is None and "sliding" in self.layer_types:
                 raise ValueError(f"model.layer_types: attention type {self.attention.type!r} "
                                  "has no window; use causal or differential attention")
             if "sliding" in self.layer_types and not window:

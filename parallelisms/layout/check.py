@@ -35,6 +35,14 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             "final state per token, but context parallel splits a row's tokens over ranks (the "
             "checkpoint regroups the carry by whole rows, and carry_reset_token would see only "
             "a rank's chunks); set model.carry = false or parallelism.cp = 1")
+    linear = [b for b in model_blocks(model) if hasattr(getattr(b, "attention", None), "A_log")]
+    if linear and (cp > 1 or tp > 1):
+        degree = f"parallelism.cp = {cp}" if cp > 1 else f"parallelism.tp = {tp}"
+        problems.append(
+            f"Gated DeltaNet layers cannot run with {degree} yet: its state runs through the "
+            "whole sequence (context parallel would split it over ranks) and its heads are not "
+            "split for tensor parallel; set parallelism.cp = 1 and parallelism.tp = 1 (FSDP2 "
+            "and pipeline parallel run it)")
     if tp <= 1:
         return problems
     if getattr(model, "pos_embeddings", None) is not None:

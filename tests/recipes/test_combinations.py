@@ -58,6 +58,14 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "--model.ffn.n_experts=4", "--model.ffn.score=sigmoid",
                                 "--model.ffn.hidden_dim=32", "--model.ffn.n_shared_experts=1",
                                 "--model.ffn.route_scale=2.5")),
+    # Qwen3-Next's pattern: Gated DeltaNet layers beside full attention with an output gate
+    "qwen3_next": ("debug.toml", (*DENSE, '--model.layer_types=["linear","full"]',
+                                  "--model.linear_attention.type=gated_deltanet",
+                                  "--model.linear_attention.n_heads=2",
+                                  "--model.linear_attention.head_dim=16",
+                                  "--model.linear_attention.chunk_size=8",
+                                  "--model.attention.output_gate=true",
+                                  "--model.attention.qk_norm=true")),
     # 8-bit AdamW eager (its compile: test_adamw8bit, tests/nova_dist.py); µP at twice its base
     # width (Muon spectral) and Qwen3-Next's output gate meet every cell here
     "diff_layerscale": ("nova_debug.toml", (*DENSE, "--model.attention.n_kv_heads=1",
@@ -82,8 +90,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def _names(recipe) -> set[tuple[str, str]]:
     m = recipe.model
+    linear = getattr(m, "linear_attention", None)
     return {("model", m.type), ("attention", m.attention.type), ("ffn", m.ffn.type),
-            ("norm", m.norm.type), ("position", m.attention.position.type)}
+            ("norm", m.norm.type), ("position", m.attention.position.type),
+            *([("attention", linear.type)] if linear is not None else [])}
 
 
 # The recipe key each discovered kind is swapped at (the model's own table by default).

@@ -15,6 +15,7 @@ from kiln.components.attention.latent import LatentAttentionConfig, cache_number
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.layout.check import model_problems
 from kiln.recipes.config.files import load_recipe
+from tests.components.attention.decoding import decode
 from tests.conftest import CONFIGS
 
 DIM, HEADS, NOPE, ROPE, V, KV_RANK = 48, 4, 8, 6, 10, 12
@@ -98,20 +99,6 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert (ours - theirs).norm() <= 1e-5 * theirs.norm(), (ours - theirs).abs().max()
 
 
-def _decode(model, ids, valid=None, prompt: int = 5):
-    """Logits of ``ids`` fed as a prompt then one token at a time through the cache."""
-    b, t = ids.shape
-    with torch.no_grad(), attach(model, batch=b, max_len=t, device="cpu") as session:
-        session.begin(None if valid is None else valid[:, :prompt], tokens=prompt)
-        steps = [model(ids[:, :prompt])]
-        session.end()
-        for i in range(prompt, t):
-            session.begin(None)
-            steps.append(model(ids[:, i:i + 1]))
-            session.end()
-    return torch.cat(steps, dim=1)
-
-
 @pytest.mark.parametrize("extra", [[], ["--model.attention.cache=expanded"],
                                    ["--model.attention.q_rank=16",
                                     "--model.attention.window=4"]])
@@ -122,11 +109,11 @@ def test_the_cached_generators_equal_a_full_forward(extra):
     ids = torch.randint(0, 258, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(ids)
-    torch.testing.assert_close(_decode(model, ids), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(decode(model, ids), full, rtol=1e-4, atol=1e-5)
     # left padding: row 1's first two tokens are padding; its valid tokens decode as alone
     valid = torch.ones(2, 12, dtype=torch.bool)
     valid[1, :2] = False
-    padded = _decode(model, ids, valid)
+    padded = decode(model, ids, valid)
     with torch.no_grad():
         alone = model(ids[1:, 2:])
     torch.testing.assert_close(padded[1:, 2:], alone, rtol=1e-4, atol=1e-5)
@@ -146,7 +133,7 @@ def test_the_latent_generator_sees_an_adapter_on_the_up_projection():
     ids = torch.randint(0, 258, (1, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(ids)
-    torch.testing.assert_close(_decode(model, ids), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(decode(model, ids), full, rtol=1e-4, atol=1e-5)
 
 
 def test_the_latent_cache_holds_the_latent_only():

@@ -1,0 +1,113 @@
+"""The gated delta rule (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks"), in its
+recurrent form (one token at a time: generation, and the reference) and its chunked form
+(training), written from the recurrence below; both take document boundaries.
+
+Per head, with a state S (d_k x d_v), a log-decay g_t <= 0 and a write strength beta_t::
+
+    S'  = exp(g_t) S_{t-1}
+    u_t = beta_t (v_t - S'^T k_t)          (the delta: what S' gets wrong about k_t)
+    S_t = S' + k_t u_t^T
+    o_t = S_t^T q_t
+
+Chunked form. Within a chunk of C tokens, let G_t be the cumulative log-decay from the chunk's
+start, so S_t = exp(G_t) (S_0 + sum_{i<=t} k_i u_i^T exp(-G_i)). Substituting into u_t gives
+a unit lower-triangular system for the chunk's deltas::
+
+    (I + A) U = beta * V - beta * exp(G) * (K S_0)
+    A[t, i] = beta_t exp(G_t - G_i) k_t.k_i          (i < t; 0 elsewhere)
+
+so with T = (I + A)^-1 (one triangular solve per chunk, all chunks at once), W = T (beta exp(G)
+K) and U_0 = T (beta V): U = U_0 - W S_0. Outputs and the state handed to the next chunk::
+
+    O   = exp(G) Q S_0 + (Q K^T * exp(G_t - G_i), i <= t) U
+    S_C = exp(G_C) S_0 + (K * exp(G_C - G))^T U
+
+Only the S_0 terms run chunk after chunk (T / C steps of small matrix products); everything
+else is batched. Decay ratios are exp of masked differences, never ratios of exponentials, so a
+strong decay underflows to 0 instead of overflowing.
+
+Documents (packed rows): a token sees only state written by its own document. Inside a chunk the
+pairwise terms (A, the Q K^T mixing, the state handed on) are masked to the same document; S_0
+reaches only the tokens of the chunk's first document, and it is zeroed where a chunk starts a
+new document.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, state: torch.Tensor | None = None,
+                          starts: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (B, T, H, Dk), v (B, T, H, Dv), g and beta (B, T, H); ``state`` (B, H, Dk, Dv)
+    before the first token (None: zeros); ``starts`` (B, T) bool: a document starts there (the
+    state is cleared first). Returns o (B, T, H, Dv) in v's dtype and the final state (fp32)."""
+    b, t, h, dk = k.shape
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.float()
+    out = []
+    for i in range(t):
+        if starts is not None:
+            s = s * (~starts[:, i]).float()[:, None, None, None]
+        s = s * g[:, i].exp()[..., None, None]
+        delta = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhkv,bhk->bhv", s, k[:, i]))
+        s = s + k[:, i, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", s, q[:, i]))
+    return torch.stack(out, dim=1).to(v.dtype), s
+
+
+def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, chunk: int = 64, state: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form's result, computed by chunks of ``chunk`` tokens (module docstring).
+    ``doc_ids`` (B, T): the document of every token (None: one sequence)."""
+    b, t, h, dk = k.shape
+    dv, dtype = v.shape[-1], v.dtype
+    pad = (-t) % chunk
+    # (B, H, n, C, ...) in fp32; padding at the end: g = beta = 0 changes nothing before it.
+    # The time axis is split before the heads move forward: torch.compile's backward of a
+    # reshape after the transpose was a view of a non-contiguous gradient (an error).
+    n = (t + pad) // chunk
+    q, k, v = (torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).unflatten(1, (n, chunk))
+               .permute(0, 3, 1, 2, 4) for x in (q, k, v))
+    g, beta = (torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).unflatten(1, (n, chunk))
+               .permute(0, 3, 1, 2) for x in (g, beta))
+    gam = g.cumsum(-1)  # G_t
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    incl, strict = ones.tril(), ones.tril(-1)
+    if doc_ids is not None:
+        docs = torch.nn.functional.pad(doc_ids, (0, pad), mode="replicate").reshape(b, 1, n, chunk)
+        same = docs[..., :, None] == docs[..., None, :]  # (B, 1, n, C, C)
+        first = (docs == docs[..., :1]).float()  # tokens that S_0 reaches
+        last = (docs == docs[..., -1:]).float()  # tokens whose writes reach the next chunk
+        carried = torch.ones(b, n, dtype=torch.bool, device=q.device)
+        carried[:, 1:] = docs[:, 0, 1:, 0] == docs[:, 0, :-1, -1]
+        incl, strict = incl & same, strict & same
+    diff = gam[..., :, None] - gam[..., None, :]  # G_t - G_i
+    decay = diff.masked_fill(~incl, float("-inf")).exp()  # (B, H, n, C, C), 0 off the mask
+    a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(~strict, 0.0)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    tri = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False,
+                                        unitriangular=True)  # (I + A)^-1
+    scale = gam.exp() if doc_ids is None else gam.exp() * first  # exp(G), S_0's reach
+    w = tri @ ((beta * scale)[..., None] * k)  # (B, H, n, C, Dk)
+    u0 = tri @ (beta[..., None] * v)  # (B, H, n, C, Dv)
+    mix = (q @ k.transpose(-1, -2)) * decay  # (B, H, n, C, C)
+    q_state = scale[..., None] * q
+    hand = (gam[..., -1:] - gam).exp()  # exp(G_C - G_i)
+    end = gam[..., -1].exp()  # exp(G_C)
+    if doc_ids is not None:
+        hand, end = hand * last, end * first[..., -1]
+    k_end = hand[..., None] * k
+    s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
+    out = []
+    for j in range(n):
+        if doc_ids is not None and j:
+            s = s * carried[:, j].float()[:, None, None, None]
+        u = u0[:, :, j] - w[:, :, j] @ s
+        out.append(q_state[:, :, j] @ s + mix[:, :, j] @ u)
+        s = end[:, :, j, None, None] * s + k_end[:, :, j].transpose(-1, -2) @ u
+    o = torch.stack(out, dim=1).permute(0, 1, 3, 2, 4)  # (B, n, C, H, Dv)
+    return o.flatten(1, 2)[:, :t].to(dtype), s
