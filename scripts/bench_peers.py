@@ -29,6 +29,9 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
 - ``grpo-rollout``, ``grpo-step``: sampled rollouts (tokens/s) vs ``transformers`` ``generate``
   as TRL's ``GRPOTrainer`` calls it, and a whole GRPO step vs ``GRPOTrainer.training_step``
   (``bench_rows/grpo.py``);
+- ``gpt2-model``, ``gpt2-loop``: a GPT-2 training step at nanoGPT's CPU size vs ``transformers``'
+  ``GPT2LMHeadModel`` on the same weights, and kiln's trainer vs nanoGPT's loop around the same
+  model, one thread (``bench_rows/gpt2.py``);
 - ``fit``: ``kiln fit``'s scaling-law fit with 1,000 bootstrap refits vs the same refits one
   scipy L-BFGS call each (``bench_rows/fit.py``).
 
@@ -173,6 +176,15 @@ def groups(args) -> list[Group]:
                      [Row("GRPO step (rollout + update), fp32", "steps_per_second", "steps/s",
                           goal=">= 1.3x")],
                      {**grpo, "what": "step"}))
+    gpt2 = {**base, "threads": 1, "steps": 3 if quick else 100, "warmup": 1 if quick else 10}
+    out.append(Group("gpt2-model", "gpt2", "transformers GPT2LMHeadModel (same weights, SDPA)",
+                     [Row("GPT-2 training step, 4 x 128, block 64, batch 12, fp32, 1 thread",
+                          "tokens_per_second", "tok/s", goal=">= 1.3x")],
+                     {**gpt2, "what": "model"}, third_party=False))
+    out.append(Group("gpt2-loop", "gpt2", "nanoGPT's training loop, same model",
+                     [Row("GPT-2 recipe step vs a plain loop, nanoGPT CPU size, 1 thread",
+                          "tokens_per_second", "tok/s", goal=">= 1.1x")],
+                     {**gpt2, "what": "loop"}, third_party=False))
     out.append(Group("fit", "fit", "the same fit, one scipy L-BFGS refit per resample",
                      [Row("scaling-law fit, 20 points, 1,000 bootstrap refits", "seconds", "s",
                           higher_is_better=False, goal="< 10 s")],
