@@ -82,17 +82,23 @@ def build_blocks(cfg: Any, n_layers: int, max_seq_len: int, dropout: float = 0.0
     """Blocks ``"0" .. str(n_layers - 1)`` from a model config's ``dim``, ``attention``, ``ffn``,
     ``norm`` and ``layerscale_init`` (the sub-components are built in that order per block);
     ``dropout``: the residual dropout of each block."""
-    dim = cfg.dim
     return nn.ModuleDict({
-        str(i): Block(
-            attention=attention_config(cfg, i).build(
-                dim=dim, layer_idx=i, n_layers=n_layers, max_seq_len=max_seq_len),
-            feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
-            attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
-            dim=dim, layerscale_init=cfg.layerscale_init, dropout=dropout,
-        )
+        str(i): build_block(cfg, attention_config(cfg, i), i, n_layers, max_seq_len, dropout)
         for i in range(n_layers)
     })
+
+
+def build_block(cfg: Any, attention: Any, i: int, n_layers: int, max_seq_len: int,
+                dropout: float = 0.0) -> Block:
+    """One block at index ``i`` with the ``attention`` table and the config's ffn and norm."""
+    dim = cfg.dim
+    return Block(
+        attention=attention.build(dim=dim, layer_idx=i, n_layers=n_layers,
+                                  max_seq_len=max_seq_len),
+        feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
+        attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
+        dim=dim, layerscale_init=cfg.layerscale_init, dropout=dropout,
+    )
 
 
 def attention_config(cfg: Any, i: int) -> Any:

@@ -135,14 +135,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           cap: float = 0.0, chunk_tokens: int = 4096,
-                          loss_fn: LossFn = chunk_loss_sum) -> torch.Tensor:
+                          loss_fn: LossFn = chunk_loss_sum,
+                          empty_is_zero: bool = False) -> torch.Tensor:
     """Mean cross-entropy (fp32, ``IGNORE_INDEX`` rows excluded) of the soft-capped head over
-    ``hidden`` (..., D) against ``labels`` (...), ``chunk_tokens`` rows at a time."""
+    ``hidden`` (..., D) against ``labels`` (...), ``chunk_tokens`` rows at a time; no valid
+    row gives nan (as ``F.cross_entropy``'s mean), or 0 with ``empty_is_zero``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
     y = labels.reshape(-1)  # (N,)
-    count = (y != IGNORE_INDEX).sum()  # 0 rows -> nan, like F.cross_entropy's mean
+    count = (y != IGNORE_INDEX).sum()
+    if empty_is_zero:
+        count = count.clamp(min=1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(h, weight, y, cap, chunk_tokens, count, loss_fn)
     total = torch.zeros((), dtype=torch.float32, device=h.device)

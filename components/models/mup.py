@@ -68,4 +68,4 @@ def hidden_multipliers(model: nn.Module, m: float) -> dict[str, float]:
                 if isinstance(module, AdapterLayer)
                 for key, _ in module.named_parameters()}
     return {name: 1.0 / m for name, p in model.named_parameters()
-            if name.startswith("layers.") and p.ndim >= 2 and name not in adapters}
+            if name.startswith(("layers.", "mtp.")) and p.ndim >= 2 and name not in adapters}

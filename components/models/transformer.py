@@ -28,7 +28,7 @@ from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, OptionalSub, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
-from kiln.components.models import mup
+from kiln.components.models import mtp, mup
 from kiln.components.models.absolute_positions import AbsolutePositions
 from kiln.components.models.block import (
     RetiedOnEmpty,
@@ -75,6 +75,12 @@ class TransformerConfig(ComponentConfig):
     base_head_dim: int = Field(
         0, ge=0, description="µP: attention scores scale as sqrt(base_head_dim) / head_dim; 0 = "
         "the head width (1/sqrt(head_dim): right when heads keep their width as dim grows)")
+    mtp_depth: int = Field(
+        0, ge=0, description="multi-token prediction modules (DeepSeek-V3: 1): module k "
+        "predicts the token k + 1 ahead, trained beside the trunk, dropped in Hugging Face "
+        "exports (docs/models.md)")
+    mtp_weight: float = Field(0.3, ge=0, description="the modules' losses, averaged over "
+                              "depths, times this join the trunk's (DeepSeek-V3: 0.3, then 0.1)")
     layer_types: list[Literal["full", "sliding", "linear"]] = Field(
         default_factory=list, description="one per layer: \"sliding\" attends within "
         "attention.window, \"full\" to every earlier token (Gemma's local / global pattern, "
@@ -150,8 +156,12 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             self.embed_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else None
             self.norm = cfg.norm.build(dim=dim)
             self.output = nn.Linear(dim, self.vocab_size, bias=False)
+            self.mtp = mtp.build(cfg, n, self.max_seq_len)  # None without mtp_depth
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp_weight = cfg.mtp_weight
+        self._mtp_pending: torch.Tensor | None = None  # this forward's weighted MTP loss
+        self._mtp_logged: list[list[torch.Tensor]] = []  # per depth, since the last metrics()
         if cfg.parametrization == "mup":
             mup.set_attention_scale(self.blocks(), cfg.base_head_dim)
         for block, kind in zip(self.blocks(), cfg.layer_types, strict=False):
@@ -185,14 +195,28 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         if not self.tied and self.output is not None:
             out_std = self.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        if self.mtp is not None:  # last: the trunk draws what it draws without the modules
+            mtp.init_weights(self.mtp, std / m**0.5, self.depth_init, self.n_layers)
+            if m != 1.0:
+                mup.rescale_routers([k.block for k in self.mtp], m)
 
     def forward(self, input_ids: torch.Tensor, *, head: HeadFn | None = None,
-                context: AttentionContext | None = None) -> torch.Tensor:
+                context: AttentionContext | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) -> logits (B, T, V); with ``head``, ``head(hidden, weight, softcap)`` instead
         (the trainer's chunked loss, ``lm_head``); ``context``: every block's attention layout
-        (document mask, context parallel: ``attention/context.py``)."""
-        return self.stage_forward(input_ids, self.layers.keys(), first=True, last=True,
-                                  head=head, context=context)
+        (document mask, context parallel: ``attention/context.py``); ``mtp_labels`` (B, T):
+        while training, the multi-token prediction modules' losses from these labels
+        (``pop_aux_loss``, ``models/mtp.py``)."""
+        if mtp_labels is None or self.mtp is None or not self.training:
+            return self.stage_forward(input_ids, self.layers.keys(), first=True, last=True,
+                                      head=head, context=context)
+        hidden = self.stage_forward(input_ids, self.layers.keys(), first=True, last=False,
+                                    context=context)
+        depths = mtp.losses(self.mtp, self, hidden, input_ids, mtp_labels, context)
+        self._mtp_pending = self.mtp_weight / len(depths) * torch.stack(depths).sum()
+        self._mtp_logged.append([d.detach() for d in depths])
+        return self.stage_forward(hidden, (), first=False, last=True, head=head)
 
     def stage_forward(self, x: torch.Tensor, keys, *, first: bool, last: bool,
                       head: HeadFn | None = None,
@@ -228,6 +252,21 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             n -= self.pos_embeddings.weight.numel()
         return n
 
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """MoE balance losses and the multi-token prediction loss of the last forward."""
+        parts = [p for p in (super().pop_aux_loss(), self._mtp_pending) if p is not None]
+        self._mtp_pending = None
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def metrics(self) -> dict[str, float]:
+        """MoE loads, and each MTP depth's loss averaged since the last call."""
+        out = super().metrics()
+        if self._mtp_logged:
+            means = torch.stack([torch.stack(d) for d in self._mtp_logged]).mean(0).tolist()
+            out.update({f"mtp/loss_{k}": v for k, v in enumerate(means, start=1)})
+            self._mtp_logged = []
+        return out
+
     def width_multiplier(self) -> float:
         return self.width_mult
 
@@ -257,7 +296,10 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         n = self.num_params(exclude_embeddings=not self.tied, active_only=True)
         if self.tied and self.pos_embeddings is not None:  # a lookup table: no matmul
             n -= self.pos_embeddings.weight.numel()
-        return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in self.blocks()))
+        blocks = [*self.blocks(), *(k.block for k in self.mtp or [])]
+        if self.mtp is not None:  # each depth runs the shared head again
+            n += len(self.mtp) * self.output.weight.numel()
+        return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in blocks))
 
 
 def _attention_flops(attention: nn.Module, seq_len: int) -> float:

@@ -35,6 +35,13 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             "final state per token, but context parallel splits a row's tokens over ranks (the "
             "checkpoint regroups the carry by whole rows, and carry_reset_token would see only "
             "a rank's chunks); set model.carry = false or parallelism.cp = 1")
+    if getattr(model, "mtp", None) is not None and max(tp, ep, cp) > 1:
+        degree = next(f"parallelism.{n} = {d}" for n, d in (("tp", tp), ("ep", ep), ("cp", cp))
+                      if d > 1)
+        problems.append(
+            f"model.mtp_depth cannot run with {degree} yet: the multi-token prediction modules "
+            "are not split by it (their targets lie k tokens ahead, across context-parallel "
+            "chunks); set model.mtp_depth = 0 (FSDP2 runs them)")
     linear = [b for b in model_blocks(model) if hasattr(getattr(b, "attention", None), "A_log")]
     if linear and (cp > 1 or tp > 1):
         degree = f"parallelism.cp = {cp}" if cp > 1 else f"parallelism.tp = {tp}"

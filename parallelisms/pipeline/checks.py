@@ -27,6 +27,10 @@ def pipeline_problems(cfg, training, model: nn.Module, grad_accum: int,
                 "a looped model reruns its core blocks H times per forward, so its stages "
                 "would pass activations back and forth H times: set parallelism.pp = 1"]
     problems = split_problems(cfg, len(model.layers))
+    if getattr(model, "mtp", None) is not None:
+        problems.append(f"model.mtp_depth with {pp} is not supported yet: the modules need the "
+                        "trunk's last hidden states and the embeddings, on different stages; "
+                        "set model.mtp_depth = 0 or pp = 1")
     step = getattr(getattr(training, "step", None), "type", "standard")
     if step != "standard":
         problems.append(f"training.step.type = \"{step}\" cannot run under {pp}: the pipeline "

@@ -134,6 +134,8 @@ class TrainStepContext:
         if self.parallel.pipeline is not None:
             return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
         ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
+        if getattr(self.model, "mtp", None) is not None:  # multi-token prediction's targets
+            extra = {**extra, "mtp_labels": labels}
         rows = batch.get("source_ids") if self.source_losses is not None else None
         return self.stage_loss(lambda **kw: self.model(ids, **kw, **extra), labels, rows=rows)
 

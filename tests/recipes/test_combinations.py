@@ -50,8 +50,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1",
                            "--model.attention.window=6", "--model.attention.sinks=true",
                            '--model.layer_types=["sliding","full"]')),
-    # DeepSeek-V3's block: latent attention (a query latent too) over sigmoid-routed experts
-    "deepseek": ("debug.toml", (*DENSE, "--model.attention.type=latent",
+    # DeepSeek-V3's block: latent attention (a query latent too) over sigmoid-routed experts,
+    # one multi-token prediction module
+    "deepseek": ("debug.toml", (*DENSE, "--model.mtp_depth=1", "--model.attention.type=latent",
                                 "--model.attention.q_rank=16", "--model.attention.kv_rank=16",
                                 "--model.attention.nope_head_dim=8",
                                 "--model.attention.rope_head_dim=8", "--model.ffn.type=moe",
