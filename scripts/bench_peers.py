@@ -29,6 +29,8 @@ Rows (``--only`` takes a group name or its prefix, e.g. ``train``; ``--list`` li
 - ``grpo-rollout``, ``grpo-step``: sampled rollouts (tokens/s) vs ``transformers`` ``generate``
   as TRL's ``GRPOTrainer`` calls it, and a whole GRPO step vs ``GRPOTrainer.training_step``
   (``bench_rows/grpo.py``);
+- ``blocks-gpt-oss``, ``blocks-qwen3-next``: a training step of a 4-layer model of each
+  style vs ``transformers``' on the same configuration (``bench_rows/blocks.py``);
 - ``gpt2-model``, ``gpt2-loop``: a GPT-2 training step at nanoGPT's CPU size vs ``transformers``'
   ``GPT2LMHeadModel`` on the same weights, and kiln's trainer vs nanoGPT's loop around the same
   model, one thread (``bench_rows/gpt2.py``);
@@ -176,6 +178,16 @@ def groups(args) -> list[Group]:
                      [Row("GRPO step (rollout + update), fp32", "steps_per_second", "steps/s",
                           goal=">= 1.3x")],
                      {**grpo, "what": "step"}))
+    for what, peer, label in (
+            ("gpt_oss", "transformers GptOssForCausalLM (eager attention)",
+             "gpt-oss-style blocks (sinks, windows, 8 experts top 2)"),
+            ("qwen3_next", "transformers Qwen3NextForCausalLM (PyTorch Gated DeltaNet)",
+             "Qwen3-Next-style blocks (3 Gated DeltaNet : 1 gated attention)")):
+        out.append(Group(f"blocks-{what.replace('_', '-')}", "blocks", peer,
+                         [Row(f"{label}, training step, 4 x 256, fp32", "tokens_per_second",
+                              "tok/s", goal=">= 1.3x")],
+                         {**base, "what": what, "steps": 2 if quick else 10,
+                          "warmup": 1 if quick else 2}, third_party=False))
     gpt2 = {**base, "threads": 1, "steps": 3 if quick else 100, "warmup": 1 if quick else 10}
     out.append(Group("gpt2-model", "gpt2", "transformers GPT2LMHeadModel (same weights, SDPA)",
                      [Row("GPT-2 training step, 4 x 128, block 64, batch 12, fp32, 1 thread",

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
 from pathlib import Path
 
-from bench_rows.common import REPO, set_threads
+from bench_rows.common import REPO, set_threads, timed_train_steps
 
 RECIPE = str(REPO / "train_configs" / "gpt2_char.toml")
 SIZE = ["--model.n_layers=4", "--model.dim=128", "--model.attention.n_heads=4",
@@ -40,39 +39,9 @@ def _model():
     return recipe, model.train()
 
 
-def _batches(n: int):
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
-
-
-def _timed(forward, params, p: dict, step_fn=None) -> float:
-    """Median-free mean seconds of one step over ``p["steps"]`` after ``p["warmup"]``."""
-    import torch
-    import torch.nn.functional as F
-
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=False)
-    batches = _batches(p["warmup"] + p["steps"])
-    ends = []
-    for i, ids in enumerate(batches):
-        if i == p["warmup"]:
-            start = time.perf_counter()
-        logits = forward(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
-        if step_fn is not None:
-            step_fn(opt, i, params)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        ends.append(time.perf_counter())
-    return (ends[-1] - start) / p["steps"]
-
-
 def _model_kiln(p: dict) -> dict:
     _, model = _model()
-    seconds = _timed(model, list(model.parameters()), p)
+    seconds = timed_train_steps(model, list(model.parameters()), p, (BATCH, SEQ, VOCAB))
     return {"tokens_per_second": BATCH * SEQ / seconds, "step_ms": seconds * 1e3}
 
 
@@ -87,7 +56,8 @@ def _model_peer(p: dict) -> dict:
         export.export(model, None, Path(tmp) / "hf", model_table={}, recipe_file=None)
         hf = transformers.GPT2LMHeadModel.from_pretrained(
             Path(tmp) / "hf", dtype=torch.float32, attn_implementation="sdpa").train()
-    seconds = _timed(lambda ids: hf(ids).logits, list(hf.parameters()), p)
+    seconds = timed_train_steps(lambda ids: hf(ids).logits, list(hf.parameters()), p,
+                                (BATCH, SEQ, VOCAB))
     return {"tokens_per_second": BATCH * SEQ / seconds, "step_ms": seconds * 1e3}
 
 
@@ -117,7 +87,8 @@ def _loop_peer(p: dict) -> dict:
             group["lr"] = lr
         torch.nn.utils.clip_grad_norm_(params, recipe.training.grad_clip)
 
-    seconds = _timed(model, list(model.parameters()), p, nanogpt_step)
+    seconds = timed_train_steps(model, list(model.parameters()), p, (BATCH, SEQ, VOCAB),
+                                nanogpt_step)
     return {"tokens_per_second": BATCH * SEQ / seconds, "step_ms": seconds * 1e3}
 
 
