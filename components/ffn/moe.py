@@ -1,7 +1,9 @@
 """Mixture-of-experts feed-forward with aux-loss-free load balancing (DeepSeek-V3).
 
 Routing: scores = softmax or sigmoid of a linear router (computed in fp32); the top-k experts
-are chosen on ``scores + expert_bias``, but the gate weights come from the unbiased scores
+are chosen on ``scores + expert_bias`` (with ``n_groups``, among the experts of the token's
+``topk_groups`` best groups, a group scored by its two best biased scores; the others are out,
+-inf, as DeepSeek-V3's reference code has it), but the gate weights come from the unbiased scores
 (optionally renormalised over the k chosen, times ``route_scale``). The bias is a buffer moved
 outside the gradient: once per *global* step, by ``coeff * sign(mean - load)`` (re-centred),
 with the loads of the whole step (every micro-batch, loop and segment) summed over every rank
@@ -48,6 +50,12 @@ class MoEConfig(ComponentConfig):
         "no gradient)"
     )
     route_scale: float = Field(1.0, gt=0, description="multiplies the gate weights")
+    n_groups: int = Field(
+        1, ge=1, description="group-limited routing (DeepSeek-V3's n_group: 8): experts in this "
+        "many equal groups, a token routed within its topk_groups best groups only")
+    topk_groups: int = Field(
+        1, ge=1, description="groups a token may use (DeepSeek-V3's topk_group: 4); a group "
+        "scores the sum of its two best experts' biased scores")
     n_shared_experts: int = Field(0, ge=0, description="always-on shared experts (one SwiGLU)")
     shared_hidden_dim: int = Field(
         0, ge=0, description="hidden width of the shared expert (0 = n_shared * hidden_dim)"
@@ -69,6 +77,17 @@ class MoEConfig(ComponentConfig):
     def _check(self) -> MoEConfig:
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds n_experts ({self.n_experts})")
+        if self.n_groups > 1:
+            per = self.n_experts // self.n_groups
+            if self.n_experts % self.n_groups or per < 2:
+                raise ValueError(f"n_groups = {self.n_groups} must split n_experts = "
+                                 f"{self.n_experts} into equal groups of at least 2 experts")
+            if self.topk_groups > self.n_groups or self.top_k > self.topk_groups * per:
+                raise ValueError(f"topk_groups = {self.topk_groups} of {self.n_groups} groups "
+                                 f"of {per} experts cannot hold top_k = {self.top_k}: raise "
+                                 "topk_groups or lower top_k")
+        elif self.topk_groups != 1:
+            raise ValueError("topk_groups needs n_groups > 1 (group-limited routing)")
         return self
 
 
@@ -145,7 +164,15 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         # The bias only picks the experts; the gates are the unbiased scores.
-        _, idx = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1)  # (N, k)
+        choice = scores.detach() + self.expert_bias  # (N, E)
+        groups = self.cfg.n_groups
+        if groups > 1:  # only the experts of each token's topk_groups best groups compete
+            by_group = choice.view(choice.shape[0], groups, -1)  # (N, G, E / G)
+            best = by_group.topk(2, dim=-1).values.sum(-1)  # (N, G)
+            kept = best.topk(self.cfg.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+            choice = by_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+        _, idx = torch.topk(choice, self.top_k, dim=-1)  # (N, k)
         gates = scores.gather(-1, idx)  # (N, k)
         if self.cfg.renormalize and self.top_k > 1:
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-20)

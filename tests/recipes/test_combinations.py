@@ -57,6 +57,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "--model.attention.nope_head_dim=8",
                                 "--model.attention.rope_head_dim=8", "--model.ffn.type=moe",
                                 "--model.ffn.n_experts=4", "--model.ffn.score=sigmoid",
+                                "--model.ffn.n_groups=2", "--model.ffn.topk_groups=1",
                                 "--model.ffn.hidden_dim=32", "--model.ffn.n_shared_experts=1",
                                 "--model.ffn.route_scale=2.5")),
     # Qwen3-Next's pattern: Gated DeltaNet layers beside full attention with an output gate
