@@ -49,7 +49,7 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             f"Gated DeltaNet layers cannot run with {degree} yet: its state runs through the "
             "whole sequence (context parallel would split it over ranks) and its heads are not "
             "split for tensor parallel; set parallelism.cp = 1 and parallelism.tp = 1 (FSDP2 "
-            "and pipeline parallel run it)")
+            "runs it)")
     if tp <= 1:
         return problems
     if getattr(model, "pos_embeddings", None) is not None:
@@ -69,7 +69,7 @@ def model_problems(model: nn.Module, tp: int, ep: int = 1, cp: int = 1) -> list[
             f"model.attention.type = \"latent\": latent attention cannot run with "
             f"parallelism.tp = {tp} yet: its latent and shared rope key feed every head, so "
             "their gradients would need summing over the ranks' heads; set parallelism.tp = 1 "
-            "(FSDP2, context and pipeline parallel run it)")
+            "(FSDP2 and context parallel run it)")
     vocab = getattr(model, "vocab_size", None)
     if vocab:
         _divides(problems, vocab, "model.vocab_size", tp, "tp",
