@@ -67,9 +67,10 @@ def main() -> None:
     p.add_argument("--nope", type=int, default=32, help="nope and value head width")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads:  # 0: torch's default
+        torch.set_num_threads(args.threads)
     models = {kind: build(args, kind) for kind in ("latent", "expanded")}
     models["expanded"].load_state_dict(models["latent"].state_dict())
     ids = torch.randint(0, 256, (1, args.tokens), generator=torch.Generator().manual_seed(0))

@@ -67,7 +67,7 @@ def test_intervals_cover_the_true_exponents_near_their_nominal_rate(scheme):
     for seed in range(trials):
         n, d, loss = ladder(HOFFMANN, sigma=0.01, seed=100 + seed)
         law = laws.fit("chinchilla", n, loss, d)
-        bands = bootstrap.draw(law, n, loss, d, n=200, seed=seed, level=0.9,
+        bands = bootstrap.draw(law, n, loss, d, n=100, seed=seed, level=0.9,
                                scheme=scheme).param_intervals()
         hits += [bands["alpha"][0] <= HOFFMANN[3] <= bands["alpha"][1],
                  bands["beta"][0] <= HOFFMANN[4] <= bands["beta"][1]]
