@@ -95,7 +95,7 @@ def build_block(cfg: Any, attention: Any, i: int, n_layers: int, max_seq_len: in
     return Block(
         attention=attention.build(dim=dim, layer_idx=i, n_layers=n_layers,
                                   max_seq_len=max_seq_len),
-        feed_forward=cfg.ffn.build(dim=dim, layer_idx=i, n_layers=n_layers),
+        feed_forward=ffn_config(cfg, i).build(dim=dim, layer_idx=i, n_layers=n_layers),
         attention_norm=cfg.norm.build(dim=dim), ffn_norm=cfg.norm.build(dim=dim),
         dim=dim, layerscale_init=cfg.layerscale_init, dropout=dropout,
     )
@@ -108,6 +108,14 @@ def attention_config(cfg: Any, i: int) -> Any:
     if kinds and kinds[i] == "linear":
         return cfg.linear_attention
     return cfg.attention
+
+
+def ffn_config(cfg: Any, i: int) -> Any:
+    """Layer ``i``'s feed-forward table: ``dense_ffn`` for the first ``dense_layers`` layers
+    (DeepSeek-V3's dense layers before the MoE ones), else ``ffn``."""
+    if i < (getattr(cfg, "dense_layers", 0) or 0):
+        return cfg.dense_ffn
+    return cfg.ffn
 
 
 def check_block_shapes(cfg: Any) -> None:

@@ -91,11 +91,22 @@ class TransformerConfig(ComponentConfig):
         "attention", None, "the token mixer of the \"linear\" layers of model.layer_types",
         implied="gated_deltanet")
     ffn: Sub("ffn") = component("ffn", "swiglu", "feed-forward of each block")
+    dense_layers: int = Field(
+        0, ge=0, description="the first N layers take model.dense_ffn instead of model.ffn "
+        "(DeepSeek-V3's first_k_dense_replace: 3 dense layers before the MoE ones)")
+    dense_ffn: OptionalSub("ffn") = component(
+        "ffn", None, "the feed-forward of the first model.dense_layers layers", implied="swiglu")
     norm: Sub("norm") = component("norm", "rmsnorm", "pre-norms and the final norm")
 
     @model_validator(mode="after")
     def _check(self) -> TransformerConfig:
         check_block_shapes(self)
+        if (self.dense_layers > 0) != (self.dense_ffn is not None):
+            raise ValueError("model.dense_ffn is the feed-forward of the first "
+                             "model.dense_layers layers: give both or neither")
+        if self.dense_layers > self.n_layers:
+            raise ValueError(f"model.dense_layers = {self.dense_layers} is more than n_layers = "
+                             f"{self.n_layers}")
         linear = self.linear_attention
         if ("linear" in self.layer_types) != (linear is not None):
             raise ValueError("model.linear_attention is the attention of the \"linear\" entries "

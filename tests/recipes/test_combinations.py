@@ -50,9 +50,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1",
                            "--model.attention.window=6", "--model.attention.sinks=true",
                            '--model.layer_types=["sliding","full"]')),
-    # DeepSeek-V3's block: latent attention (a query latent too) over sigmoid-routed experts,
-    # one multi-token prediction module
+    # DeepSeek-V3's blocks: latent attention (a query latent too), a dense layer, then
+    # sigmoid-routed experts in groups; one multi-token prediction module
     "deepseek": ("debug.toml", (*DENSE, "--model.mtp_depth=1", "--model.attention.type=latent",
+                                "--model.dense_layers=1", "--model.dense_ffn.hidden_dim=64",
                                 "--model.attention.q_rank=16", "--model.attention.kv_rank=16",
                                 "--model.attention.nope_head_dim=8",
                                 "--model.attention.rope_head_dim=8", "--model.ffn.type=moe",
