@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.checkpointing.huggingface import gpt2
+from kiln.checkpointing.huggingface import deepseek, gpt2
 from kiln.components.errors import CheckpointError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3")
 
 # Fields that do not change the network's computation (metadata, ids, generation defaults).
 HARMLESS = frozenset([
@@ -89,7 +89,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
     if family not in FAMILIES:
         raise _fail(source, "model_type", f"{family!r} is not supported",
                     f"kiln imports {', '.join(FAMILIES)}")
-    known = gpt2.FIELDS | gpt2.SUMMARY if family == "gpt2" else MODEL_FIELDS
+    known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS}.get(
+        family, MODEL_FIELDS)
     for name in config:
         if name not in HARMLESS and name not in known and name not in ignore:
             raise _fail(source, name, "unknown to kiln's import, so it may change the model",
@@ -100,6 +101,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
             raise _fail(source, name, "quantized or custom-code models are not supported")
     if family == "gpt2":
         return gpt2.model_table(config, source, ignore)
+    if family == "deepseek_v3":
+        return deepseek.model_table(config, source, ignore, rope_table)
     checks = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False,
               "partial_rotary_factor": 1.0, "rope_interleaved": False}
     for name, want in checks.items():
@@ -175,10 +178,12 @@ def windows(config: dict, source: str) -> tuple[int, list[str]]:
 
 def family_of(model) -> str:
     """The Hugging Face family whose layout the model has: llama (mistral with a sliding
-    window), qwen2, qwen3 or gpt2 (learned positions)."""
+    window), qwen2, qwen3, gpt2 (learned positions) or deepseek_v3 (latent attention)."""
     if getattr(model, "pos_embeddings", None) is not None:
         return "gpt2"
     attn = model.blocks()[0].attention
+    if hasattr(attn, "wkv_b"):  # latent attention
+        return "deepseek_v3"
     bias = attn.wo.bias is not None
     qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
     if attn.q_norm is not None:
@@ -199,6 +204,8 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
     is empty), in transformers 5's format."""
     if family == "gpt2":
         return gpt2.hf_config(model, tokenizer)
+    if family == "deepseek_v3":
+        return deepseek.hf_config(model, tokenizer)
     blocks = model.blocks()
     attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
     rope = attn0.position.cfg

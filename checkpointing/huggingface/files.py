@@ -100,7 +100,9 @@ class SafetensorsFolder:
             lo, hi = max(a, row0) - row0, min(a + n, row0 + part.rows) - row0
             if lo < hi:
                 s = part.start
-                if part.transposed:  # the rows are the stored tensor's columns
+                if part.transposed and len(cols) == 2:  # one (A, B) matrix stored as (B, A)
+                    pieces.append(self.read(part.hf_name, (cols[1], cols[0])).t()[None])
+                elif part.transposed:  # the rows are the stored tensor's columns
                     pieces.append(self.read(part.hf_name, (*cols, slice(s + lo, s + hi))).t())
                 elif part.heads:
                     d = part.rows // part.heads
@@ -187,7 +189,10 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
         for part in parts:
             if part in mine:
                 rows = full if not full.dim() else full[row0:row0 + part.rows]
-                piece = rows.t() if part.transposed else to_hf(rows, part.heads)
+                if part.transposed:  # a matrix of a stack (one row) or a 2-D weight
+                    piece = rows[0].t() if rows.dim() == 3 else rows.t()
+                else:
+                    piece = to_hf(rows, part.heads)
                 pieces.setdefault(part.hf_name, []).append((part.start, piece, part.transposed))
             row0 += part.rows
         for name in {p.hf_name for p in mine}:  # complete: one tensor from its parts, by start

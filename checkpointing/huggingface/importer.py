@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from kiln.checkpointing.huggingface import deepseek
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.huggingface.files import SafetensorsFolder
 from kiln.checkpointing.huggingface.parts import hf_shapes
@@ -120,7 +121,8 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
         raise CheckpointError(f"{label}: the checkpoint lacks {', '.join(absent[:5])}"
                               f"{' ...' if len(absent) > 5 else ''} ({len(absent)} tensors); "
                               "does the recipe's model match its config.json?")
-    extra = sorted(n for n in have - needed if not n.endswith(DERIVED))
+    extra = sorted(n for n in have - needed if not n.endswith(DERIVED) and not (
+        config.get("model_type") == "deepseek_v3" and deepseek.unused(n, config)))
     if getattr(model, "tied", False) and extra == ["lm_head.weight"] and config.get(
             "tie_word_embeddings"):
         extra = []  # a tied checkpoint that stores the shared matrix twice

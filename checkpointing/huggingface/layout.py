@@ -31,15 +31,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.checkpointing.huggingface import gpt2
+from kiln.checkpointing.huggingface import deepseek, gpt2
 from kiln.checkpointing.huggingface.parts import Part
 from kiln.components.adapter_contract import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
 
 
 def hf_incompatibility(model: nn.Module) -> str:
-    """Why the model has no Hugging Face Llama / Qwen2 / Qwen3 / GPT-2 layout ("" if it has
-    one)."""
+    """Why the model has no Hugging Face Llama / Qwen2 / Qwen3 / GPT-2 / DeepSeek-V3 layout
+    ("" if it has one)."""
     from kiln.components.attention.causal import CausalAttention
     from kiln.components.ffn.swiglu import SwiGLU
     from kiln.components.models.transformer import Transformer
@@ -56,6 +56,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         return gpt2.incompatibility(model)
     if type(model.norm) is not RMSNorm or model.norm.weight is None:
         return "final norm is not RMSNorm with a weight"
+    if hasattr(model.blocks()[0].attention, "wkv_b"):  # latent attention: DeepSeek-V3's
+        return deepseek.incompatibility(model)
     eps = model.norm.eps
     for i, block in enumerate(model.blocks()):
         attn, ffn = block.attention, block.feed_forward
@@ -131,6 +133,8 @@ def parts(model: nn.Module) -> dict[str, list[Part]]:
     of, stacked along dim 0. Only for a model with a Hugging Face layout."""
     if getattr(model, "pos_embeddings", None) is not None:
         return gpt2.parts(model)
+    if hasattr(model.blocks()[0].attention, "wkv_b"):
+        return deepseek.parts(model)
     out: dict[str, list[Part]] = {
         "tok_embeddings.weight": [Part("model.embed_tokens.weight", model.vocab_size)],
     }

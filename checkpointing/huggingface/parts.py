@@ -18,7 +18,8 @@ class Part:
     heads: int = 0  # > 0: the rows are this many RoPE heads, permuted between the layouts
     start: int = 0  # first row of the Hugging Face tensor that this part holds
     # the Hugging Face tensor holds these rows as its columns (GPT-2's Conv1D stores a weight
-    # as (in, out), nn.Linear's transpose); ``start`` is then its first column
+    # as (in, out), nn.Linear's transpose); ``start`` is then its first column. For a stack of
+    # matrices (E, A, B) (MoE experts), a transposed part is one row, its (B, A) transpose.
     transposed: bool = False
 
 
@@ -35,7 +36,12 @@ def hf_shapes(items) -> dict[str, tuple[int, ...]]:
     out = {}
     for name, n in extent.items():
         others, transposed = rest[name]
-        out[name] = () if others is None else (others[0], n) if transposed else (n, *others)
+        if others is None:
+            out[name] = ()
+        elif transposed and len(others) == 2:  # one matrix of an (E, A, B) stack: (B, A)
+            out[name] = (others[1], others[0])
+        else:
+            out[name] = (others[0], n) if transposed else (n, *others)
     return out
 
 

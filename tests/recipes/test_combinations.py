@@ -320,7 +320,8 @@ def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
 @pytest.mark.parametrize("family", list(discovered()))
 def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
     """export -> import (``checkpoint.init_from``'s loader) gives the same tensors, bit for bit,
-    for every family that has a Hugging Face layout; the others say why they have none."""
+    for every family that has a Hugging Face layout (multi-token prediction modules excepted: the
+    layout drops them); the others say why they have none."""
     from kiln.checkpointing.huggingface import export
     from kiln.checkpointing.huggingface import importer as hf_import
     from kiln.checkpointing.huggingface.layout import hf_incompatibility
@@ -333,7 +334,9 @@ def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
     fresh = _family_model(family, seed=1)
     hf_import.load_weights(fresh, tmp_path / "hf", hf_import.read_config(tmp_path / "hf"))
     want, got = model.state_dict(), fresh.state_dict()
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert want.keys() == got.keys()
+    # multi-token prediction modules have no Hugging Face tensors: they keep their init
+    assert all(torch.equal(want[k], got[k]) for k in want if not k.startswith("mtp."))
 
 
 CHUNK = "--training.loss_chunk_tokens=24"  # 64 tokens per micro-batch: 3 chunks, one short

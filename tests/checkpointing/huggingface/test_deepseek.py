@@ -1,0 +1,92 @@
+"""DeepSeek-V3 in and out of Hugging Face's layout: `kiln import` of a tiny random
+``DeepseekV3ForCausalLM`` (query latent, a dense layer, grouped sigmoid experts with a
+correction bias and a shared expert; its multi-token prediction layer left out as transformers
+leaves it) gives its logits; `kiln export` of kiln's model loads in transformers with the same
+logits; what kiln's latent attention cannot take is one clear error naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.checkpointing.huggingface import export
+from kiln.checkpointing.huggingface.layout import hf_incompatibility
+from kiln.components.errors import CheckpointError
+from tests.checkpointing.huggingface.hf_tiny import ids, kiln_from_hf, kiln_model
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+              topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=20,
+              qk_rope_head_dim=6, v_head_dim=10, qk_nope_head_dim=8, first_k_dense_replace=1,
+              max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=256,
+              eos_token_id=257)
+
+
+def _deepseek(folder, **overrides):
+    config = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms, biases and the expert bias away from their init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "first_k_dense_replace": 0,
+                                            "tie_word_embeddings": True}],
+                         ids=["q_latent_dense_first", "q_proj_all_moe_tied"])
+def test_imported_deepseek_v3_gives_transformers_logits(tmp_path, overrides):
+    hf = _deepseek(tmp_path / "hf", **overrides)
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    x = ids(t=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+    assert hf_incompatibility(model) == ""
+
+
+def test_a_checkpoints_mtp_layer_is_left_out_as_transformers_leaves_it(tmp_path):
+    hf = _deepseek(tmp_path / "hf", num_nextn_predict_layers=1)
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # what V3's layer 61 holds
+    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    x = ids(t=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+
+
+def test_transformers_loads_kilns_export_with_the_same_logits(tmp_path):
+    _deepseek(tmp_path / "hf")
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    with torch.no_grad():  # kiln's own weights now: the export must carry them
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    summary = export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    assert summary["layout"] == "hf" and summary["family"] == "deepseek_v3", summary
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             dtype=torch.float32).eval()
+    x = ids(t=16)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+
+
+def test_what_latent_attention_cannot_take_is_named(tmp_path):
+    _deepseek(tmp_path / "yarn", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0})
+    with pytest.raises(CheckpointError, match="YaRN also scales the attention"):
+        kiln_model(tmp_path / "yarn", 32)
+    _deepseek(tmp_path / "halves", rope_interleave=False)
+    with pytest.raises(CheckpointError, match="'rope_interleave': False is not supported"):
+        kiln_model(tmp_path / "halves", 32)
+    config = json.loads((tmp_path / "halves" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3"
