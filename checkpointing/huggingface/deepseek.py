@@ -26,6 +26,7 @@ modules, if the recipe has them, keep their initialisation.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -60,13 +61,7 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...], rope_table
     for name, want in checks.items():
         if config.get(name, want) != want and name not in ignore:
             raise _fail(source, name, f"{config[name]!r} is not supported (kiln: {want!r})")
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default" and "rope_parameters" not in ignore:
-        raise _fail(source, "rope_parameters", f"rope_type {kind!r}: DeepSeek's YaRN also "
-                    "scales the attention (mscale), which kiln's latent attention does not; "
-                    "only the default RoPE imports")
-    rope = rope_table(config, source)
+    rope, score_scale = _rope(config, source, rope_table)
     try:
         dim, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         heads, experts = int(config["num_attention_heads"]), int(config["n_routed_experts"])
@@ -83,6 +78,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...], rope_table
                  "rope_head_dim": int(config["qk_rope_head_dim"]),
                  "v_head_dim": int(config["v_head_dim"]),
                  "bias": bool(config.get("attention_bias", False)), "position": rope}
+    if score_scale != 1.0:
+        attention["score_scale"] = score_scale
     swiglu = {"type": "swiglu", "hidden_dim": int(config["intermediate_size"])}
     moe = {"type": "moe", "n_experts": experts, "top_k": int(config["num_experts_per_tok"]),
            "hidden_dim": moe_hidden, "score": "sigmoid",
@@ -102,6 +99,27 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...], rope_table
     if 0 < dense < layers:
         table.update(dense_layers=dense, dense_ffn=swiglu)
     return table
+
+
+def mscale(factor: float, m: float) -> float:
+    """DeepSeek's YaRN magnitude: 0.1 m ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _rope(config: dict, source: str, rope_table) -> tuple[dict, float]:
+    """The position table and the score scale of DeepSeek's RoPE: under YaRN, ``mscale`` and
+    ``mscale_all_dim`` give the rotation's magnitude (their ratio, transformers'
+    ``attention_factor``) and the scores' extra factor (``mscale_all_dim``'s, squared)."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = dict(config.get(key) or {})
+    m, m_all = params.pop("mscale", None), params.pop("mscale_all_dim", None)
+    factor = float(params.get("factor") or 1.0)
+    if (m or m_all) and params.get("rope_type", params.get("type")) != "yarn":
+        raise _fail(source, f"{key}.mscale", "only with rope_type yarn")
+    if m and m_all and params.get("attention_factor") is None:
+        params["attention_factor"] = mscale(factor, m) / mscale(factor, m_all)
+    rope = rope_table({**config, key: params}, source)
+    return rope, (mscale(factor, m_all) ** 2 if m_all else 1.0)
 
 
 def unused(name: str, config: dict) -> bool:
@@ -128,8 +146,10 @@ def incompatibility(model: nn.Module) -> str:
         if type(attn) is not LatentAttention:
             return f"DeepSeek-V3 layout: layer {i} attention is {type(attn).__name__}"
         if (attn.window or attn.q_scale != 1.0 or type(attn.position) is not RoPE
-                or attn.position.cfg.scaling != "none"):
-            return "DeepSeek-V3 layout: a window, µP's query scale or a RoPE scaling"
+                or attn.position.cfg.scaling not in ("none", "yarn")):
+            return "DeepSeek-V3 layout: a window, µP's query scale or a RoPE scaling but YaRN"
+        if attn.score_scale != 1.0 and attn.position.cfg.scaling != "yarn":
+            return "DeepSeek-V3 layout: a score scale without YaRN (its mscale_all_dim)"
         if attn.kv_norm.eps != 1e-6 or (attn.wo.bias is not None and hasattr(attn, "wq")):
             return ("DeepSeek-V3 layout: latent norms with eps other than 1e-6, or attention "
                     "biases without a query latent")
@@ -191,13 +211,30 @@ def parts(model: nn.Module) -> dict[str, list[Part]]:
     return out
 
 
+def _rope_parameters(attn: nn.Module) -> dict[str, Any]:
+    """``rope_parameters`` of latent attention's RoPE: YaRN's ``mscale_all_dim`` from the
+    score scale and ``mscale`` from the rotation's magnitude (``_rope``'s inverse)."""
+    rope = attn.position.cfg
+    if rope.scaling == "none":
+        return {"rope_type": "default", "rope_theta": rope.theta}
+    log_f = 0.1 * math.log(rope.factor)
+    m_all = (math.sqrt(attn.score_scale) - 1.0) / log_f
+    magnitude = rope.attention_factor or (log_f + 1.0)
+    m = (magnitude * mscale(rope.factor, m_all) - 1.0) / log_f
+    return {"rope_type": "yarn", "rope_theta": rope.theta, "factor": rope.factor,
+            "original_max_position_embeddings": rope.original_max_seq_len,
+            "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow,
+            "truncate": rope.yarn_truncate, "mscale": m, "mscale_all_dim": m_all}
+
+
 def hf_config(model: nn.Module, tokenizer) -> dict[str, Any]:
     """config.json of a kiln transformer with the DeepSeek-V3 layout."""
     blocks = model.blocks()
     attn = blocks[0].attention
     moe = next((b.feed_forward for b in blocks if hasattr(b.feed_forward, "router")), None)
     dense = [b.feed_forward for b in blocks if not hasattr(b.feed_forward, "router")]
-    rope = attn.position.cfg
+    rope = attn.position.cfg  # what a scaled RoPE was made for must fit the context
+    context = max(model.max_seq_len, int(rope.original_max_seq_len * rope.factor))
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": model.vocab_size, "hidden_size": model.dim,
@@ -206,11 +243,11 @@ def hf_config(model: nn.Module, tokenizer) -> dict[str, Any]:
         "q_lora_rank": attn.wq_a.out_features if hasattr(attn, "wq_a") else None,
         "qk_nope_head_dim": attn.nope, "qk_rope_head_dim": attn.rope,
         "v_head_dim": attn.v_dim, "rope_interleave": True, "attention_bias": attn.wo.bias
-        is not None, "rope_parameters": {"rope_type": "default", "rope_theta": rope.theta},
+        is not None, "rope_parameters": _rope_parameters(attn),
         "first_k_dense_replace": len(dense), "hidden_act": "silu",
         "intermediate_size": dense[0].hidden_dim if dense else moe.hidden_dim,
         "rms_norm_eps": model.norm.eps, "tie_word_embeddings": bool(model.tied),
-        "initializer_range": model.init_std, "max_position_embeddings": model.max_seq_len,
+        "initializer_range": model.init_std, "max_position_embeddings": context,
         "num_nextn_predict_layers": 0, "attention_dropout": 0.0, "use_cache": True,
         "bos_token_id": getattr(tokenizer, "bos_id", None),
         "eos_token_id": getattr(tokenizer, "eos_id", None),

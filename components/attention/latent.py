@@ -60,6 +60,9 @@ class LatentAttentionConfig(ComponentConfig):
     v_head_dim: int = Field(32, ge=1, description="per-head value width (V3: 128)")
     bias: bool = Field(False, description="biases on wq / wq_a, wkv_a and wo (attention_bias)")
     norm_eps: float = Field(1e-6, gt=0, description="eps of the latent RMSNorms")
+    score_scale: float = Field(
+        1.0, gt=0, description="multiplies the scores' 1 / sqrt(nope_head_dim + rope_head_dim) "
+        "(DeepSeek-V3 under YaRN: (0.1 mscale_all_dim ln(factor) + 1)^2)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities "
                            "while training (0 = off)")
     position: Sub("position") = component("position", "rope", "rotation of the rope dimensions")
@@ -123,6 +126,7 @@ class LatentAttention(nn.Module):
         self.dropout_p = cfg.dropout
         self.window = cfg.window
         self.cache_kind = cfg.cache
+        self.score_scale = cfg.score_scale
         self.kv_cache: KVCache | None = None  # set by kv_cache.attach while generating
 
     def attention_flops_per_token(self, seq_len: int) -> float:
@@ -146,11 +150,11 @@ class LatentAttention(nn.Module):
 
     def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, dim) -> the unrotated (B, T, H, nope) and to-be-rotated (B, T, H, rope)
-        query parts, times µP's q_scale."""
+        query parts, times µP's q_scale and ``score_scale``."""
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(*x.shape[:-1], self.n_heads, self.head_dim)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
+        if self.q_scale * self.score_scale != 1.0:  # linear: the scores scale with it
+            q = q * (self.q_scale * self.score_scale)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         return q_nope, q_rope.contiguous()  # (RoPE views pairs of the last dimension)
 

@@ -7,6 +7,7 @@ logits; what kiln's latent attention cannot take is one clear error naming the f
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -53,6 +54,32 @@ def test_imported_deepseek_v3_gives_transformers_logits(tmp_path, overrides):
     assert hf_incompatibility(model) == ""
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.8, "mscale_all_dim": 0.6}
+
+
+def test_yarn_with_deepseeks_mscale_imports_and_exports(tmp_path):
+    """YaRN's rotation magnitude (mscale / mscale_all_dim) and the scores' extra factor
+    (mscale_all_dim's, squared): the imported model gives transformers' logits, and its export
+    loads back with them (positions past the original 16, where YaRN acts)."""
+    hf = _deepseek(tmp_path / "hf", rope_parameters=YARN)
+    model = kiln_from_hf(tmp_path / "hf", 48)
+    attn = model.blocks()[0].attention
+    assert attn.score_scale == pytest.approx((0.1 * 0.6 * math.log(4.0) + 1) ** 2)
+    x = ids(t=40)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+    export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"]["mscale"] == pytest.approx(0.8)
+    assert config["rope_parameters"]["mscale_all_dim"] == pytest.approx(0.6)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+
+
 def test_a_checkpoints_mtp_layer_is_left_out_as_transformers_leaves_it(tmp_path):
     hf = _deepseek(tmp_path / "hf", num_nextn_predict_layers=1)
     state = load_file(tmp_path / "hf" / "model.safetensors")
@@ -80,11 +107,11 @@ def test_transformers_loads_kilns_export_with_the_same_logits(tmp_path):
 
 
 def test_what_latent_attention_cannot_take_is_named(tmp_path):
-    _deepseek(tmp_path / "yarn", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0})
-    with pytest.raises(CheckpointError, match="YaRN also scales the attention"):
-        kiln_model(tmp_path / "yarn", 32)
+    _deepseek(tmp_path / "linear", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                    "rope_theta": 10000.0, "mscale": 1.0})
+    with pytest.raises(CheckpointError, match="'rope_parameters.mscale': only with rope_type "
+                       "yarn"):
+        kiln_model(tmp_path / "linear", 32)
     _deepseek(tmp_path / "halves", rope_interleave=False)
     with pytest.raises(CheckpointError, match="'rope_interleave': False is not supported"):
         kiln_model(tmp_path / "halves", 32)

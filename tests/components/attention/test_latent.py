@@ -101,7 +101,8 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("extra", [[], ["--model.attention.cache=expanded"],
                                    ["--model.attention.q_rank=16",
-                                    "--model.attention.window=4"]])
+                                    "--model.attention.window=4"],
+                                   ["--model.attention.score_scale=1.7"]])
 def test_the_cached_generators_equal_a_full_forward(extra):
     recipe = load_recipe(CONFIGS / "debug.toml", [*MLA, *extra])
     torch.manual_seed(0)
