@@ -24,7 +24,13 @@ def run(args) -> int:
     summary = import_recipe(args.source, Path(args.out), seq_len=args.seq_len,
                             ignore=tuple(args.ignore_field))
     p = summary["params"]
-    heads = f"{p['attention.n_heads']} heads / {p['attention.n_kv_heads']} kv heads"
+    heads = f"{p['attention.n_heads']} heads"
+    if "attention.n_kv_heads" in p:
+        heads += f" / {p['attention.n_kv_heads']} kv heads"
+    if p.get("attention.type") == "latent":
+        heads += f" (latent attention, kv_rank {p['attention.kv_rank']})"
+    if p.get("ffn.type") == "moe":
+        heads += f", {p['ffn.n_experts']} experts top {p['ffn.top_k']}"
     print(f"wrote {args.out}: {summary['family']} with dim {p['dim']}, {p['n_layers']} layers, "
           f"{heads}, vocabulary {p['vocab_size']}, seq_len {summary['seq_len']}, tokenizer "
           f"{summary['tokenizer']}")

@@ -117,3 +117,22 @@ def test_what_latent_attention_cannot_take_is_named(tmp_path):
         kiln_model(tmp_path / "halves", 32)
     config = json.loads((tmp_path / "halves" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3"
+
+
+def test_kiln_import_says_what_it_wrote_and_the_run_starts_from_the_weights(tmp_path, capsys):
+    from kiln.recipes.cli import main
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.training.trainer import Trainer
+
+    hf = _deepseek(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "r.toml"),
+                 "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert ("deepseek_v3 with dim 32, 3 layers, 4 heads (latent attention, kv_rank 12), "
+            "4 experts top 2, vocabulary 300") in out
+    recipe = load_recipe(tmp_path / "r.toml", [f"--run.folder={tmp_path / 'run'}"])
+    trainer = Trainer(recipe, out=open("/dev/null", "w"))  # noqa: SIM115 (the trainer keeps it)
+    trainer._start_from_pretrained()
+    x = ids(t=16)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model.eval()(x), hf(x).logits, rtol=0, atol=1e-5)
