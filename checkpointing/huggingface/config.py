@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.checkpointing.huggingface import deepseek, gpt2
+from kiln.checkpointing.huggingface import deepseek, fp8, gpt2
 from kiln.components.errors import CheckpointError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3")
@@ -91,14 +91,15 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
                     f"kiln imports {', '.join(FAMILIES)}")
     known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS}.get(
         family, MODEL_FIELDS)
+    if fp8.block_size(config, source):  # block-scaled FP8, dequantized when read
+        known = known | {"quantization_config"}
     for name in config:
         if name not in HARMLESS and name not in known and name not in ignore:
             raise _fail(source, name, "unknown to kiln's import, so it may change the model",
                         "if it does not change the computation, pass it to --ignore-field "
                         "(checkpoint.init_from_ignore)")
-    for name in ("quantization_config", "auto_map"):
-        if name in config and name not in ignore:
-            raise _fail(source, name, "quantized or custom-code models are not supported")
+    if "auto_map" in config and "auto_map" not in ignore:
+        raise _fail(source, "auto_map", "custom-code models are not supported")
     if family == "gpt2":
         return gpt2.model_table(config, source, ignore)
     if family == "deepseek_v3":

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
+from kiln.checkpointing.huggingface import fp8
 from kiln.checkpointing.huggingface.parts import Part, from_hf, hf_shapes, to_hf
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
@@ -33,6 +34,7 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         self._open: dict[str, object] = {}
         self._stored: dict[str, str] = {}  # name asked for -> name in the file (add_prefix)
+        self.fp8_block: tuple[int, int] | None = None  # block-scaled FP8 weights: dequantize
         index = self.folder / INDEX
         if index.is_file():
             try:
@@ -82,10 +84,16 @@ class SafetensorsFolder:
         return tuple(self._handle(self.weight_map[name]).get_slice(stored).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """``tensor[index]`` of one stored tensor, reading only those bytes."""
+        """``tensor[index]`` of one stored tensor, reading only those bytes; a block-scaled
+        FP8 matrix (``fp8_block`` set) comes back dequantized, float32."""
         stored = self._stored.get(name, name)
         piece = self._handle(self.weight_map[name]).get_slice(stored)
-        return piece[index] if index else piece[:]
+        data = piece[index] if index else piece[:]
+        scales = fp8.scale_name(name)
+        if self.fp8_block and data.dtype in fp8.FP8 and scales in self.weight_map:
+            return fp8.dequantize(data, index, tuple(piece.get_shape()), self.fp8_block,
+                                  lambda at: self.read(scales, at))
+        return data
 
     def read_rows(self, parts: list[Part], offset: tuple[int, ...],
                   shape: tuple[int, ...]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from kiln.checkpointing.huggingface import deepseek
+from kiln.checkpointing.huggingface import deepseek, fp8
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.huggingface.files import SafetensorsFolder
 from kiln.checkpointing.huggingface.parts import hf_shapes
@@ -112,6 +112,7 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
         raise CheckpointError(f"{label}: kiln tensors with no Hugging Face counterpart: "
                               f"{', '.join(unmapped)}")
     files = SafetensorsFolder(folder)
+    files.fp8_block = fp8.block_size(config, label)  # DeepSeek-V3's FP8: dequantized on read
     needed = {p.hf_name for name in targets for p in layout[name]}
     if config.get("model_type") == "gpt2":  # OpenAI's checkpoints: no "transformer." prefix
         files.add_prefix("transformer.", keep=("lm_head.",))
@@ -122,7 +123,8 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                               f"{' ...' if len(absent) > 5 else ''} ({len(absent)} tensors); "
                               "does the recipe's model match its config.json?")
     extra = sorted(n for n in have - needed if not n.endswith(DERIVED) and not (
-        config.get("model_type") == "deepseek_v3" and deepseek.unused(n, config)))
+        config.get("model_type") == "deepseek_v3" and deepseek.unused(n, config))
+        and not (files.fp8_block and n.endswith(fp8.SCALE)))
     if getattr(model, "tied", False) and extra == ["lm_head.weight"] and config.get(
             "tie_word_embeddings"):
         extra = []  # a tied checkpoint that stores the shared matrix twice

@@ -136,3 +136,66 @@ def test_kiln_import_says_what_it_wrote_and_the_run_starts_from_the_weights(tmp_
     x = ids(t=16)
     with torch.no_grad():
         torch.testing.assert_close(trainer.model.eval()(x), hf(x).logits, rtol=0, atol=1e-5)
+
+
+def _quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 as DeepSeek-V3 stores it: e4m3 values and one inverse scale a block."""
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    scales = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scales[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+    grid = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
+    return (w / grid).to(torch.float8_e4m3fn), scales
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])
+def test_block_scaled_fp8_checkpoints_load_dequantized(tmp_path, family):
+    """DeepSeek-V3's (and Qwen3's FP8) released form: every projection's weight in e4m3 with a
+    ``_scale_inv`` per 8 x 8 block here (blocks cut short at the edges). The import equals the
+    import of the same checkpoint dequantized (itself equal to transformers'), Qwen3's q/k rows
+    read per head for RoPE's permutation; a rank's read of a region that starts inside a block
+    dequantizes with that block's scale."""
+    from kiln.checkpointing.huggingface.files import SafetensorsFolder
+    from tests.checkpointing.huggingface.hf_tiny import save_tiny
+
+    if family == "qwen3":
+        save_tiny(tmp_path / "hf", "qwen3", max_position_embeddings=64)  # sharded files
+    else:
+        _deepseek(tmp_path / "hf")
+    state = {}
+    for part in sorted((tmp_path / "hf").glob("*.safetensors")):
+        state.update(load_file(part))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quantized, dequantized = {}, dict(state)
+    for name, w in state.items():
+        quantized[name] = w
+        if w.dim() == 2 and name.endswith("proj.weight"):
+            q, s = _quantize(w.float(), 8)
+            quantized[name], quantized[name + "_scale_inv"] = q, s
+            grid = s.repeat_interleave(8, 0).repeat_interleave(8, 1)[:w.shape[0], :w.shape[1]]
+            dequantized[name] = q.float() * grid
+    fp8_config = {**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [8, 8]}}
+    for folder, tensors, cfg in (("fp8", quantized, fp8_config), ("plain", dequantized, config)):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(json.dumps(cfg))
+    name = f"model.layers.0.self_attn.{'q_b_proj' if family == 'deepseek_v3' else 'q_proj'}.weight"
+    assert (dequantized[name] - state[name]).abs().max() > 0  # the test quantizes for real
+    files = SafetensorsFolder(tmp_path / "fp8")
+    files.fp8_block = (8, 8)
+    torch.testing.assert_close(files.read(name, (slice(3, 37), slice(5, 19))),
+                               dequantized[name][3:37, 5:19], rtol=0, atol=0)
+    x = ids(t=12)
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_from_hf(tmp_path / "fp8", 32)(x),
+                                   kiln_from_hf(tmp_path / "plain", 32)(x), rtol=0, atol=0)
+    if family == "qwen3":
+        return
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'bitsandbytes' is not supported; kiln reads"):
+        kiln_model(tmp_path / "plain", 32)
