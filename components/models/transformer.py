@@ -174,7 +174,8 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         self._mtp_pending: torch.Tensor | None = None  # this forward's weighted MTP loss
         self._mtp_logged: list[list[torch.Tensor]] = []  # per depth, since the last metrics()
         if cfg.parametrization == "mup":
-            mup.set_attention_scale(self.blocks(), cfg.base_head_dim)
+            mup.set_attention_scale([*self.blocks(), *(k.block for k in self.mtp or [])],
+                                    cfg.base_head_dim)
         for block, kind in zip(self.blocks(), cfg.layer_types, strict=False):
             if kind == "full":  # [] leaves every layer at attention.window
                 block.attention.window = 0

@@ -125,3 +125,12 @@ def test_what_cannot_hold_the_modules_says_so():
     model = _model()
     for kw in ({"tp": 2}, {"tp": 1, "ep": 2}, {"tp": 1, "cp": 2}):
         assert any("model.mtp_depth cannot run" in p for p in model_problems(model, **kw)), kw
+
+
+def test_mup_scales_the_modules_blocks_as_the_trunks():
+    model = _model("--model.dim=64", "--model.parametrization=mup", "--model.base_dim=32",
+                   "--model.base_head_dim=8", "--optimizer.type=adamw")
+    trunk, module = model.blocks()[0].attention, model.mtp[0].block.attention
+    assert module.q_scale == trunk.q_scale == pytest.approx((8 / 16) ** 0.5)
+    multipliers = model.lr_multipliers()
+    assert multipliers["mtp.0.eh_proj.weight"] == multipliers["layers.0.attention.wq.weight"]
