@@ -30,7 +30,12 @@ from torch import nn
 from kiln.components import distributed
 from kiln.components.base import ComponentConfig
 from kiln.components.ffn.moe_all_to_all import run_experts_all_to_all
-from kiln.components.ffn.moe_dispatch import resolve_kernel, run_experts, sort_by_expert
+from kiln.components.ffn.moe_dispatch import (
+    resolve_kernel,
+    run_experts,
+    run_gpt_oss_experts,
+    sort_by_expert,
+)
 from kiln.components.ffn.swiglu import SwiGLU, SwiGLUConfig
 from kiln.components.registry import register
 
@@ -50,6 +55,14 @@ class MoEConfig(ComponentConfig):
         "no gradient)"
     )
     route_scale: float = Field(1.0, gt=0, description="multiplies the gate weights")
+    experts: Literal["swiglu", "gpt_oss"] = Field(
+        "swiglu", description="expert kind: swiglu (w1, w3, w2, no biases) or gpt_oss "
+        "(gpt-oss's: gate and up interleaved in one biased w13, gate clamped at swiglu_limit, "
+        "(up + 1) * gate * sigmoid(swiglu_alpha * gate), a biased w2)")
+    swiglu_limit: float = Field(7.0, gt=0, description="gpt_oss experts: the clamp of gate "
+                                "(above) and up (both sides)")
+    swiglu_alpha: float = Field(1.702, gt=0, description="gpt_oss experts: the sigmoid's slope")
+    router_bias: bool = Field(False, description="a bias on the router's logits (gpt-oss)")
     n_groups: int = Field(
         1, ge=1, description="group-limited routing (DeepSeek-V3's n_group: 8): experts in this "
         "many equal groups, a token routed within its topk_groups best groups only")
@@ -117,10 +130,16 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.hidden_dim = expert_hidden_dim(cfg, dim)
         e, f = cfg.n_experts, self.hidden_dim
-        self.router = nn.Linear(dim, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, dim, f))  # gate, (E, D, F)
-        self.w3 = nn.Parameter(torch.empty(e, dim, f))  # up, (E, D, F)
-        self.w2 = nn.Parameter(torch.empty(e, f, dim))  # down, (E, F, D)
+        self.router = nn.Linear(dim, e, bias=cfg.router_bias)
+        if cfg.experts == "gpt_oss":  # transformers' GptOssExperts layout, columns interleaved
+            self.w13 = nn.Parameter(torch.empty(e, dim, 2 * f))  # gate, up, gate, up, ...
+            self.b13 = nn.Parameter(torch.empty(e, 2 * f))
+            self.w2 = nn.Parameter(torch.empty(e, f, dim))
+            self.b2 = nn.Parameter(torch.empty(e, dim))
+        else:
+            self.w1 = nn.Parameter(torch.empty(e, dim, f))  # gate, (E, D, F)
+            self.w3 = nn.Parameter(torch.empty(e, dim, f))  # up, (E, D, F)
+            self.w2 = nn.Parameter(torch.empty(e, f, dim))  # down, (E, F, D)
         self.shared = None
         if cfg.n_shared_experts:
             hidden = cfg.shared_hidden_dim or cfg.n_shared_experts * f
@@ -138,15 +157,19 @@ class MoE(nn.Module):
         # Expert parallel (set by kiln.parallelisms.expert_parallel): w1/w3/w2 are then DTensors
         # sharded by expert over ``ep`` ranks of ``expert_group``, and rows travel all-to-all.
         self.expert_group, self.ep = None, 1
-        if not self.w1.is_meta:
+        if not self.w2.is_meta:
             self.init_weights(0.02, 0.02)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         """Router, w1, w3 ~ N(0, std); w2 (writes the residual stream) ~ N(0, out_std)."""
         nn.init.trunc_normal_(self.router.weight, std=std)
-        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+        ins = [self.w13] if hasattr(self, "w13") else [self.w1, self.w3]
+        for w, s in [*((w, std) for w in ins), (self.w2, out_std)]:
             nn.init.trunc_normal_(w, std=s)
+        for bias in (self.router.bias, getattr(self, "b13", None), getattr(self, "b2", None)):
+            if bias is not None:
+                nn.init.zeros_(bias)
         if self.shared is not None:
             self.shared.init_weights(std, out_std)
         self.expert_bias.zero_()
@@ -161,7 +184,9 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> (chosen experts (N, k) long, gate weights (N, k) fp32, scores (N, E))."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+            bias = self.router.bias
+            logits = F.linear(x.float(), self.router.weight.float(),
+                              None if bias is None else bias.float())  # (N, E)
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         # The bias only picks the experts; the gates are the unbiased scores.
         choice = scores.detach() + self.expert_bias  # (N, E)
@@ -193,7 +218,11 @@ class MoE(nn.Module):
         # index_select / index_add_ rather than indexing: their backward passes are a gather and
         # a scatter-add, where flat[token] would backpropagate through a serial index_put
         xs = flat.index_select(0, token)  # (N*k, D) rows sorted by expert
-        if self.ep > 1:
+        if hasattr(self, "w13"):
+            c = self.cfg
+            ys = run_gpt_oss_experts(c.dispatch, xs, self.w13, self.b13, self.w2, self.b2,
+                                     counts, c.swiglu_limit, c.swiglu_alpha)
+        elif self.ep > 1:
             w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))  # my experts
             ys = run_experts_all_to_all(self.cfg.dispatch, xs, counts, w1, w3, w2,
                                         self.expert_group, self.ep)
@@ -260,9 +289,12 @@ class MoE(nn.Module):
 
     def active_params(self) -> int:
         """Parameters one token uses: router, k of E experts, the shared expert."""
-        per_expert = sum(math.prod(w.shape[1:]) for w in (self.w1, self.w3, self.w2))
+        stacks = [getattr(self, n) for n in ("w1", "w3", "w13", "b13", "w2", "b2")
+                  if hasattr(self, n)]
+        per_expert = sum(math.prod(w.shape[1:]) for w in stacks)
         shared = sum(p.numel() for p in self.shared.parameters()) if self.shared else 0
-        return self.router.weight.numel() + self.top_k * per_expert + shared
+        router = sum(p.numel() for p in self.router.parameters())
+        return router + self.top_k * per_expert + shared
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, experts={self.n_experts}, top_k={self.top_k}, "

@@ -160,3 +160,31 @@ def run_experts(
     if kind == "grouped":
         return experts_grouped(xs, w1, w3, w2, counts)
     return experts_loop(xs, w1, w3, w2, counts)
+
+
+def gpt_oss_activation(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on (..., 2F) with gate and up interleaved -> (..., F)."""
+    gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def run_gpt_oss_experts(
+    kind: str, xs: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
+    b2: torch.Tensor, counts: torch.Tensor, limit: float, alpha: float,
+) -> torch.Tensor:
+    """gpt-oss's biased experts on rows sorted by expert: w13 (E, D, 2F) with b13 (E, 2F),
+    then w2 (E, F, D) with b2 (E, D); the ``run_experts`` kernels and casts."""
+    dtype = xs.dtype
+    if torch.is_autocast_enabled(xs.device.type):
+        dtype = torch.get_autocast_dtype(xs.device.type)
+    xs, w13, b13, w2, b2 = (t.to(dtype) for t in (xs, w13, b13, w2, b2))
+    if resolve_kernel(kind, xs.device, dtype) == "grouped":
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        rows = xs.shape[0]  # each row's expert biases, gathered by the counts
+        h = _grouped_mm(xs, w13, offs) + b13.repeat_interleave(counts, 0, output_size=rows)
+        out = _grouped_mm(gpt_oss_activation(h, limit, alpha), w2, offs)
+        return out + b2.repeat_interleave(counts, 0, output_size=rows)
+    outs = [torch.addmm(b2[e], gpt_oss_activation(torch.addmm(b13[e], x, w13[e]), limit, alpha),
+                        w2[e])
+            for e, x in enumerate(xs.split(counts.tolist())) if x.shape[0]]
+    return torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[-1])

@@ -95,6 +95,10 @@ def _expert_problems(problems: list[str], model: nn.Module, ep: int) -> None:
                         "this model has none: set parallelism.ep = 1")
     for layer in layers:
         _divides(problems, layer.n_experts, "model.ffn.n_experts", ep, "ep")
+    if any(hasattr(layer, "w13") for layer in layers):
+        problems.append(f"model.ffn.experts = \"gpt_oss\" cannot run with parallelism.ep = {ep} "
+                        "yet: the all-to-all kernels hold bias-free SwiGLU experts; set "
+                        "parallelism.ep = 1")
 
 
 def training_problems(training, tp: int, cp: int = 1) -> list[str]:

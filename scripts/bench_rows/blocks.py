@@ -5,9 +5,9 @@ random batches of 4 x 256, fp32. Tokens per second.
 
 - ``gpt_oss``: gpt-oss's attention (q/k/v/o biases, learned sinks, a 64-token window on every
   other layer) over 8 experts, top 2, softmax gates. kiln: ``causal`` attention with
-  ``sinks``, ``window``, ``layer_types`` and the ``moe`` feed-forward (SwiGLU experts, no
-  balancing bias); transformers: ``GptOssForCausalLM`` (eager attention, which its sinks need;
-  its experts add biases and a clamped SwiGLU, a few elementwise operations).
+  ``sinks``, ``window``, ``layer_types`` and the ``moe`` feed-forward with gpt-oss's experts
+  (``experts = "gpt_oss"``, a router bias, no balancing bias); transformers: ``GptOssForCausalLM``
+  (eager attention, which its sinks need).
 - ``qwen3_next``: Qwen3-Next's hybrid, three Gated DeltaNet layers (4 value heads, 2 key heads
   of 64) to one gated full-attention layer with QK-norm, dense SwiGLU feed-forwards of 512.
   kiln: ``model.layer_types`` with ``gated_deltanet``; transformers: ``Qwen3NextForCausalLM``
@@ -28,7 +28,8 @@ KILN = {
                 "--model.attention.window=64",
                 '--model.layer_types=["sliding","full","sliding","full"]',
                 "--model.ffn.type=moe", "--model.ffn.n_experts=8", "--model.ffn.top_k=2",
-                "--model.ffn.hidden_dim=256", "--model.ffn.bias_update_coeff=0"],
+                "--model.ffn.hidden_dim=256", "--model.ffn.bias_update_coeff=0",
+                "--model.ffn.experts=gpt_oss", "--model.ffn.router_bias=true"],
     "qwen3_next": ['--model.layer_types=["linear","linear","linear","full"]',
                    "--model.linear_attention.type=gated_deltanet",
                    "--model.linear_attention.n_heads=4", "--model.linear_attention.n_key_heads=2",

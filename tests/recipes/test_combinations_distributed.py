@@ -57,6 +57,10 @@ def _step(name: str) -> str:
     return "grpo" if name == "grpo" else "preference"
 
 
+# expert parallel's all-to-all holds SwiGLU experts, not the moe family's gpt-oss experts
+SWIGLU_EXPERTS = "--model.ffn.experts=swiglu"
+
+
 def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
     with spied_rank(rank, 2, port, folder) as results:
         for family in families:  # FSDP2 (the default with 2 processes), saved at the end
@@ -66,7 +70,7 @@ def _worker(rank: int, port: int, folder: str, families: list[str]) -> None:
         # all-to-all) on 2 ranks; each saved (DCP, DTensor layouts) and resumed one step further
         for name, family, flags in (
             ("tp2", "dense", ("--parallelism.tp=2", "--parallelism.float8=rowwise", CHUNK)),
-            ("ep2", "moe", ("--parallelism.ep=2",)),
+            ("ep2", "moe", ("--parallelism.ep=2", SWIGLU_EXPERTS)),
             ("cp2", "looped_moe", CP2),
             ("pp2", "moe", ("--parallelism.pp=2", "--parallelism.float8=rowwise", CHUNK,
                             "--parallelism.activation_checkpoint=full")),
@@ -151,7 +155,7 @@ def test_two_processes_fsdp2_every_family_and_collectives_on_the_world_device(tm
     for name, family, flags, mesh in (
         ("tp2", "dense", ("--parallelism.float8=rowwise", CHUNK),
          "dp_replicate=1 x dp_shard=1 x tp=2"),
-        ("ep2", "moe", (), "dp_replicate=1 x dp_shard=2 x ep=2, FSDP"),
+        ("ep2", "moe", (SWIGLU_EXPERTS,), "dp_replicate=1 x dp_shard=2 x ep=2, FSDP"),
         ("cp2", "looped_moe", CP2[1:], "dp_replicate=1 x dp_shard=1 x cp=2, FSDP"),
         ("pp2", "moe", ("--parallelism.float8=rowwise", CHUNK),
          "pp=2 x dp_replicate=1 x dp_shard=1"),

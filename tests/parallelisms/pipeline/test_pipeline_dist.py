@@ -48,7 +48,8 @@ FOUR = {  # 4 processes: pp 2 x (FSDP2 2 | HSDP 2 x 1 | tensor parallel 2 | expe
     "dense_hsdp": ("dense", ("--parallelism.pp=2", "--parallelism.dp_replicate=2",
                              "--parallelism.fsdp=on")),
     "dense_tp2": ("dense", ("--parallelism.pp=2", "--parallelism.tp=2", *EVAL)),
-    "moe_ep2": ("moe", ("--parallelism.pp=2", "--parallelism.ep=2", *EVAL)),
+    "moe_ep2": ("moe", ("--parallelism.pp=2", "--parallelism.ep=2", *EVAL,
+                        "--model.ffn.experts=swiglu")),  # all-to-all: SwiGLU experts
 }
 PP_FLAGS = ("--parallelism.pp", "--parallelism.tp", "--parallelism.ep",
             "--parallelism.dp_replicate")
