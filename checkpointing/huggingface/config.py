@@ -15,7 +15,9 @@ from typing import Any
 from kiln.checkpointing.huggingface import deepseek, fp8, gpt2
 from kiln.components.errors import CheckpointError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3", "gpt_oss")
+GPT_OSS_FIELDS = frozenset(["num_local_experts", "num_experts_per_tok", "swiglu_alpha",
+                            "swiglu_limit", "router_aux_loss_coef", "output_router_logits"])
 
 # Fields that do not change the network's computation (metadata, ids, generation defaults).
 HARMLESS = frozenset([
@@ -89,8 +91,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
     if family not in FAMILIES:
         raise _fail(source, "model_type", f"{family!r} is not supported",
                     f"kiln imports {', '.join(FAMILIES)}")
-    known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS}.get(
-        family, MODEL_FIELDS)
+    known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS,
+             "gpt_oss": MODEL_FIELDS | GPT_OSS_FIELDS}.get(family, MODEL_FIELDS)
     if fp8.block_size(config, source):  # block-scaled FP8, dequantized when read
         known = known | {"quantization_config"}
     for name in config:
@@ -140,6 +142,14 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
         "ffn": {"type": "swiglu", "hidden_dim": ffn},
         "norm": {"type": "rmsnorm", "eps": eps},
     }
+    if family == "gpt_oss":  # sinks, and its experts in place of the SwiGLU
+        attention["sinks"] = True
+        table["ffn"] = {"type": "moe", "experts": "gpt_oss", "router_bias": True,
+                        "n_experts": int(config["num_local_experts"]),
+                        "top_k": int(config["num_experts_per_tok"]), "hidden_dim": ffn,
+                        "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
+                        "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
+                        "bias_update_coeff": 0.0}
     if layer_types:
         table["layer_types"] = layer_types
     if window:  # the window is checked against the model's context, not the recipe's rows
@@ -185,6 +195,8 @@ def family_of(model) -> str:
     attn = model.blocks()[0].attention
     if hasattr(attn, "wkv_b"):  # latent attention
         return "deepseek_v3"
+    if hasattr(model.blocks()[0].feed_forward, "w13"):  # gpt-oss's experts
+        return "gpt_oss"
     bias = attn.wo.bias is not None
     qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
     if attn.q_norm is not None:
@@ -224,7 +236,8 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
         if rope.attention_factor:
             params["attention_factor"] = rope.attention_factor
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}[family]
     config: dict[str, Any] = {
         "architectures": [arch],
         "model_type": family,
@@ -261,6 +274,14 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
     window, per_layer = layer_windows(model)
     if family == "mistral":
         config["sliding_window"] = window
+    if family == "gpt_oss":
+        moe = ffn0.cfg
+        config.update(attention_bias=True,
+                      num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+                      swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha,
+                      sliding_window=window or None,
+                      layer_types=["sliding_attention" if w else "full_attention"
+                                   for w in per_layer])
     if family in ("qwen2", "qwen3"):
         types = ["sliding_attention" if w else "full_attention" for w in per_layer]
         leading = next((i for i, w in enumerate(per_layer) if w), len(per_layer))

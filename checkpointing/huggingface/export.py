@@ -75,9 +75,9 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     cast = DTYPES.get(dtype)
     family = hf_config.family_of(model) if use_hf else "kiln"
     named = hf_layout.tensors(model)
-    if use_hf:  # transformers has no place for multi-token prediction modules: dropped
-        named = {k: v for k, v in named.items() if not k.startswith("mtp.")}
     layout = hf_layout.parts(model) if use_hf else hf_layout.identity_parts(model)
+    if use_hf:  # transformers has no place for multi-token prediction modules: dropped
+        named = {k: v for k, v in named.items() if not hf_layout.kept_at_init(k, layout)}
     missing = sorted(set(named) - set(layout))
     if missing:
         raise CheckpointError(f"export: no Hugging Face tensor for {', '.join(missing)}")

@@ -105,8 +105,9 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
         raise CheckpointError(f"{label}: the recipe's model has no Hugging Face layout "
                               f"({reason}); write the recipe with `kiln import`")
     layout = hf_layout.parts(model)
-    # multi-token prediction modules have no Hugging Face tensors: they keep their init
-    targets = {k: v for k, v in hf_layout.tensors(model).items() if not k.startswith("mtp.")}
+    # multi-token prediction modules (and the like) have no Hugging Face tensors: kept at init
+    targets = {k: v for k, v in hf_layout.tensors(model).items()
+               if not hf_layout.kept_at_init(k, layout)}
     unmapped = sorted(set(targets) - set(layout))
     if unmapped:
         raise CheckpointError(f"{label}: kiln tensors with no Hugging Face counterpart: "

@@ -58,6 +58,8 @@ def hf_incompatibility(model: nn.Module) -> str:
         return "final norm is not RMSNorm with a weight"
     if hasattr(model.blocks()[0].attention, "wkv_b"):  # latent attention: DeepSeek-V3's
         return deepseek.incompatibility(model)
+    if hasattr(model.blocks()[0].feed_forward, "w13"):  # gpt-oss's experts
+        return _gpt_oss_problem(model)
     eps = model.norm.eps
     for i, block in enumerate(model.blocks()):
         attn, ffn = block.attention, block.feed_forward
@@ -88,6 +90,40 @@ def hf_incompatibility(model: nn.Module) -> str:
             if attn.q_norm.eps != eps or attn.q_norm.weight is None:
                 return "QK-norm whose eps differs from the model norm's (Qwen3 shares one)"
     return _window_problem(model)
+
+
+def _gpt_oss_problem(model: nn.Module) -> str:
+    """Why a model with gpt-oss's experts has no gpt-oss layout ("" if it has one)."""
+    from kiln.components.attention.causal import CausalAttention
+    from kiln.components.norms.rmsnorm import RMSNorm
+    from kiln.components.positions.rope import RoPE
+
+    eps, settings = model.norm.eps, set()
+    for block in model.blocks():
+        attn, ffn = block.attention, block.feed_forward
+        if (type(attn) is not CausalAttention or hasattr(attn, "wqkv") or attn.sinks is None
+                or attn.wq.bias is None or attn.wo.bias is None or attn.q_norm is not None
+                or hasattr(attn, "wg") or attn.q_scale != 1.0
+                or type(attn.position) is not RoPE):
+            return ("gpt-oss layout: causal attention with sinks, biases on q/k/v/o, RoPE, no "
+                    "QK-norm, output gate or fused wqkv")
+        if not hasattr(ffn, "w13") or ffn.router.bias is None or ffn.shared is not None:
+            return "gpt-oss layout: every layer gpt-oss's experts with a router bias, no shared"
+        c = ffn.cfg
+        settings.add((c.n_experts, c.top_k, ffn.hidden_dim, c.swiglu_limit, c.swiglu_alpha))
+        if (c.score != "softmax" or not c.renormalize or c.route_scale != 1.0 or c.n_groups > 1
+                or c.capacity_factor):
+            return ("gpt-oss layout: softmax gates renormalised over the top k, no scale, "
+                    "groups or capacity limit")
+        norms = (block.attention_norm, block.ffn_norm)
+        if any(type(n) is not RMSNorm or n.weight is None or n.eps != eps for n in norms):
+            return "gpt-oss layout: block norms other than RMSNorm with the final eps"
+        if block.attention_scale is not None:
+            return "LayerScale"
+    if len(settings) > 1:
+        return "gpt-oss layout: layers of different expert settings"
+    sizes = {b.attention.window for b in model.blocks()} - {0}
+    return f"sliding windows of several sizes ({sorted(sizes)})" if len(sizes) > 1 else ""
 
 
 def _window_problem(model: nn.Module) -> str:
@@ -154,6 +190,17 @@ def parts(model: nn.Module) -> dict[str, list[Part]]:
             out[kn + "attention.k_norm.weight"] = [Part(hf + "self_attn.k_norm.weight", d, 1)]
         out[kn + "attention_norm.weight"] = [Part(hf + "input_layernorm.weight", dim)]
         out[kn + "ffn_norm.weight"] = [Part(hf + "post_attention_layernorm.weight", dim)]
+        if attn.sinks is not None:  # gpt-oss
+            out[kn + "attention.sinks"] = [Part(hf + "self_attn.sinks", attn.n_heads)]
+        if hasattr(ffn, "w13"):  # gpt-oss's experts: transformers' very layout
+            e, f = ffn.n_experts, kn + "feed_forward."
+            out.update({f + "router.weight": [Part(hf + "mlp.router.weight", e)],
+                        f + "router.bias": [Part(hf + "mlp.router.bias", e)],
+                        f + "w13": [Part(hf + "mlp.experts.gate_up_proj", e)],
+                        f + "b13": [Part(hf + "mlp.experts.gate_up_proj_bias", e)],
+                        f + "w2": [Part(hf + "mlp.experts.down_proj", e)],
+                        f + "b2": [Part(hf + "mlp.experts.down_proj_bias", e)]})
+            continue
         h = ffn.hidden_dim
         out[kn + "feed_forward.w1.weight"] = [Part(hf + "mlp.gate_proj.weight", h)]
         out[kn + "feed_forward.w3.weight"] = [Part(hf + "mlp.up_proj.weight", h)]
@@ -162,6 +209,14 @@ def parts(model: nn.Module) -> dict[str, list[Part]]:
     if not model.tied:
         out["output.weight"] = [Part("lm_head.weight", model.vocab_size)]
     return out
+
+
+def kept_at_init(name: str, layout: dict[str, list[Part]]) -> bool:
+    """A kiln tensor the Hugging Face ``layout`` has no place for, left out of an export and
+    at its initialisation by an import: multi-token prediction modules, and the balancing bias
+    of experts whose family has none (gpt-oss)."""
+    return name not in layout and (name.startswith("mtp.")
+                                   or name.endswith("feed_forward.expert_bias"))
 
 
 def identity_parts(model: nn.Module) -> dict[str, list[Part]]:

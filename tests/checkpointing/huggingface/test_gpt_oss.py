@@ -1,0 +1,52 @@
+"""gpt-oss in and out of Hugging Face's layout: `kiln import` of a tiny random
+``GptOssForCausalLM`` (q/k/v/o biases, sinks, a window on every other layer, biased experts with
+the clamped SwiGLU, a router bias, YaRN) gives its logits; `kiln export` of it loads in
+transformers with kiln's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.checkpointing.huggingface import export
+from kiln.checkpointing.huggingface.layout import hf_incompatibility
+from tests.checkpointing.huggingface.hf_tiny import ids, kiln_from_hf
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+              num_experts_per_tok=2, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+              bos_token_id=256, eos_token_id=257,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False})
+
+
+def _gpt_oss(folder):
+    config = transformers.GptOssConfig(**CONFIG)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # biases, sinks and norms away from their init; clamps in reach
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_import_gives_transformers_logits_and_export_loads_back(tmp_path):
+    hf = _gpt_oss(tmp_path / "hf")
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    assert hf_incompatibility(model) == ""
+    x = ids(t=24)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+        model.blocks()[0].feed_forward.b2.add_(0.1)  # kiln's own weights from here
+    summary = export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    assert summary["layout"] == "hf" and summary["family"] == "gpt_oss", summary
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
