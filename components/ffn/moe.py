@@ -1,20 +1,19 @@
 """Mixture-of-experts feed-forward with aux-loss-free load balancing (DeepSeek-V3).
 
 Routing: scores = softmax or sigmoid of a linear router (computed in fp32); the top-k experts
-are chosen on ``scores + expert_bias`` (with ``n_groups``, among the experts of the token's
-``topk_groups`` best groups, a group scored by its two best biased scores; the others are out,
--inf, as DeepSeek-V3's reference code has it), but the gate weights come from the unbiased scores
-(optionally renormalised over the k chosen, times ``route_scale``). The bias is a buffer moved
-outside the gradient: once per *global* step, by ``coeff * sign(mean - load)`` (re-centred),
-with the loads of the whole step (every micro-batch, loop and segment) summed over every rank
-that saw tokens (data-parallel ranks, tensor-parallel sequence slices); a step with a skipped
-optimizer step (any segment, under segmented BPTT) discards the loads and leaves the bias alone,
-as the looped-MoE reference does. An optional sequence-wise
-auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the model (``pop_aux_loss``). Expert
-loads, their entropy and dropped assignments are reported by ``moe_metrics``.
+are chosen on ``scores + expert_bias`` (with ``n_groups``, within the token's ``topk_groups``
+groups of best top-2 biased sums; the others -inf, as DeepSeek-V3's reference code), but the
+gate weights come from the unbiased scores (optionally renormalised over the k chosen, times
+``route_scale``). The bias is a buffer moved outside the gradient: once per *global* step, by
+``coeff * sign(mean - load)`` (re-centred), with the loads of the whole step (every
+micro-batch, loop and segment) summed over every rank that saw tokens (data-parallel ranks,
+tensor-parallel sequence slices); a step with a skipped optimizer step (any segment, under
+segmented BPTT) discards the loads and leaves the bias alone, as the looped-MoE reference does.
+An optional sequence-wise auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the model
+(``pop_aux_loss``). Expert loads, their entropy and dropped assignments: ``moe_metrics``.
 
 Experts are SwiGLUs with stacked weights (``w1``/``w3`` (E, dim, hidden), ``w2`` (E, hidden,
-dim)); dispatch lives in ``moe_dispatch``.
+dim)), or gpt-oss's (``experts``); dispatch lives in ``moe_dispatch``.
 """
 
 from __future__ import annotations
