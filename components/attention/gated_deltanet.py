@@ -94,10 +94,6 @@ class GatedDeltaNet(nn.Module):
         self.kv_cache: KVCache | None = None  # the state while generating (kv_cache.attach)
         self.init_weights(0.02, 0.02)
 
-    @property
-    def n_kv_heads(self) -> int:
-        return self.n_key_heads
-
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Per token and value head: the chunk's pairwise terms (C keys of Dk for the system and
         the mixing, C deltas of Dv) and the state's products (3 Dk x Dv), times 6 (forward and
