@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.checkpointing.huggingface import deepseek, fp8, gpt2
-from kiln.components.errors import CheckpointError
+from kiln.checkpointing.huggingface import fp8
+from kiln.checkpointing.huggingface.families import deepseek, gpt2, qwen3_next
+from kiln.checkpointing.huggingface.rope import fail as _fail
+from kiln.checkpointing.huggingface.rope import rope_parameters, rope_table
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3", "gpt_oss", "qwen3_next")
 GPT_OSS_FIELDS = frozenset(["num_local_experts", "num_experts_per_tok", "swiglu_alpha",
                             "swiglu_limit", "router_aux_loss_coef", "output_router_logits"])
 
@@ -44,47 +46,6 @@ MODEL_FIELDS = frozenset([
     "rope_parameters", "partial_rotary_factor", "rope_interleaved", "sliding_window",
     "use_sliding_window", "max_window_layers", "layer_types",
 ])
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
-ROPE_FIELDS = {  # Hugging Face rope parameter -> kiln rope field
-    "factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
-    "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-    "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
-    "truncate": "yarn_truncate",
-}
-
-
-def _fail(source: str, field: str, problem: str, fix: str = "") -> CheckpointError:
-    hint = f"; {fix}" if fix else ""
-    return CheckpointError(f"{source}: config.json field {field!r}: {problem}{hint}")
-
-
-def rope_table(config: dict, source: str) -> dict[str, Any]:
-    """The kiln ``position`` table of the config's RoPE (``rope_parameters`` of transformers 5,
-    or the older ``rope_theta`` + ``rope_scaling``)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise _fail(source, f"{key}.rope_type", f"{rope_type!r} is not supported",
-                    f"kiln supports {', '.join(ROPE_TYPES)}")
-    table: dict[str, Any] = {"type": "rope", "theta": float(theta)}
-    if rope_type != "default":
-        table["scaling"] = ROPE_TYPES[rope_type]
-    for name, value in params.items():
-        if value is None:
-            continue
-        if name == "partial_rotary_factor" and value == 1.0:
-            continue
-        if name not in ROPE_FIELDS or rope_type == "default":
-            raise _fail(source, f"{key}.{name}", f"not supported with rope_type {rope_type!r}")
-        table[ROPE_FIELDS[name]] = bool(value) if name == "truncate" else (
-            int(value) if name == "original_max_position_embeddings" else float(value))
-    if rope_type == "yarn" and "factor" not in table:
-        raise _fail(source, f"{key}.factor", "yarn without a factor is not supported")
-    return table
-
-
 def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     """The kiln ``[model]`` table equal to a Hugging Face config (CheckpointError otherwise)."""
     family = config.get("model_type")
@@ -92,7 +53,8 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
         raise _fail(source, "model_type", f"{family!r} is not supported",
                     f"kiln imports {', '.join(FAMILIES)}")
     known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS,
-             "gpt_oss": MODEL_FIELDS | GPT_OSS_FIELDS}.get(family, MODEL_FIELDS)
+             "gpt_oss": MODEL_FIELDS | GPT_OSS_FIELDS,
+             "qwen3_next": qwen3_next.FIELDS}.get(family, MODEL_FIELDS)
     if fp8.block_size(config, source):  # block-scaled FP8, dequantized when read
         known = known | {"quantization_config"}
     for name in config:
@@ -105,7 +67,9 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
     if family == "gpt2":
         return gpt2.model_table(config, source, ignore)
     if family == "deepseek_v3":
-        return deepseek.model_table(config, source, ignore, rope_table)
+        return deepseek.model_table(config, source, ignore)
+    if family == "qwen3_next":
+        return qwen3_next.model_table(config, source, ignore)
     checks = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False,
               "partial_rotary_factor": 1.0, "rope_interleaved": False}
     for name, want in checks.items():
@@ -189,7 +153,8 @@ def windows(config: dict, source: str) -> tuple[int, list[str]]:
 
 def family_of(model) -> str:
     """The Hugging Face family whose layout the model has: llama (mistral with a sliding
-    window), qwen2, qwen3, gpt2 (learned positions) or deepseek_v3 (latent attention)."""
+    window), qwen2, qwen3, gpt2 (learned positions), deepseek_v3 (latent attention), gpt_oss
+    (its experts) or qwen3_next (Gated DeltaNet layers or gated attention)."""
     if getattr(model, "pos_embeddings", None) is not None:
         return "gpt2"
     attn = model.blocks()[0].attention
@@ -197,6 +162,8 @@ def family_of(model) -> str:
         return "deepseek_v3"
     if hasattr(model.blocks()[0].feed_forward, "w13"):  # gpt-oss's experts
         return "gpt_oss"
+    if qwen3_next.is_qwen3_next(model):
+        return "qwen3_next"
     bias = attn.wo.bias is not None
     qkv_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
     if attn.q_norm is not None:
@@ -219,22 +186,12 @@ def hf_config(model, tokenizer, family: str) -> dict[str, Any]:
         return gpt2.hf_config(model, tokenizer)
     if family == "deepseek_v3":
         return deepseek.hf_config(model, tokenizer)
+    if family == "qwen3_next":
+        return qwen3_next.hf_config(model, tokenizer)
     blocks = model.blocks()
     attn0, ffn0 = blocks[0].attention, blocks[0].feed_forward
     rope = attn0.position.cfg
-    params: dict[str, Any] = {"rope_type": "default" if rope.scaling == "none" else rope.scaling,
-                              "rope_theta": rope.theta}
-    if rope.scaling != "none":
-        params["factor"] = rope.factor
-    if rope.scaling in ("llama3", "yarn"):
-        params["original_max_position_embeddings"] = rope.original_max_seq_len
-    if rope.scaling == "llama3":
-        params.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
-    if rope.scaling == "yarn":
-        params.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
-                      truncate=rope.yarn_truncate)
-        if rope.attention_factor:
-            params["attention_factor"] = rope.attention_factor
+    params = rope_parameters(rope)
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gpt_oss": "GptOssForCausalLM"}[family]

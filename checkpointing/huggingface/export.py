@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from kiln.checkpointing.huggingface import config as hf_config
 from kiln.checkpointing.huggingface import files as hf_files
@@ -77,7 +78,9 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     named = hf_layout.tensors(model)
     layout = hf_layout.parts(model) if use_hf else hf_layout.identity_parts(model)
     if use_hf:  # transformers has no place for multi-token prediction modules: dropped
-        named = {k: v for k, v in named.items() if not hf_layout.kept_at_init(k, layout)}
+        dropped = [k for k in named if hf_layout.kept_at_init(k, layout)]
+        _check_no_balancing_bias(named, dropped, family)
+        named = {k: v for k, v in named.items() if k not in dropped}
     missing = sorted(set(named) - set(layout))
     if missing:
         raise CheckpointError(f"export: no Hugging Face tensor for {', '.join(missing)}")
@@ -108,6 +111,20 @@ def export(model: torch.nn.Module, tokenizer, out_dir: str | Path, *, model_tabl
     files = distributed.broadcast_object(files if rank == 0 else None)
     return {"layout": "hf" if use_hf else "kiln", "family": family,
             "tensors": len(index["weight_map"]), "why_not_hf": reason, "files": files}
+
+
+def _check_no_balancing_bias(named: dict, dropped: list[str], family: str) -> None:
+    """A family without aux-loss-free balancing (gpt-oss, Qwen3-Next) has no place for the
+    expert bias: exporting a moved one would change which experts the model picks."""
+    for name in dropped:
+        if name.endswith("expert_bias"):
+            t = named[name]
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            if bool(t.detach().abs().max() > 0):
+                raise CheckpointError(
+                    f"export: {name} is not zero (aux-loss-free balancing moved it) and "
+                    f"{family} routes without it, so transformers would pick other experts; "
+                    "train with model.ffn.bias_update_coeff = 0, or export --format kiln")
 
 
 def _write_metadata(tmp: Path, model, tokenizer, family: str, use_hf: bool, dtype: str,

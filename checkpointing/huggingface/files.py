@@ -116,9 +116,11 @@ class SafetensorsFolder:
                     d = part.rows // part.heads
                     h0, h1 = lo // d, (hi - 1) // d + 1
                     block = self.read(part.hf_name, (slice(s + h0 * d, s + h1 * d), *cols))
-                    pieces.append(from_hf(block, h1 - h0)[lo - h0 * d:hi - h0 * d])
+                    pieces.append(from_hf(block, h1 - h0, part.rope_dim)[lo - h0 * d:hi - h0 * d])
                 else:
                     pieces.append(self.read(part.hf_name, (slice(s + lo, s + hi), *cols)))
+                if part.offset:
+                    pieces[-1] = pieces[-1].float() + part.offset
             row0 += part.rows
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -200,7 +202,9 @@ def write_sharded(items: Iterable[tuple[torch.Tensor, list[Part]]], folder: Path
                 if part.transposed:  # a matrix of a stack (one row) or a 2-D weight
                     piece = rows[0].t() if rows.dim() == 3 else rows.t()
                 else:
-                    piece = to_hf(rows, part.heads)
+                    piece = to_hf(rows, part.heads, part.rope_dim)
+                if part.offset:
+                    piece = (piece.float() - part.offset).to(piece.dtype)
                 pieces.setdefault(part.hf_name, []).append((part.start, piece, part.transposed))
             row0 += part.rows
         for name in {p.hf_name for p in mine}:  # complete: one tensor from its parts, by start

@@ -20,8 +20,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from kiln.checkpointing.huggingface import deepseek, fp8
+from kiln.checkpointing.huggingface import fp8
 from kiln.checkpointing.huggingface import layout as hf_layout
+from kiln.checkpointing.huggingface.families import deepseek, qwen3_next
 from kiln.checkpointing.huggingface.files import SafetensorsFolder
 from kiln.checkpointing.huggingface.parts import hf_shapes
 from kiln.components import distributed
@@ -123,8 +124,10 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
         raise CheckpointError(f"{label}: the checkpoint lacks {', '.join(absent[:5])}"
                               f"{' ...' if len(absent) > 5 else ''} ({len(absent)} tensors); "
                               "does the recipe's model match its config.json?")
+    family = config.get("model_type")
     extra = sorted(n for n in have - needed if not n.endswith(DERIVED) and not (
-        config.get("model_type") == "deepseek_v3" and deepseek.unused(n, config))
+        family == "deepseek_v3" and deepseek.unused(n, config))
+        and not (family == "qwen3_next" and qwen3_next.unused(n))
         and not (files.fp8_block and n.endswith(fp8.SCALE)))
     if getattr(model, "tied", False) and extra == ["lm_head.weight"] and config.get(
             "tie_word_embeddings"):

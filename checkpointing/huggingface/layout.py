@@ -1,5 +1,5 @@
 """Which Hugging Face tensors make up each kiln parameter (Llama / Qwen2 / Qwen3 layout; GPT-2's
-is ``gpt2``).
+is ``gpt2``, DeepSeek-V3's ``deepseek``, Qwen3-Next's ``qwen3_next``).
 
 ================================================  ==================================================
 kiln (torchtitan names)                           Hugging Face
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.checkpointing.huggingface import deepseek, gpt2
+from kiln.checkpointing.huggingface.families import deepseek, gpt2, qwen3_next
 from kiln.checkpointing.huggingface.parts import Part
 from kiln.components.adapter_contract import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
@@ -56,6 +56,12 @@ def hf_incompatibility(model: nn.Module) -> str:
         return gpt2.incompatibility(model)
     if type(model.norm) is not RMSNorm or model.norm.weight is None:
         return "final norm is not RMSNorm with a weight"
+    if qwen3_next.is_qwen3_next(model):  # Gated DeltaNet layers or gated attention
+        return qwen3_next.incompatibility(model)
+    ropes = [b.attention.position for b in model.blocks()
+             if isinstance(getattr(b.attention, "position", None), RoPE)]
+    if any(r.rotated != r.head_dim for r in ropes):
+        return "partial RoPE (position.fraction < 1): only Qwen3-Next's layout has it"
     if hasattr(model.blocks()[0].attention, "wkv_b"):  # latent attention: DeepSeek-V3's
         return deepseek.incompatibility(model)
     if hasattr(model.blocks()[0].feed_forward, "w13"):  # gpt-oss's experts
@@ -67,8 +73,6 @@ def hf_incompatibility(model: nn.Module) -> str:
             return f"layer {i} attention is {type(attn).__name__}"
         if attn.q_scale != 1.0:
             return "µP's attention scale (model.base_head_dim)"
-        if hasattr(attn, "wg"):
-            return "an attention output gate (Qwen3-Next's; no Llama / Qwen layout)"
         if attn.sinks is not None:
             return "attention sinks (gpt-oss's; no Llama / Qwen layout)"
         if type(attn.position) is not RoPE:
@@ -171,6 +175,8 @@ def parts(model: nn.Module) -> dict[str, list[Part]]:
         return gpt2.parts(model)
     if hasattr(model.blocks()[0].attention, "wkv_b"):
         return deepseek.parts(model)
+    if qwen3_next.is_qwen3_next(model):
+        return qwen3_next.parts(model)
     out: dict[str, list[Part]] = {
         "tok_embeddings.weight": [Part("model.embed_tokens.weight", model.vocab_size)],
     }

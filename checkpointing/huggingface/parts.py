@@ -21,6 +21,10 @@ class Part:
     # as (in, out), nn.Linear's transpose); ``start`` is then its first column. For a stack of
     # matrices (E, A, B) (MoE experts), a transposed part is one row, its (B, A) transpose.
     transposed: bool = False
+    rope_dim: int = 0  # with heads: only each head's first rope_dim rows are permuted (0: all)
+    # kiln holds the Hugging Face values plus this (Qwen3-Next's norms scale by 1 + weight;
+    # kiln's RMSNorm by its weight, so an import adds 1 and an export takes it off)
+    offset: float = 0.0
 
 
 def hf_shapes(items) -> dict[str, tuple[int, ...]]:
@@ -45,17 +49,28 @@ def hf_shapes(items) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows from kiln's adjacent-pair to Hugging Face's half-split RoPE order, per head."""
-    if not heads:
-        return w
-    d = w.shape[0] // heads
-    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def to_hf(w: torch.Tensor, heads: int, rope_dim: int = 0) -> torch.Tensor:
+    """Rows from kiln's adjacent-pair to Hugging Face's half-split RoPE order, per head (of
+    each head's first ``rope_dim`` rows only, when given: partial RoPE)."""
+    return _permute(w, heads, rope_dim, (2,))
 
 
-def from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+def from_hf(w: torch.Tensor, heads: int, rope_dim: int = 0) -> torch.Tensor:
     """The inverse of ``to_hf``."""
+    return _permute(w, heads, rope_dim, ())
+
+
+def _permute(w: torch.Tensor, heads: int, rope_dim: int, pairs_last: tuple) -> torch.Tensor:
+    """Each head's first ``rope_dim`` rows (all: 0) viewed as (R/2, 2) (kiln's pairs) or (2, R/2)
+    (Hugging Face's halves; ``pairs_last`` empty) and transposed to the other order."""
     if not heads:
         return w
     d = w.shape[0] // heads
-    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    r = rope_dim or d
+    rest = w.shape[1:]
+    by_head = w.reshape(heads, d, *rest)
+    rot = by_head[:, :r]
+    rot = (rot.reshape(heads, r // 2, 2, *rest) if pairs_last
+           else rot.reshape(heads, 2, r // 2, *rest)).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat([rot, by_head[:, r:]], dim=1).reshape(w.shape) if r < d else \
+        rot.reshape(w.shape)

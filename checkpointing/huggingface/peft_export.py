@@ -55,8 +55,8 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         if len(got) != 1:
             raise CheckpointError(
                 f"--format peft: {clean_name(name)} is made of {len(got)} Hugging Face tensors "
-                "(a fused wqkv); peft adapts one module at a time: export merged weights "
-                "instead")
+                "or pieces (a fused wqkv; Qwen3-Next's query rows, interleaved with its gate's); "
+                "peft adapts one module at a time: export merged weights instead")
         part = got[0]
         if part.transposed or part.start:
             raise CheckpointError(
@@ -67,7 +67,7 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         for suffix, (tensor, output_rows) in layer.peft_tensors().items():
             t = tensor.detach().float().cpu()
             out[f"base_model.model.{module}.{suffix}"] = (
-                to_hf(t, part.heads) if output_rows else t).contiguous()
+                to_hf(t, part.heads, part.rope_dim) if output_rows else t).contiguous()
         modules.append(module)
     return out, modules
 

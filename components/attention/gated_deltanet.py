@@ -85,7 +85,8 @@ class GatedDeltaNet(nn.Module):
         self.wz = nn.Linear(dim, value, bias=False)  # the output gate
         self.wb = nn.Linear(dim, self.n_heads, bias=False)  # beta
         self.wa = nn.Linear(dim, self.n_heads, bias=False)  # the decay's input
-        self.conv = nn.Parameter(torch.empty(2 * key + value, cfg.conv_size))  # (channels, taps)
+        # (channels, 1, taps): nn.Conv1d's depthwise weight, as transformers and FLA store it
+        self.conv = nn.Parameter(torch.empty(2 * key + value, 1, cfg.conv_size))
         self.A_log = nn.Parameter(torch.empty(self.n_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
         self.norm_weight = nn.Parameter(torch.ones(self.v_head_dim))
@@ -140,15 +141,15 @@ class GatedDeltaNet(nn.Module):
         tap reaches into an earlier document."""
         taps = self.conv_size
         if doc_ids is None:
-            out = F.conv1d(mixed.transpose(1, 2), self.conv.unsqueeze(1).to(mixed.dtype),
+            out = F.conv1d(mixed.transpose(1, 2), self.conv.to(mixed.dtype),
                            padding=taps - 1, groups=mixed.shape[-1])[..., :mixed.shape[1]]
             return F.silu(out.transpose(1, 2))
-        out = mixed * self.conv[:, -1].to(mixed.dtype)
+        out = mixed * self.conv[:, 0, -1].to(mixed.dtype)
         for shift in range(1, taps):  # tap taps-1-shift reads the token `shift` back
             same = torch.zeros_like(doc_ids, dtype=torch.bool)
             same[:, shift:] = doc_ids[:, shift:] == doc_ids[:, :-shift]
             back = F.pad(mixed, (0, 0, shift, 0))[:, :mixed.shape[1]] * same[..., None]
-            out = out + back * self.conv[:, -1 - shift].to(mixed.dtype)
+            out = out + back * self.conv[:, 0, -1 - shift].to(mixed.dtype)
         return F.silu(out)
 
     def _heads(self, mixed: torch.Tensor):
@@ -156,8 +157,8 @@ class GatedDeltaNet(nn.Module):
         and v (B, T, H, Dv)."""
         key = self.n_key_heads * self.head_dim
         q, k, v = mixed.split([key, key, self.n_heads * self.v_head_dim], dim=-1)
-        q, k = (F.normalize(y.unflatten(-1, (self.n_key_heads, self.head_dim)).float(), dim=-1,
-                            eps=1e-6) for y in (q, k))
+        q, k = (_l2norm(y.unflatten(-1, (self.n_key_heads, self.head_dim)).float())
+                for y in (q, k))
         q = q * self.head_dim ** -0.5
         group = self.n_heads // self.n_key_heads
         if group > 1:
@@ -185,7 +186,7 @@ class GatedDeltaNet(nn.Module):
                             dtype=torch.float32)))
         history, state = cache.slots[i]
         both = torch.cat([history, mixed], dim=1)  # (B, taps - 1 + T, channels)
-        conv = F.conv1d(both.transpose(1, 2), self.conv.unsqueeze(1).to(mixed.dtype),
+        conv = F.conv1d(both.transpose(1, 2), self.conv.to(mixed.dtype),
                         groups=channels).transpose(1, 2)  # (B, T, channels)
         q, k, v = self._heads(F.silu(conv))
         if t == 1:
@@ -194,3 +195,9 @@ class GatedDeltaNet(nn.Module):
             o, state = chunk_gated_delta(q, k, v, g, beta, self.chunk, state=state)
         cache.slots[i] = (both[:, both.shape[1] - (self.conv_size - 1):], state)
         return o
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim: FLA's (and transformers') form, not
+    ``F.normalize``'s x / max(|x|, eps), which differs for short vectors."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -10,7 +10,8 @@ micro-batch, loop and segment) summed over every rank that saw tokens (data-para
 tensor-parallel sequence slices); a step with a skipped optimizer step (any segment, under
 segmented BPTT) discards the loads and leaves the bias alone, as the looped-MoE reference does.
 An optional sequence-wise auxiliary loss (DeepSeek-V3 eq. 17-20) is collected by the model
-(``pop_aux_loss``). Expert loads, their entropy and dropped assignments: ``moe_metrics``.
+(``moe_model.pop_aux_loss``). Expert loads, their entropy and dropped assignments:
+``moe_model.moe_metrics``.
 
 Experts are SwiGLUs with stacked weights (``w1``/``w3`` (E, dim, hidden), ``w2`` (E, hidden,
 dim)), or gpt-oss's (``experts``); dispatch lives in ``moe_dispatch``.
@@ -30,7 +31,6 @@ from kiln.components import distributed
 from kiln.components.base import ComponentConfig
 from kiln.components.ffn.moe_all_to_all import run_experts_all_to_all
 from kiln.components.ffn.moe_dispatch import (
-    resolve_kernel,
     run_experts,
     run_gpt_oss_experts,
     sort_by_expert,
@@ -72,6 +72,9 @@ class MoEConfig(ComponentConfig):
     shared_hidden_dim: int = Field(
         0, ge=0, description="hidden width of the shared expert (0 = n_shared * hidden_dim)"
     )
+    shared_gate: bool = Field(
+        False, description="the shared expert's output times sigmoid(w x), one gate per token "
+        "(Qwen2-MoE / Qwen3-Next's shared_expert_gate)")
     bias_update_coeff: float = Field(
         1e-3, ge=0, description="aux-loss-free balancing: bias step per optimizer step (0 = off)"
     )
@@ -100,6 +103,8 @@ class MoEConfig(ComponentConfig):
                                  "topk_groups or lower top_k")
         elif self.topk_groups != 1:
             raise ValueError("topk_groups needs n_groups > 1 (group-limited routing)")
+        if self.shared_gate and not self.n_shared_experts:
+            raise ValueError("shared_gate gates the shared expert: set n_shared_experts >= 1")
         return self
 
 
@@ -144,6 +149,8 @@ class MoE(nn.Module):
             hidden = cfg.shared_hidden_dim or cfg.n_shared_experts * f
             self.shared = SwiGLU(SwiGLUConfig(type="swiglu", hidden_dim=hidden), dim=dim,
                                  layer_idx=layer_idx, n_layers=n_layers)
+        if cfg.shared_gate:
+            self.shared_gate = nn.Linear(dim, 1, bias=False)
         # Balancing state: the bias is part of the model (checkpointed); the loads are per step.
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.float32),
@@ -171,6 +178,8 @@ class MoE(nn.Module):
                 nn.init.zeros_(bias)
         if self.shared is not None:
             self.shared.init_weights(std, out_std)
+        if hasattr(self, "shared_gate"):
+            nn.init.trunc_normal_(self.shared_gate.weight, std=std)
         self.expert_bias.zero_()
         self.reset_buffers()
 
@@ -232,7 +241,10 @@ class MoE(nn.Module):
         weighted = ys * gates.reshape(-1)[order].to(ys.dtype)[:, None]  # (N*k, D)
         out = ys.new_zeros(n, ys.shape[-1]).index_add_(0, token, weighted)  # (N, D)
         if self.shared is not None:
-            out = out + self.shared(flat).to(out.dtype)
+            shared = self.shared(flat)
+            if hasattr(self, "shared_gate"):
+                shared = shared * torch.sigmoid(self.shared_gate(flat))
+            out = out + shared.to(out.dtype)
         if self.cfg.aux_loss_coeff and self.training:
             # An activation-checkpoint recompute runs the same ops (it must save the same
             # tensors) but does not collect the loss again: the forward's copy is already in
@@ -292,6 +304,8 @@ class MoE(nn.Module):
                   if hasattr(self, n)]
         per_expert = sum(math.prod(w.shape[1:]) for w in stacks)
         shared = sum(p.numel() for p in self.shared.parameters()) if self.shared else 0
+        if hasattr(self, "shared_gate"):
+            shared += self.shared_gate.weight.numel()
         router = sum(p.numel() for p in self.router.parameters())
         return router + self.top_k * per_expert + shared
 
@@ -328,73 +342,3 @@ def balance_step(layers: list[MoE], skipped: bool, group=None) -> None:
     distributed.all_reduce_(loads, group=group)
     for layer, load in zip(layers, loads, strict=True):
         layer.apply_load(load)
-
-
-def pop_aux_loss(layers: list[MoE]) -> torch.Tensor | None:
-    """The summed auxiliary loss of the last forward(s), cleared so no graph is kept."""
-    total = None
-    for layer in layers:
-        if layer.aux_loss is not None:
-            total = layer.aux_loss if total is None else total + layer.aux_loss
-            layer.aux_loss = None
-    return total
-
-
-def moe_metrics(layers: list[MoE], prefix: str = "moe") -> dict[str, float]:
-    """Per layer: max/min load as a multiple of the mean, normalised entropy, dropped share;
-    from the last successful step's global loads (one host transfer for all layers)."""
-    if not layers:
-        return {}
-    loads = torch.stack([layer.last_load for layer in layers]).double()  # (L, E)
-    dropped = torch.stack([layer.last_dropped for layer in layers]).double()  # (L,)
-    total = loads.sum(-1).clamp_min(1)  # (L,)
-    rel = loads / (total[:, None] / loads.shape[-1])  # (L, E), 1 = perfectly balanced
-    p = loads / total[:, None]
-    ent = -(p * p.clamp_min(1e-30).log()).sum(-1) / math.log(max(loads.shape[-1], 2))
-    table = torch.stack([rel.max(-1).values, rel.min(-1).values, ent, dropped / total]).cpu()
-    out = {}
-    for i, layer in enumerate(layers):
-        name = f"{prefix}/layer{layer.layer_idx}"
-        out[f"{name}/max_load"] = float(table[0, i])
-        out[f"{name}/min_load"] = float(table[1, i])
-        out[f"{name}/entropy"] = float(table[2, i])
-        if layer.cfg.capacity_factor:
-            out[f"{name}/dropped"] = float(table[3, i])
-    out[f"{prefix}/max_load"] = float(table[0].max())
-    out[f"{prefix}/min_load"] = float(table[1].min())
-    return out
-
-
-class MoEModelMixin:
-    """Model-level MoE protocol for any model whose blocks may hold ``MoE`` layers:
-    ``on_global_step``, ``pop_aux_loss``, ``metrics`` and ``resolve_kernels``. The layer list
-    is cached (the parallelism code wraps blocks, it does not add or remove MoE layers)."""
-
-    def _moe_layers(self) -> list[MoE]:
-        cached = self.__dict__.get("_moe_cache")
-        if cached is None:
-            cached = moe_layers(self)
-            self.__dict__["_moe_cache"] = cached
-        return cached
-
-    def on_global_step(self, skipped: bool) -> None:
-        """Once per global step (after all its segments): move the expert biases."""
-        balance_step(self._moe_layers(), skipped, group=getattr(self, "balance_group", None))
-
-    def pop_aux_loss(self) -> torch.Tensor | None:
-        return pop_aux_loss(self._moe_layers())
-
-    def metrics(self) -> dict[str, float]:
-        return moe_metrics(self._moe_layers())
-
-    def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Decide the expert kernel of every MoE layer for ``device``/``dtype`` now, before any
-        forward; one line saying which is used ("" without MoE layers)."""
-        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype)
-                          for m in self._moe_layers()})
-        if not kernels:
-            return ""
-        names = {"grouped": "grouped (torch._grouped_mm)", "loop": "loop (one matmul per expert)"}
-        dispatch = sorted({m.cfg.dispatch for m in self._moe_layers()})
-        return (f"MoE expert kernel {' + '.join(names[k] for k in kernels)} on {device.type} "
-                f"{str(dtype).removeprefix('torch.')} (dispatch = {', '.join(dispatch)})")

@@ -30,7 +30,8 @@ from torch import nn
 from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.distributed import is_dtensor
-from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
+from kiln.components.ffn.moe import idle_expert_params
+from kiln.components.ffn.moe_model import MoEModelMixin
 from kiln.components.models.block import (
     RetiedOnEmpty,
     build_blocks,

@@ -27,7 +27,8 @@ from torch import nn
 from kiln.components.attention.context import AttentionContext
 from kiln.components.base import ComponentConfig, OptionalSub, Sub, component
 from kiln.components.errors import RecipeError
-from kiln.components.ffn.moe import MoEModelMixin, idle_expert_params
+from kiln.components.ffn.moe import idle_expert_params
+from kiln.components.ffn.moe_model import MoEModelMixin
 from kiln.components.models import mtp, mup
 from kiln.components.models.absolute_positions import AbsolutePositions
 from kiln.components.models.block import (

@@ -3,6 +3,8 @@
 Adjacent feature pairs (2i, 2i+1) of each head are one complex number rotated by the angle
 ``pos * theta**(-2i/head_dim)``. This is the Meta / torchtitan layout, not Hugging Face's
 "rotate half" layout (which pairs i with i + head_dim/2); an HF export must permute wq/wk rows.
+Partial RoPE (``fraction`` < 1) turns the first R = int(head_dim * fraction) features only, as
+a head R wide, and passes the others through.
 
 Context extension (``scaling``: linear, llama3, yarn) changes the frequencies and, for YaRN,
 the table's magnitude; see ``rope_scaling``. Generation with a KV cache rotates new tokens at
@@ -45,6 +47,10 @@ class RoPEConfig(ComponentConfig):
         0.0, ge=0, description="yarn: cos/sin scale (0 = 0.1 * ln(factor) + 1)"
     )
     yarn_truncate: bool = Field(True, description="yarn: round the ramp's ends to whole dims")
+    fraction: float = Field(
+        1.0, gt=0, le=1, description="share of each head's features rotated, the first "
+        "int(head_dim * fraction); the rest pass through (partial RoPE: Qwen3-Next's 0.25, "
+        "GPT-NeoX's partial_rotary_factor); the frequencies are those of a head that wide")
 
     @model_validator(mode="after")
     def _check(self) -> RoPEConfig:
@@ -59,10 +65,17 @@ class RoPEConfig(ComponentConfig):
 
     def head_dim_problem(self, head_dim: int) -> str | None:
         """Why a head of width ``head_dim`` cannot be rotated (None: it can)."""
-        if head_dim % 2:
-            return (f"rope rotates pairs of dimensions, so the head width ({head_dim}) must be "
-                    "even: change dim, attention.n_heads or attention.head_dim")
+        rotated = self.rotated_dims(head_dim)
+        if rotated % 2 or not rotated:
+            part = "" if self.fraction == 1.0 else f" times position.fraction ({self.fraction})"
+            return (f"rope rotates pairs of dimensions, so the head width ({head_dim}){part} "
+                    f"must be even and not zero (it is {rotated}): change dim, attention.n_heads, "
+                    "attention.head_dim or position.fraction")
         return None
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many leading features of a head the rotation turns (transformers' rule)."""
+        return int(head_dim * self.fraction)
 
 
 @register("position", "rope")
@@ -79,10 +92,11 @@ class RoPE(nn.Module):
         self.cfg = cfg
         self.theta = cfg.theta
         self.head_dim = head_dim
+        self.rotated = cfg.rotated_dims(head_dim)  # the leading features turned; the rest pass
         self.max_seq_len = max_seq_len
         # Real (cos, sin) pairs, viewed as complex when applied: a real buffer survives
         # `to_empty`, dtype casts and DTensor wrapping. Not persistent: derived from the config.
-        freqs = torch.empty(max_seq_len, head_dim // 2, 2)  # (T, D/2, [cos, sin])
+        freqs = torch.empty(max_seq_len, self.rotated // 2, 2)  # (T, R/2, [cos, sin])
         self.register_buffer("freqs_cis", freqs, persistent=False)
         self.reset_buffers()
 
@@ -93,7 +107,7 @@ class RoPE(nn.Module):
         if buf.is_meta:
             return
         # Computed in fp64 on CPU so every device and dtype gets the same table.
-        inv_freq, scale = inverse_frequencies(self.cfg, self.head_dim)
+        inv_freq, scale = inverse_frequencies(self.cfg, self.rotated)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
         table = torch.stack((angles.cos(), angles.sin()), dim=-1) * scale  # (T, D/2, 2)
         buf.copy_(table.to(device=buf.device, dtype=buf.dtype))
@@ -122,10 +136,16 @@ class RoPE(nn.Module):
             table = self.freqs_cis[:t].float()  # (T, D/2, 2)
         else:
             table = self.freqs_cis[positions].float()  # (B, T, D/2, 2)
+        if self.rotated < self.head_dim:  # partial RoPE: the trailing features as they are
+            r = self.rotated
+            return (torch.cat([_rotate(q[..., :r], table), q[..., r:]], dim=-1),
+                    torch.cat([_rotate(k[..., :r], table), k[..., r:]], dim=-1))
         return _rotate(q, table), _rotate(k, table)
 
     def extra_repr(self) -> str:
         scaling = "" if self.cfg.scaling == "none" else f", scaling={self.cfg.scaling}"
+        if self.rotated < self.head_dim:
+            scaling += f", rotated={self.rotated}"
         return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, "
                 f"theta={self.theta}{scaling}")
 

@@ -99,6 +99,8 @@ def import_recipe(source: str, out: Path, *, seq_len: int = 0, ignore: tuple[str
                   api=None) -> dict[str, Any]:
     """Write the recipe that trains on from ``source`` to ``out``; returns a summary."""
     folder = hf_import.source_folder(source, api=api)
+    if not source.startswith("hf://"):  # paths in a recipe are read from the cwd of the run
+        source = str(folder.resolve())
     config = hf_import.read_config(folder)
     model = hf_config.model_table(config, source, ignore)
     # the model's context: max_position_embeddings, or GPT-2's n_positions (its max_seq_len)

@@ -63,14 +63,19 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "--model.ffn.n_groups=2", "--model.ffn.topk_groups=1",
                                 "--model.ffn.hidden_dim=32", "--model.ffn.n_shared_experts=1",
                                 "--model.ffn.route_scale=2.5")),
-    # Qwen3-Next's pattern: Gated DeltaNet layers beside full attention with an output gate
+    # Qwen3-Next's blocks: Gated DeltaNet layers beside full attention with an output gate and
+    # partial RoPE; softmax experts with a gated shared expert
     "qwen3_next": ("debug.toml", (*DENSE, '--model.layer_types=["linear","full"]',
                                   "--model.linear_attention.type=gated_deltanet",
                                   "--model.linear_attention.n_heads=2",
                                   "--model.linear_attention.head_dim=16",
                                   "--model.linear_attention.chunk_size=8",
                                   "--model.attention.output_gate=true",
-                                  "--model.attention.qk_norm=true")),
+                                  "--model.attention.qk_norm=true",
+                                  "--model.attention.position.fraction=0.5",
+                                  "--model.ffn.type=moe", "--model.ffn.n_experts=4",
+                                  "--model.ffn.hidden_dim=32", "--model.ffn.n_shared_experts=1",
+                                  "--model.ffn.shared_gate=true")),
     # 8-bit AdamW eager (its compile: test_adamw8bit, tests/nova_dist.py); µP at twice its base
     # width (Muon spectral) and Qwen3-Next's output gate meet every cell here
     "diff_layerscale": ("nova_debug.toml", (*DENSE, "--model.attention.n_kv_heads=1",

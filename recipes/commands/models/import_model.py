@@ -29,6 +29,9 @@ def run(args) -> int:
         heads += f" / {p['attention.n_kv_heads']} kv heads"
     if p.get("attention.type") == "latent":
         heads += f" (latent attention, kv_rank {p['attention.kv_rank']})"
+    linear = list(p.get("layer_types") or []).count("linear")
+    if linear:
+        heads += f" ({linear} linear-attention layers: {p['linear_attention.type']})"
     if p.get("ffn.type") == "moe":
         heads += f", {p['ffn.n_experts']} experts top {p['ffn.top_k']}"
     print(f"wrote {args.out}: {summary['family']} with dim {p['dim']}, {p['n_layers']} layers, "

@@ -94,7 +94,7 @@ def _qwen3_next(layer, h=4, hk=2, dk=8, dv=6, dim=32):
     ba = torch.cat([rows(layer.wb, r), rows(layer.wa, r)], dim=1).flatten(0, 1)
     ref.load_state_dict({
         "in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": ba,
-        "conv1d.weight": layer.conv.detach()[:, None, :], "dt_bias": layer.dt_bias.detach(),
+        "conv1d.weight": layer.conv.detach(), "dt_bias": layer.dt_bias.detach(),
         "A_log": layer.A_log.detach(), "norm.weight": layer.norm_weight.detach(),
         "out_proj.weight": layer.wo.weight.detach()})
     return ref

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from kiln.components.base import default_config
-from kiln.components.ffn.moe import MoE, MoEModelMixin, balance_step, moe_metrics, pop_aux_loss
+from kiln.components.ffn.moe import MoE, balance_step
+from kiln.components.ffn.moe_model import MoEModelMixin, moe_metrics, pop_aux_loss
 
 
 def make(dim=16, **values) -> MoE:
@@ -31,7 +32,8 @@ def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
             h = F.silu(flat[t] @ m.w1[e]) * (flat[t] @ m.w3[e])
             out[t] += w * (h @ m.w2[e])
         if m.shared is not None:
-            out[t] += m.shared(flat[t])
+            gate = torch.sigmoid(m.shared_gate.weight @ flat[t]) if m.cfg.shared_gate else 1.0
+            out[t] += gate * m.shared(flat[t])
     return out.view_as(x)
 
 
@@ -41,6 +43,7 @@ def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
     dict(score="sigmoid", route_scale=2.5),
     dict(score="softmax", renormalize=False, top_k=3),
     dict(score="sigmoid", n_shared_experts=1),
+    dict(score="softmax", n_shared_experts=1, shared_hidden_dim=24, shared_gate=True),
     dict(score="softmax", top_k=1),
 ])
 def test_matches_dense_reference(dispatch, opts):
@@ -189,6 +192,15 @@ def test_active_params():
     per_expert = 3 * 16 * 32
     assert m.active_params() == 8 * 16 + 2 * per_expert + per_expert
     assert sum(p.numel() for p in m.parameters()) == 8 * 16 + 8 * per_expert + per_expert
+    gated = make(dim=16, n_experts=8, top_k=2, hidden_dim=32, n_shared_experts=1,
+                 shared_gate=True)  # the shared expert's gate: one weight per feature
+    assert gated.active_params() == m.active_params() + 16
+
+
+def test_a_shared_gate_needs_a_shared_expert():
+    with pytest.raises(ValueError, match="shared_gate gates the shared expert: set "
+                       "n_shared_experts >= 1"):
+        make(shared_gate=True)
 
 
 def test_a_transformer_recipe_can_use_moe_ffns():

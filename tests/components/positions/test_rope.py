@@ -73,3 +73,23 @@ def test_compile_path_real_ops_equal_complex_path():
     table = _rope().freqs_cis[:5]
     x = torch.randn(2, 5, 3, 8)
     torch.testing.assert_close(_rotate_real(x, table), _rotate(x, table))
+
+
+def test_partial_rope_turns_the_leading_features_as_a_narrower_head():
+    """fraction = 0.25 (Qwen3-Next): the first 4 of 16 features rotate exactly as a RoPE of head
+    width 4 (its frequencies), the other 12 pass through; an odd rotated width is refused."""
+    torch.manual_seed(0)
+    part = default_config("position", "rope", fraction=0.25).build(head_dim=16, max_seq_len=8)
+    q, k = torch.randn(2, 8, 3, 16), torch.randn(2, 8, 1, 16)
+    got_q, got_k = part(q, k)
+    want_q, want_k = _rope(head_dim=4, max_seq_len=8)(q[..., :4], k[..., :4])
+    torch.testing.assert_close(got_q[..., :4], want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k[..., :4], want_k, rtol=0, atol=0)
+    assert torch.equal(got_q[..., 4:], q[..., 4:]) and torch.equal(got_k[..., 4:], k[..., 4:])
+    positions = torch.tensor([3, 5])  # the cached generator's path
+    torch.testing.assert_close(part(q[:, :2], k[:, :2], positions=positions)[0][..., :4],
+                               _rope(4, 8)(q[:, :2, :, :4], k[:, :2, :, :4],
+                                           positions=positions)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head width \(16\) times position.fraction \(0.1875\) "
+                       r"must be even and not zero \(it is 3\)"):
+        default_config("position", "rope", fraction=0.1875).build(head_dim=16, max_seq_len=8)

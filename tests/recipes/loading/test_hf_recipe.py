@@ -23,6 +23,17 @@ TRAIN = ["--training.steps=2", "--training.seq_len=16", "--training.global_batch
          "--eval.at_end=false", "--run.progress_bar=false", "--run.tensorboard=false"]
 
 
+def test_a_folder_typed_relative_is_written_absolute(tmp_path, monkeypatch):
+    """Paths in a recipe are read from the run's working directory: `kiln import hf` from one
+    folder must give a recipe that trains from any other."""
+    save_tiny(tmp_path / "hf", "llama")
+    monkeypatch.chdir(tmp_path)
+    assert main(["import", "hf", "--out", "r.toml", "--seq-len", "16"]) == 0
+    monkeypatch.chdir("/")
+    recipe = load_recipe(tmp_path / "r.toml")
+    assert recipe.checkpoint.init_from == str((tmp_path / "hf").resolve())
+
+
 def test_import_then_init_from_loads_the_weights(tmp_path, capsys):
     hf = save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3)
     recipe_file = tmp_path / "r.toml"

@@ -32,7 +32,9 @@ from typing import Any
 
 from torch import nn
 
+from kiln.checkpointing.huggingface.families.common import ends, layer_parts
 from kiln.checkpointing.huggingface.parts import Part
+from kiln.checkpointing.huggingface.rope import rope_table
 from kiln.components.errors import CheckpointError
 
 FIELDS = frozenset([  # mapped or checked in model_table
@@ -52,16 +54,14 @@ def _fail(source: str, field: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{source}: config.json field {field!r}: {problem}")
 
 
-def model_table(config: dict, source: str, ignore: tuple[str, ...], rope_table
-                ) -> dict[str, Any]:
-    """The kiln ``[model]`` table equal to a DeepSeek-V3 config (CheckpointError otherwise);
-    ``rope_table(config, source)``: its position table (``config.rope_table``)."""
+def model_table(config: dict, source: str, ignore: tuple[str, ...]) -> dict[str, Any]:
+    """The kiln ``[model]`` table equal to a DeepSeek-V3 config (CheckpointError otherwise)."""
     checks = {"hidden_act": "silu", "attention_dropout": 0.0, "rope_interleave": True,
               "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
     for name, want in checks.items():
         if config.get(name, want) != want and name not in ignore:
             raise _fail(source, name, f"{config[name]!r} is not supported (kiln: {want!r})")
-    rope, score_scale = _rope(config, source, rope_table)
+    rope, score_scale = _rope(config, source)
     try:
         dim, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         heads, experts = int(config["num_attention_heads"]), int(config["n_routed_experts"])
@@ -106,7 +106,7 @@ def mscale(factor: float, m: float) -> float:
     return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def _rope(config: dict, source: str, rope_table) -> tuple[dict, float]:
+def _rope(config: dict, source: str) -> tuple[dict, float]:
     """The position table and the score scale of DeepSeek's RoPE: under YaRN, ``mscale`` and
     ``mscale_all_dim`` give the rotation's magnitude (their ratio, transformers'
     ``attention_factor``) and the scores' extra factor (``mscale_all_dim``'s, squared)."""
@@ -175,39 +175,22 @@ def incompatibility(model: nn.Module) -> str:
 
 def parts(model: nn.Module) -> dict[str, list[Part]]:
     """kiln state-dict name -> the DeepSeek-V3 tensors it is made of (module docstring)."""
-    dim, vocab = model.dim, model.vocab_size
-    out: dict[str, list[Part]] = {"tok_embeddings.weight": [Part("model.embed_tokens.weight",
-                                                                 vocab)]}
+    out = ends(model)
+    names = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
+             "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj",
+             "wo": "o_proj"}
     for i, block in enumerate(model.blocks()):
         kn, hf = f"layers.{i}.", f"model.layers.{i}."
         attn, ffn = block.attention, block.feed_forward
-        names = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm",
-                 "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm",
-                 "wkv_b": "kv_b_proj", "wo": "o_proj"}
         for name, module in attn.named_children():
             if name in names:
                 for leaf, t in module.named_parameters(recurse=False):
                     out[f"{kn}attention.{name}.{leaf}"] = [
                         Part(f"{hf}self_attn.{names[name]}.{leaf}", t.shape[0])]
-        out[kn + "attention_norm.weight"] = [Part(hf + "input_layernorm.weight", dim)]
-        out[kn + "ffn_norm.weight"] = [Part(hf + "post_attention_layernorm.weight", dim)]
-        if not hasattr(ffn, "router"):  # a dense layer
-            for ours, theirs, rows in (("w1", "gate_proj", ffn.hidden_dim),
-                                       ("w3", "up_proj", ffn.hidden_dim), ("w2", "down_proj", dim)):
-                out[f"{kn}feed_forward.{ours}.weight"] = [Part(f"{hf}mlp.{theirs}.weight", rows)]
-            continue
-        f = f"{kn}feed_forward."
-        out[f + "router.weight"] = [Part(hf + "mlp.gate.weight", ffn.n_experts)]
-        out[f + "expert_bias"] = [Part(hf + "mlp.gate.e_score_correction_bias", ffn.n_experts)]
-        for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-            out[f + ours] = [Part(f"{hf}mlp.experts.{e}.{theirs}.weight", 1, transposed=True)
-                             for e in range(ffn.n_experts)]
-            rows = dim if ours == "w2" else ffn.shared.hidden_dim
-            out[f"{f}shared.{ours}.weight"] = [
-                Part(f"{hf}mlp.shared_experts.{theirs}.weight", rows)]
-    out["norm.weight"] = [Part("model.norm.weight", dim)]
-    if not model.tied:
-        out["output.weight"] = [Part("lm_head.weight", vocab)]
+        out.update(layer_parts(ffn, kn, hf, model.dim, "shared_experts"))
+        if hasattr(ffn, "router"):
+            out[f"{kn}feed_forward.expert_bias"] = [
+                Part(hf + "mlp.gate.e_score_correction_bias", ffn.n_experts)]
     return out
 
 
