@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.checkpointing.huggingface import fp8
+from kiln.checkpointing.huggingface import fp8, mxfp4
 from kiln.checkpointing.huggingface.families import deepseek, gpt2, qwen3_next
 from kiln.checkpointing.huggingface.rope import fail as _fail
 from kiln.checkpointing.huggingface.rope import rope_parameters, rope_table
@@ -55,7 +55,7 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
     known = {"gpt2": gpt2.FIELDS | gpt2.SUMMARY, "deepseek_v3": deepseek.FIELDS,
              "gpt_oss": MODEL_FIELDS | GPT_OSS_FIELDS,
              "qwen3_next": qwen3_next.FIELDS}.get(family, MODEL_FIELDS)
-    if fp8.block_size(config, source):  # block-scaled FP8, dequantized when read
+    if fp8.block_size(config, source) or mxfp4.applies(config):  # dequantized when read
         known = known | {"quantization_config"}
     for name in config:
         if name not in HARMLESS and name not in known and name not in ignore:

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from kiln.checkpointing.huggingface import fp8
+from kiln.checkpointing.huggingface import fp8, mxfp4
 from kiln.checkpointing.huggingface.parts import Part, from_hf, hf_shapes, to_hf
 from kiln.checkpointing.storage import save_safetensors
 from kiln.components.errors import CheckpointError
@@ -35,6 +35,7 @@ class SafetensorsFolder:
         self._open: dict[str, object] = {}
         self._stored: dict[str, str] = {}  # name asked for -> name in the file (add_prefix)
         self.fp8_block: tuple[int, int] | None = None  # block-scaled FP8 weights: dequantize
+        self._mxfp4: dict[str, tuple[str, str]] = {}  # matrix -> its MXFP4 blocks and scales
         index = self.folder / INDEX
         if index.is_file():
             try:
@@ -76,16 +77,27 @@ class SafetensorsFolder:
         self.weight_map = {new: self.weight_map[old] for new, old in renamed.items()}
         self._stored = renamed
 
+    def enable_mxfp4(self) -> None:
+        """Answer to each MXFP4 pair (``NAME_blocks``, ``NAME_scales``) as the matrix ``NAME``,
+        dequantized when read (``mxfp4``)."""
+        self._mxfp4 = mxfp4.packed(set(self.weight_map))
+
     def keys(self) -> set[str]:
-        return set(self.weight_map)
+        pairs = {n for names in self._mxfp4.values() for n in names}
+        return (set(self.weight_map) - pairs) | set(self._mxfp4)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            return mxfp4.shape(self.shape(self._mxfp4[name][0]))
         stored = self._stored.get(name, name)
         return tuple(self._handle(self.weight_map[name]).get_slice(stored).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """``tensor[index]`` of one stored tensor, reading only those bytes; a block-scaled
-        FP8 matrix (``fp8_block`` set) comes back dequantized, float32."""
+        FP8 matrix (``fp8_block`` set) or an MXFP4 one (``enable_mxfp4``) comes back
+        dequantized, float32."""
+        if name in self._mxfp4:
+            return mxfp4.read(self.read, self._mxfp4[name], self.shape(name), index)
         stored = self._stored.get(name, name)
         piece = self._handle(self.weight_map[name]).get_slice(stored)
         data = piece[index] if index else piece[:]

@@ -26,11 +26,14 @@ def block_size(config: dict, source: str) -> tuple[int, int] | None:
     if quant is None:
         return None
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method == "mxfp4":  # gpt-oss's experts: mxfp4.py
+        return None
     if method != "fp8" or not (isinstance(block, list) and len(block) == 2):
         raise CheckpointError(
             f"{source}: config.json field 'quantization_config': {method!r} is not supported; "
-            "kiln reads unquantized weights and block-scaled FP8 (quant_method \"fp8\" with a "
-            "weight_block_size, DeepSeek-V3's), dequantized on load")
+            "kiln reads unquantized weights, block-scaled FP8 (quant_method \"fp8\" with a "
+            "weight_block_size, DeepSeek-V3's) and MXFP4 (gpt-oss's experts), dequantized on "
+            "load")
     return int(block[0]), int(block[1])
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from kiln.checkpointing.huggingface import fp8
+from kiln.checkpointing.huggingface import fp8, mxfp4
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.huggingface.families import deepseek, qwen3_next
 from kiln.checkpointing.huggingface.files import SafetensorsFolder
@@ -115,6 +115,8 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
                               f"{', '.join(unmapped)}")
     files = SafetensorsFolder(folder)
     files.fp8_block = fp8.block_size(config, label)  # DeepSeek-V3's FP8: dequantized on read
+    if mxfp4.applies(config):  # gpt-oss's released experts: dequantized on read
+        files.enable_mxfp4()
     needed = {p.hf_name for name in targets for p in layout[name]}
     if config.get("model_type") == "gpt2":  # OpenAI's checkpoints: no "transformer." prefix
         files.add_prefix("transformer.", keep=("lm_head.",))
