@@ -7,13 +7,14 @@ from pathlib import Path
 
 from tests.readme_blocks import Command
 
+TASK_LIMIT = 16  # examples of a downstream task (in-loop [evals.NAME] or `kiln eval`'s)
 # Appended to every command of a kind (the last value of a key or flag wins).
 # Two sequences a step, one per micro-batch (debug.toml takes 8): the same commands, less work.
 BATCH = ["--training.global_batch=2", "--training.micro_batch=1"]
 SHRINK = {
     "train": ["--training.steps=2", "--eval.tokens=1024", *BATCH],
     "bench": ["--steps", "1", "--warmup", "0", *BATCH],
-    "eval": ["--tokens", "1024"],
+    "eval": ["--tokens", "1024", "--limit", str(TASK_LIMIT)],
     "sweep": BATCH,  # every run's override; --emit writes a job file and runs nothing
     # every size's override, and a thousandth of the tokens (--flops ladders: see shrink())
     "ladder": [*BATCH, "--checkpoint.enable=false", "--eval.tokens=256"],
@@ -41,14 +42,17 @@ def shrink(cmd: Command, workdir: Path) -> list[str]:
 
 def shorter(kind: str, args: list[str], workdir: Path) -> list[str]:
     """SHORT[kind] for a command training the recipe ``args[0]`` on packed text (none for chat
-    data, other commands, or a recipe that does not load: the command itself says why)."""
+    data, other commands, or a recipe that does not load: the command itself says why), and
+    the first TASK_LIMIT examples of each of its in-loop downstream tasks."""
     from kiln.components.errors import KilnError
     from kiln.recipes.config.files import load_recipe
 
     if kind not in SHORT or not args or not (workdir / args[0]).is_file():
         return []
     try:
-        chat = load_recipe(workdir / args[0]).data.type in ("chat", "preference", "prompts")
+        recipe = load_recipe(workdir / args[0])
     except KilnError:
         return []
-    return [] if chat else SHORT[kind]
+    tasks = [f"--evals.{name}.limit={TASK_LIMIT}" for name in recipe.evals or {}]
+    chat = recipe.data.type in ("chat", "preference", "prompts")
+    return tasks + ([] if chat else SHORT[kind])

@@ -112,3 +112,19 @@ def test_adapter_matrices_keep_the_optimizers_lr():
     mults = mu.lr_multipliers()
     assert any("lora" in n for n, _ in mu.named_parameters())
     assert not any("lora" in n for n in mults) and any(n.endswith("wq.weight") for n in mults)
+
+
+def test_latent_attention_takes_the_same_query_scale():
+    """Latent attention (MLA): µP's factor on its queries (nope and rope parts alike) equals
+    queries twice as large, and the DeepSeek-V3 export names it."""
+    sp = _model(attention="latent")
+    mu = _model(attention="latent", parametrization="mup", base_dim=64,
+                base_head_dim=4 * sp.layers["0"].attention.head_dim)
+    assert mu.layers["0"].attention.q_scale == 2.0
+    with torch.no_grad():
+        for block in sp.blocks():
+            attn = block.attention
+            (attn.wq if hasattr(attn, "wq") else attn.wq_b).weight.mul_(2.0)
+    ids = torch.randint(0, V, (2, T))
+    torch.testing.assert_close(mu(ids), sp(ids))
+    assert "µP's query scale" in hf_incompatibility(mu)

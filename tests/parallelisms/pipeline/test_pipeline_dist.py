@@ -1,8 +1,9 @@
-"""Pipeline parallelism on gloo processes: ``pp = 2`` equals one process (dense, MoE and
-differential attention; GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV;
-the final evaluation included), checkpoints resume across pipeline layouts (pp 2 -> 1, 1 -> 2
-with another split), and on 4 processes pp 2 with FSDP2, HSDP, tensor parallel and expert
-parallel inside each stage. The recipes are the combination test's tiny ones."""
+"""Pipeline parallelism on gloo processes: ``pp = 2`` equals one process (dense, MoE,
+differential attention, DeepSeek-V3's and Qwen3-Next's blocks; GPipe, 1F1B, interleaved 1F1B,
+interleaved zero bubble, ZBV, DualPipeV; the final evaluation included), checkpoints resume
+across pipeline layouts (pp 2 -> 1, 1 -> 2 with another split), and on 4 processes pp 2 with
+FSDP2, HSDP, tensor parallel and expert parallel inside each stage. The recipes are the
+combination test's tiny ones."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ EVAL = ("--eval.at_end=true",)
 SAVE = ("--checkpoint.enable=true",)
 CASES = {  # name -> (family, overrides)
     "dense_1f1b": ("dense", ("--parallelism.pp=2", *EVAL, *SAVE)),
-    "dense_interleaved": ("dense", ("--model.n_layers=4", "--model.tie_embeddings=false",
-                                    "--parallelism.pp=2",
-                                    "--parallelism.pp_schedule=interleaved_1f1b", *EVAL)),
+    # DeepSeek-V3's blocks (latent attention, a dense layer, grouped experts) without its
+    # multi-token prediction module, which pipeline parallelism refuses
+    "deepseek_interleaved": ("deepseek", ("--model.n_layers=4", "--model.mtp_depth=0",
+                                          "--model.tie_embeddings=false", "--parallelism.pp=2",
+                                          "--parallelism.pp_schedule=interleaved_1f1b", *EVAL)),
     "moe_gpipe": ("moe", ("--model.n_layers=3", '--model.layer_types=["sliding","full","full"]',
                           "--parallelism.pp=2",
                           "--parallelism.pp_schedule=gpipe", *EVAL)),
@@ -36,8 +39,9 @@ CASES = {  # name -> (family, overrides)
     "dense_dualpipev": ("dense", ("--model.n_layers=4", "--parallelism.pp=2",
                                   "--parallelism.pp_schedule=dualpipev",
                                   "--training.micro_batch=1")),
-    # two pipeline runs per step, a shorter first step (a schedule per length), a guard
-    "dense_runs_warmup_guard": ("dense", (
+    # two pipeline runs per step, a shorter first step (a schedule per length), a guard; on
+    # Qwen3-Next's blocks (a Gated DeltaNet layer on each stage's side of the cut)
+    "qwen3_next_runs_warmup_guard": ("qwen3_next", (
         "--parallelism.pp=2", "--parallelism.pp_schedule=gpipe", "--parallelism.pp_microbatches=1",
         "--training.context_warmup.steps=1", "--training.context_warmup.start=16",
         "--training.context_warmup.multiple=8", "--guards.spike.type=spike_guard",
