@@ -147,7 +147,10 @@ def test_the_shrink_shortens_packed_text_runs_and_keeps_conversations_whole():
     assert argv("./run_train.sh train_configs/debug.toml")[-2:] == SHORT["train"]
     assert argv("kiln bench train_configs/llama_debug.toml")[-1] == "--training.seq_len=64"
     chat = argv("./run_train.sh train_configs/sft_debug.toml")
-    assert chat[-len(SHRINK["train"]):] == SHRINK["train"]  # the recipe's own seq_len
+    assert "--training.seq_len=64" not in chat  # the recipe's own seq_len
+    assert set(SHRINK["train"]) <= set(chat)
+    # in-loop downstream tasks: their first examples only
+    assert argv("./run_train.sh train_configs/dpo_debug.toml")[-1] == "--evals.restate.limit=16"
     assert argv("kiln train train_configs/nowhere.toml")[-1] == BATCH[-1]  # says so itself
     assert argv("kiln sweep train_configs/debug.toml --emit jobs.sh")[-1] == "jobs.sh"
 
