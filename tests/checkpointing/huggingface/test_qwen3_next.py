@@ -44,8 +44,12 @@ def _qwen3_next(folder, **overrides):
                          "linear_attention"],
          "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0,
                              "partial_rotary_factor": 0.5}},
-    {"num_experts": 0, "linear_num_key_heads": 4, "linear_conv_kernel_dim": 3}],
-    ids=["dense_first", "all_moe_tied_biased_half_rope", "dense_only"])
+    {"num_experts": 0, "linear_num_key_heads": 4, "linear_conv_kernel_dim": 3},
+    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "partial_rotary_factor": 0.25},
+     "num_experts_per_tok": 1, "norm_topk_prob": False, "linear_num_value_heads": 6,
+     "linear_num_key_heads": 3}],
+    ids=["dense_first", "all_moe_tied_biased_half_rope", "dense_only", "yarn_top1_three_groups"])
 def test_imported_qwen3_next_gives_transformers_logits_and_gradients(tmp_path, overrides):
     hf = _qwen3_next(tmp_path / "hf", **overrides)
     model = kiln_from_hf(tmp_path / "hf", 32)
