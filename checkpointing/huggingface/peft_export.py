@@ -48,6 +48,10 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     if reason:
         raise CheckpointError(f"--format peft: the model has no Hugging Face layout ({reason})")
     parts = hf_layout.parts(model)
+    extent: dict[str, int] = {}  # rows of each Hugging Face tensor, over every part of it
+    for pieces in parts.values():
+        for p in pieces:
+            extent[p.hf_name] = max(extent.get(p.hf_name, 0), p.start + p.rows)
     out: dict[str, torch.Tensor] = {}
     modules = []
     for name, (_, _, layer) in found.items():
@@ -63,6 +67,12 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
                 f"--format peft: {clean_name(name)} is {'part of ' if part.start else ''}"
                 f"{part.hf_name}, a GPT-2 Conv1D layer (peft adapts those with fan_in_fan_out "
                 "and one whole module at a time); export merged weights instead")
+        if part.rows != extent[part.hf_name]:  # one piece of a tensor that holds others
+            raise CheckpointError(
+                f"--format peft: {clean_name(name)} is {part.rows} of the {extent[part.hf_name]} "
+                f"rows of {part.hf_name} (Qwen3-Next's q_proj holds the output gate too, its "
+                "in_proj_qkvz q, k, v and z); peft adapts one whole module at a time: export "
+                "merged weights instead")
         module = part.hf_name.removesuffix(".weight")
         for suffix, (tensor, output_rows) in layer.peft_tensors().items():
             t = tensor.detach().float().cpu()

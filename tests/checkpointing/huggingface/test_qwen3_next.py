@@ -139,3 +139,20 @@ def test_kiln_import_says_what_it_wrote(tmp_path, capsys):
                  "--seq-len", "16"]) == 0
     assert ("qwen3_next with dim 32, 4 layers, 4 heads / 2 kv heads (3 linear-attention "
             "layers: gated_deltanet), 4 experts top 2, vocabulary 300") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("heads", [1, 2], ids=["one_piece", "pieces"])
+def test_a_peft_export_of_adapters_on_part_of_a_fused_module_is_refused(tmp_path, heads):
+    """LoRA on wq: Qwen3-Next's q_proj also holds the gate, its in_proj_qkvz the k, v and z
+    rows. With one head (one key head), wq is a single piece at row 0 of those tensors: the
+    check must not take it for the whole module."""
+    from kiln.checkpointing.huggingface.peft_export import peft_tensors
+    from kiln.components.base import default_config
+
+    _qwen3_next(tmp_path / "hf", num_attention_heads=heads, num_key_value_heads=1,
+                linear_num_key_heads=heads, linear_num_value_heads=heads)
+    model = kiln_model(tmp_path / "hf", 32)
+    default_config("adapter", "lora", rank=2, targets=["*.attention.wq"]).build().apply(model)
+    with pytest.raises(CheckpointError, match=r"--format peft: layers.0.attention.wq is 8 of the "
+                       r"\d+ rows of model.layers.0.linear_attn.in_proj_qkvz.weight|is made of"):
+        peft_tensors(model)
