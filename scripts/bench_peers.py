@@ -189,6 +189,11 @@ def summarise(chosen: list[Group], results: dict, args) -> dict:
                 line.update(kiln=statistics.median(kiln), peer_value=statistics.median(peer),
                             speedup=statistics.median(ratios))
                 line["notes"] = _notes(g, res)
+            threads = g.params.get("threads", args.threads)
+            if threads != args.threads:  # a row that fixes its own count (nanoGPT's 1)
+                line["notes"] = ", ".join(n for n in (f"{threads} thread"
+                                                      f"{'s' if threads > 1 else ''} per side",
+                                                      line.get("notes", "")) if n)
             rows.append(line)
     return {"date": datetime.date.today().isoformat(), "cpu": cpu_model(),
             "cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
@@ -226,7 +231,8 @@ def _fmt(value: float, unit: str) -> str:
 def render(s: dict) -> str:
     lines = [
         f"Measured {s['date']} on `{s['cpu']}` ({s['cores']} cores), {s['threads']} threads per "
-        f"side, torch {s['torch']}; {s['rounds']} alternating rounds, medians; kiln speed-up = "
+        f"side (where a row's notes give no other count), torch {s['torch']}; "
+        f"{s['rounds']} alternating rounds, medians; kiln speed-up = "
         "median of the per-round ratios (> 1: kiln faster). Threading environment: "
         + (", ".join(f"{k}={v}" for k, v in s["thread_env"].items())
            or f"library defaults (none of {', '.join(THREAD_ENV)} set)") + ".",

@@ -59,6 +59,9 @@ def test_speedup_is_the_median_per_round_ratio_and_inverted_for_times():
     row = bp.summarise([group], results, _args())["rows"][0]
     assert row["kiln"] == 12.0 and row["peer_value"] == 12.0
     assert row["speedup"] == pytest.approx(0.9)  # ratios 0.9, 1.0, 0.5
+    assert row["notes"] == ""
+    group.params["threads"] = 1  # a row with its own count (nanoGPT's) says so
+    assert bp.summarise([group], results, _args())["rows"][0]["notes"] == "1 thread per side"
 
 
 def test_the_table_is_markdown_with_date_cpu_command_and_every_row():
