@@ -34,7 +34,7 @@ from torch import nn
 
 from kiln.checkpointing.huggingface.families.common import ends, layer_parts
 from kiln.checkpointing.huggingface.parts import Part
-from kiln.checkpointing.huggingface.rope import rope_table
+from kiln.checkpointing.huggingface.rope import rope_parameters, rope_table
 from kiln.components.errors import CheckpointError
 
 FIELDS = frozenset([  # mapped or checked in model_table
@@ -145,9 +145,8 @@ def incompatibility(model: nn.Module) -> str:
         attn, ffn = block.attention, block.feed_forward
         if type(attn) is not LatentAttention:
             return f"DeepSeek-V3 layout: layer {i} attention is {type(attn).__name__}"
-        if (attn.window or attn.q_scale != 1.0 or type(attn.position) is not RoPE
-                or attn.position.cfg.scaling not in ("none", "yarn")):
-            return "DeepSeek-V3 layout: a window, µP's query scale or a RoPE scaling but YaRN"
+        if attn.window or attn.q_scale != 1.0 or type(attn.position) is not RoPE:
+            return "DeepSeek-V3 layout: a window, µP's query scale or a position but RoPE"
         if attn.score_scale != 1.0 and attn.position.cfg.scaling != "yarn":
             return "DeepSeek-V3 layout: a score scale without YaRN (its mscale_all_dim)"
         if attn.kv_norm.eps != 1e-6 or (attn.wo.bias is not None and hasattr(attn, "wq")):
@@ -198,8 +197,8 @@ def _rope_parameters(attn: nn.Module) -> dict[str, Any]:
     """``rope_parameters`` of latent attention's RoPE: YaRN's ``mscale_all_dim`` from the
     score scale and ``mscale`` from the rotation's magnitude (``_rope``'s inverse)."""
     rope = attn.position.cfg
-    if rope.scaling == "none":
-        return {"rope_type": "default", "rope_theta": rope.theta}
+    if rope.scaling != "yarn":  # no magnitudes: the families' common parameters
+        return rope_parameters(rope)
     log_f = 0.1 * math.log(rope.factor)
     m_all = (math.sqrt(attn.score_scale) - 1.0) / log_f
     magnitude = rope.attention_factor or (log_f + 1.0)

@@ -80,6 +80,25 @@ def test_yarn_with_deepseeks_mscale_imports_and_exports(tmp_path):
         torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
 
 
+def test_llama3_rope_scaling_imports_and_exports(tmp_path):
+    """Llama 3's band-wise RoPE scaling (no magnitudes): DeepSeek-V3's code takes any rope type,
+    and so do kiln's import and export (positions past the original 16)."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    hf = _deepseek(tmp_path / "hf", rope_parameters=llama3)
+    model = kiln_from_hf(tmp_path / "hf", 48)
+    assert model.blocks()[0].attention.position.cfg.scaling == "llama3"
+    x = ids(t=40)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+    export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+
+
 def test_a_checkpoints_mtp_layer_is_left_out_as_transformers_leaves_it(tmp_path):
     hf = _deepseek(tmp_path / "hf", num_nextn_predict_layers=1)
     state = load_file(tmp_path / "hf" / "model.safetensors")
