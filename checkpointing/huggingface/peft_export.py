@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.checkpointing.huggingface import config as hf_config
 from kiln.checkpointing.huggingface import layout as hf_layout
 from kiln.checkpointing.huggingface.parts import to_hf
 from kiln.checkpointing.storage import save_safetensors
@@ -33,6 +34,11 @@ from kiln.components.errors import CheckpointError
 from kiln.parallelisms.blocks import clean_name
 
 CONFIG = "adapter_config.json"
+# Families whose MoE weights transformers 5 converts on load: peft (0.21) then renames every
+# target named gate / gate_proj / up_proj / down_proj to the routed experts' fused parameters,
+# also those of a shared expert, a dense layer or the router.
+PEFT_RENAMES_MLP = {"deepseek_v3", "qwen3_next"}
+MLP_NAMES = ("gate", "gate_proj", "up_proj", "down_proj")
 WEIGHTS = "adapter_model.safetensors"
 
 
@@ -48,6 +54,7 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     if reason:
         raise CheckpointError(f"--format peft: the model has no Hugging Face layout ({reason})")
     parts = hf_layout.parts(model)
+    family = hf_config.family_of(model)
     extent: dict[str, int] = {}  # rows of each Hugging Face tensor, over every part of it
     for pieces in parts.values():
         for p in pieces:
@@ -74,6 +81,12 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
                 "in_proj_qkvz q, k, v and z); peft adapts one whole module at a time: export "
                 "merged weights instead")
         module = part.hf_name.removesuffix(".weight")
+        if family in PEFT_RENAMES_MLP and module.rsplit(".", 1)[-1] in MLP_NAMES:
+            raise CheckpointError(
+                f"--format peft: {clean_name(name)} is {module}; peft renames every "
+                f"{'/'.join(MLP_NAMES)} target of a {family} model to its routed experts' fused "
+                "weights (transformers 5's MoE conversion), so the adapter would load onto other "
+                "weights; export merged weights instead, or adapt attention and the output layer")
         for suffix, (tensor, output_rows) in layer.peft_tensors().items():
             t = tensor.detach().float().cpu()
             out[f"base_model.model.{module}.{suffix}"] = (
