@@ -52,25 +52,22 @@ def hf_shapes(items) -> dict[str, tuple[int, ...]]:
 def to_hf(w: torch.Tensor, heads: int, rope_dim: int = 0) -> torch.Tensor:
     """Rows from kiln's adjacent-pair to Hugging Face's half-split RoPE order, per head (of
     each head's first ``rope_dim`` rows only, when given: partial RoPE)."""
-    return _permute(w, heads, rope_dim, (2,))
+    return _permute(w, heads, rope_dim, to_hf_order=True)
 
 
 def from_hf(w: torch.Tensor, heads: int, rope_dim: int = 0) -> torch.Tensor:
     """The inverse of ``to_hf``."""
-    return _permute(w, heads, rope_dim, ())
+    return _permute(w, heads, rope_dim, to_hf_order=False)
 
 
-def _permute(w: torch.Tensor, heads: int, rope_dim: int, pairs_last: tuple) -> torch.Tensor:
-    """Each head's first ``rope_dim`` rows (all: 0) viewed as (R/2, 2) (kiln's pairs) or (2, R/2)
-    (Hugging Face's halves; ``pairs_last`` empty) and transposed to the other order."""
+def _permute(w: torch.Tensor, heads: int, rope_dim: int, *, to_hf_order: bool) -> torch.Tensor:
+    """Each head's first ``rope_dim`` rows (0: all) read as (R/2, 2), kiln's pairs, or as
+    (2, R/2), Hugging Face's halves, and written in the other order; the rest as they are."""
     if not heads:
         return w
     d = w.shape[0] // heads
-    r = rope_dim or d
-    rest = w.shape[1:]
+    r, rest = rope_dim or d, w.shape[1:]
     by_head = w.reshape(heads, d, *rest)
-    rot = by_head[:, :r]
-    rot = (rot.reshape(heads, r // 2, 2, *rest) if pairs_last
-           else rot.reshape(heads, 2, r // 2, *rest)).transpose(1, 2).reshape(heads, r, *rest)
-    return torch.cat([rot, by_head[:, r:]], dim=1).reshape(w.shape) if r < d else \
-        rot.reshape(w.shape)
+    split = (r // 2, 2) if to_hf_order else (2, r // 2)
+    rot = by_head[:, :r].reshape(heads, *split, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat([rot, by_head[:, r:]], dim=1).reshape(w.shape)
