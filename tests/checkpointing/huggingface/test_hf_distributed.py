@@ -27,14 +27,14 @@ from tests.parallelisms.tiny import free_port, init_gloo
 SHARD = "20KB"
 
 
-def _worker(rank: int, port: int, tmp: str) -> None:
+def _worker(rank: int, port: int, tmp: str, flags: tuple[str, ...]) -> None:
     init_gloo(rank, 2, port)
     world = SimpleNamespace(world_size=2, device=torch.device("cpu"), rank=rank)
     tmp_path = Path(tmp)
     results: dict = {}
     try:
         with torch.device("meta"):
-            model = kiln_model(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+            model = kiln_model(tmp_path / "hf", 32, *flags)
         parallelize(model, ParallelismConfig(), world)
         materialize(model, "cpu", 0, mode="sharded")  # never whole on a rank
         read = []  # elements this rank read from the files
@@ -58,11 +58,10 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         from kiln.recipes.loading.weights import copy_whole
 
         with torch.device("meta"):
-            copied = kiln_model(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+            copied = kiln_model(tmp_path / "hf", 32, *flags)
         parallelize(copied, ParallelismConfig(), world)
         materialize(copied, "cpu", 1, mode="sharded")
-        copy_whole(kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true"), copied,
-                   label="whole")
+        copy_whole(kiln_from_hf(tmp_path / "hf", 32, *flags), copied, label="whole")
         full = full_params(copied)
         if rank == 0:
             torch.save(full, tmp_path / "copied.pt")
@@ -80,15 +79,27 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_import_and_export_on_two_processes_equal_one(tmp_path):
-    save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3, vocab_size=301)  # uneven shards
-    forked.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_fsdp2_import_and_export_on_two_processes_equal_one(tmp_path, family):
+    """Llama with a fused wqkv (kv-grouped rows from three tensors); Qwen3-Next (per-head
+    query / gate pieces, partial RoPE, norms stored as weight - 1, per-key-head in_proj groups,
+    one tensor per expert)."""
+    if family == "llama":
+        save_tiny(tmp_path / "hf", "llama", rope_parameters=LLAMA3, vocab_size=301)  # uneven
+        flags: tuple[str, ...] = ("--model.attention.fused_qkv=true",)
+    else:
+        from tests.checkpointing.huggingface.test_qwen3_next import _qwen3_next
+
+        _qwen3_next(tmp_path / "hf", vocab_size=301)
+        flags = ()
+    forked.spawn(_worker, args=(free_port(), str(tmp_path), flags), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    one = kiln_from_hf(tmp_path / "hf", 32, "--model.attention.fused_qkv=true")
+    one = kiln_from_hf(tmp_path / "hf", 32, *flags)
     full = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert full.keys() == one.state_dict().keys()
+    params = dict(one.named_parameters())  # (MoE's expert bias is a buffer: kept at init)
+    assert full.keys() == params.keys()
     copied = torch.load(tmp_path / "copied.pt", weights_only=True)
-    for name, t in one.state_dict().items():
+    for name, t in params.items():
         assert torch.equal(full[name], t), name
         assert torch.equal(copied[name], t), name
     for r in ranks:  # each rank read about half of the model (whole RoPE heads: a little more)
