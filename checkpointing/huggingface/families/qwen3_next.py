@@ -51,6 +51,8 @@ FIELDS = frozenset([  # mapped or checked in model_table
     "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
     "num_experts", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef",
     "mlp_only_layers", "layer_types", "full_attention_interval",
+    # in the released config.json files; transformers' Qwen3-Next code has no window, nor kiln's
+    "use_sliding_window", "sliding_window",
 ])
 KINDS = {"linear_attention": "linear", "full_attention": "full"}
 

@@ -73,6 +73,24 @@ def test_imported_qwen3_next_gives_transformers_logits_and_gradients(tmp_path, o
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_a_released_style_config_imports(tmp_path):
+    """The released checkpoints' config.json (transformers 4.57's form): rope_theta,
+    partial_rotary_factor and rope_scaling at the top level, use_sliding_window false,
+    full_attention_interval instead of layer_types."""
+    hf = _qwen3_next(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    del config["layer_types"]
+    config.update(rope_theta=theta, partial_rotary_factor=0.25, rope_scaling=None,
+                  use_sliding_window=False, sliding_window=None, full_attention_interval=4)
+    path.write_text(json.dumps(config))
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    x = ids(t=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+
+
 def test_transformers_loads_kilns_export_with_the_same_logits(tmp_path):
     _qwen3_next(tmp_path / "hf")
     model = kiln_from_hf(tmp_path / "hf", 32)
