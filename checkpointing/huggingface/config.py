@@ -19,7 +19,10 @@ from kiln.checkpointing.huggingface.rope import rope_parameters, rope_table
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "deepseek_v3", "gpt_oss", "qwen3_next")
 GPT_OSS_FIELDS = frozenset(["num_local_experts", "num_experts_per_tok", "swiglu_alpha",
-                            "swiglu_limit", "router_aux_loss_coef", "output_router_logits"])
+                            "swiglu_limit", "router_aux_loss_coef", "output_router_logits",
+                            # in the released config.json, read by no transformers code:
+                            # num_experts_per_tok and YaRN's original length are the ones used
+                            "experts_per_token", "initial_context_length"])
 
 # Fields that do not change the network's computation (metadata, ids, generation defaults).
 HARMLESS = frozenset([

@@ -50,3 +50,19 @@ def test_import_gives_transformers_logits_and_export_loads_back(tmp_path):
         tmp_path / "out", dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+
+
+def test_the_released_configs_extra_fields_import(tmp_path):
+    """gpt-oss's released config.json carries experts_per_token and initial_context_length,
+    which transformers' code never reads: they import, and change nothing."""
+    import json
+
+    hf = _gpt_oss(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config.update(experts_per_token=CONFIG["num_experts_per_tok"], initial_context_length=16)
+    path.write_text(json.dumps(config))
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    x = ids(t=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
