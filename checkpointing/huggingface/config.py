@@ -60,13 +60,16 @@ def model_table(config: dict, source: str, ignore: tuple[str, ...] = ()) -> dict
              "qwen3_next": qwen3_next.FIELDS}.get(family, MODEL_FIELDS)
     if fp8.block_size(config, source) or mxfp4.applies(config):  # dequantized when read
         known = known | {"quantization_config"}
+    if "auto_map" in config and "auto_map" not in ignore:
+        raise _fail(source, "auto_map", "names custom model code, which kiln does not run",
+                    f"kiln equals transformers' own {family} code: if the checkpoint is meant for "
+                    "it too (transformers loads it without trust_remote_code, as DeepSeek-V3's "
+                    "release), pass --ignore-field auto_map (checkpoint.init_from_ignore)")
     for name in config:
         if name not in HARMLESS and name not in known and name not in ignore:
             raise _fail(source, name, "unknown to kiln's import, so it may change the model",
                         "if it does not change the computation, pass it to --ignore-field "
                         "(checkpoint.init_from_ignore)")
-    if "auto_map" in config and "auto_map" not in ignore:
-        raise _fail(source, "auto_map", "custom-code models are not supported")
     if family == "gpt2":
         return gpt2.model_table(config, source, ignore)
     if family == "deepseek_v3":

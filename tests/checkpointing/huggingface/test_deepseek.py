@@ -125,6 +125,32 @@ def test_transformers_loads_kilns_export_with_the_same_logits(tmp_path):
         torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
 
 
+def test_a_release_with_remote_code_needs_the_field_let_through(tmp_path):
+    """DeepSeek-V3's release names its own modeling code (auto_map), which transformers 5 does
+    not run without trust_remote_code: refused with the way through, which then imports."""
+    hf = _deepseek(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'auto_map': names custom model code, which kiln "
+                       "does not run; kiln equals transformers' own deepseek_v3 code: .* pass "
+                       "--ignore-field auto_map"):
+        kiln_model(tmp_path / "hf", 32)
+    from kiln.checkpointing.huggingface import importer
+    from kiln.recipes.config.files import load_recipe
+    from kiln.recipes.loading.hf_recipe import import_recipe
+
+    import_recipe(str(tmp_path / "hf"), tmp_path / "r.toml", seq_len=32, ignore=("auto_map",))
+    recipe = load_recipe(tmp_path / "r.toml")
+    assert recipe.checkpoint.init_from_ignore == ["auto_map"]
+    model = recipe.model.build(vocab_size=258, seq_len=32).eval()
+    importer.load_weights(model, tmp_path / "hf", config)
+    x = ids(t=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
+
+
 def test_what_latent_attention_cannot_take_is_named(tmp_path):
     _deepseek(tmp_path / "linear", rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                     "rope_theta": 10000.0, "mscale": 1.0})
