@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kiln.checkpointing.huggingface.families import deepseek, gpt2, qwen3_next
+from kiln.checkpointing.huggingface.families.common import block_problem
 from kiln.checkpointing.huggingface.parts import Part
 from kiln.components.adapter_contract import adapter_parameter_names
 from kiln.parallelisms.blocks import clean_name
@@ -79,11 +80,9 @@ def hf_incompatibility(model: nn.Module) -> str:
             return f"position encoding {type(attn.position).__name__}"
         if type(ffn) is not SwiGLU:
             return f"layer {i} feed-forward is {type(ffn).__name__}"
-        if block.attention_scale is not None:
-            return "LayerScale"
-        for norm in (block.attention_norm, block.ffn_norm):
-            if type(norm) is not RMSNorm or norm.weight is None or norm.eps != eps:
-                return "block norms other than RMSNorm with a weight and the final norm's eps"
+        problem = block_problem(block, eps)
+        if problem:
+            return problem
         out_bias = attn.wo.bias is not None
         in_bias = (attn.wqkv if hasattr(attn, "wqkv") else attn.wq).bias is not None
         if out_bias and not in_bias:
@@ -99,7 +98,6 @@ def hf_incompatibility(model: nn.Module) -> str:
 def _gpt_oss_problem(model: nn.Module) -> str:
     """Why a model with gpt-oss's experts has no gpt-oss layout ("" if it has one)."""
     from kiln.components.attention.causal import CausalAttention
-    from kiln.components.norms.rmsnorm import RMSNorm
     from kiln.components.positions.rope import RoPE
 
     eps, settings = model.norm.eps, set()
@@ -119,11 +117,9 @@ def _gpt_oss_problem(model: nn.Module) -> str:
                 or c.capacity_factor):
             return ("gpt-oss layout: softmax gates renormalised over the top k, no scale, "
                     "groups or capacity limit")
-        norms = (block.attention_norm, block.ffn_norm)
-        if any(type(n) is not RMSNorm or n.weight is None or n.eps != eps for n in norms):
-            return "gpt-oss layout: block norms other than RMSNorm with the final eps"
-        if block.attention_scale is not None:
-            return "LayerScale"
+        problem = block_problem(block, eps, "gpt-oss layout: ")
+        if problem:
+            return problem
     if len(settings) > 1:
         return "gpt-oss layout: layers of different expert settings"
     sizes = {b.attention.window for b in model.blocks()} - {0}

@@ -41,3 +41,17 @@ def ends(model: nn.Module, norm_offset: float = 0.0) -> dict[str, list[Part]]:
     if not model.tied:
         out["output.weight"] = [Part("lm_head.weight", model.vocab_size)]
     return out
+
+
+def block_problem(block: nn.Module, eps: float, layout: str = "") -> str:
+    """Why a block's norms or LayerScale have no place in a Hugging Face layout ("" if none):
+    every family wants RMSNorms with a weight and the final norm's eps, and no LayerScale.
+    ``layout``: the message's prefix naming the family's layout."""
+    from kiln.components.norms.rmsnorm import RMSNorm
+
+    if block.attention_scale is not None:
+        return "LayerScale"
+    norms = (block.attention_norm, block.ffn_norm)
+    if any(type(n) is not RMSNorm or n.weight is None or n.eps != eps for n in norms):
+        return f"{layout}block norms other than RMSNorm with a weight and the final norm's eps"
+    return ""

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from kiln.checkpointing.huggingface.families.common import ends, layer_parts
+from kiln.checkpointing.huggingface.families.common import block_problem, ends, layer_parts
 from kiln.checkpointing.huggingface.parts import Part
 from kiln.checkpointing.huggingface.rope import rope_parameters, rope_table
 from kiln.components.errors import CheckpointError
@@ -133,7 +133,6 @@ def incompatibility(model: nn.Module) -> str:
     from kiln.components.attention.latent import LatentAttention
     from kiln.components.ffn.moe import MoE
     from kiln.components.ffn.swiglu import SwiGLU
-    from kiln.components.norms.rmsnorm import RMSNorm
     from kiln.components.positions.rope import RoPE
 
     blocks, eps = model.blocks(), model.norm.eps
@@ -152,11 +151,9 @@ def incompatibility(model: nn.Module) -> str:
         if attn.kv_norm.eps != 1e-6 or (attn.wo.bias is not None and hasattr(attn, "wq")):
             return ("DeepSeek-V3 layout: latent norms with eps other than 1e-6, or attention "
                     "biases without a query latent")
-        norms = (block.attention_norm, block.ffn_norm)
-        if any(type(n) is not RMSNorm or n.weight is None or n.eps != eps for n in norms):
-            return "DeepSeek-V3 layout: block norms other than RMSNorm with the final eps"
-        if block.attention_scale is not None:
-            return "LayerScale"
+        problem = block_problem(block, eps, "DeepSeek-V3 layout: ")
+        if problem:
+            return problem
         if isinstance(ffn, MoE) and (ffn.cfg.score != "sigmoid" or ffn.cfg.capacity_factor
                                      or ffn.shared is None
                                      or ffn.shared.hidden_dim != ffn.hidden_dim

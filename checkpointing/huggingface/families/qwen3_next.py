@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from kiln.checkpointing.huggingface.families.common import ends, layer_parts
+from kiln.checkpointing.huggingface.families.common import block_problem, ends, layer_parts
 from kiln.checkpointing.huggingface.parts import Part
 from kiln.checkpointing.huggingface.rope import fail, rope_parameters, rope_table
 
@@ -176,7 +176,6 @@ def incompatibility(model: nn.Module) -> str:
     has)."""
     from kiln.components.attention.causal import CausalAttention
     from kiln.components.attention.gated_deltanet import GatedDeltaNet
-    from kiln.components.norms.rmsnorm import RMSNorm
     from kiln.components.positions.rope import RoPE
 
     eps, settings = model.norm.eps, set()
@@ -202,11 +201,9 @@ def incompatibility(model: nn.Module) -> str:
                           rope.model_dump_json()))
         else:
             return f"Qwen3-Next layout: layer {i} attention is {type(attn).__name__}"
-        norms = (block.attention_norm, block.ffn_norm)
-        if any(type(n) is not RMSNorm or n.weight is None or n.eps != eps for n in norms):
-            return "Qwen3-Next layout: block norms other than RMSNorm with the final eps"
-        if block.attention_scale is not None:
-            return "LayerScale"
+        problem = block_problem(block, eps, "Qwen3-Next layout: ")
+        if problem:
+            return problem
     if len({s for s in settings if s[0] == "full"}) > 1 or len(
             {s for s in settings if s[0] == "linear"}) > 1:
         return "Qwen3-Next layout: layers of different attention settings"
