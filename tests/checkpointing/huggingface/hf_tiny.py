@@ -60,3 +60,16 @@ def kiln_from_hf(folder: Path, seq_len: int = 32, *overrides: str):
     model = kiln_model(folder, seq_len, *overrides)
     hf_import.load_weights(model, Path(folder), hf_import.read_config(Path(folder)))
     return model
+
+
+def export_loads_back(model, out: Path, x: torch.Tensor) -> dict:
+    """``kiln export`` of ``model`` into ``out`` in Hugging Face's layout; transformers loads it
+    with the model's logits on ``x``. Returns the export's summary."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.checkpointing.huggingface import export
+
+    summary = export.export(model, None, out, model_table={}, recipe_file=None)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+    return summary

@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.checkpointing.huggingface import export
 from kiln.checkpointing.huggingface.layout import hf_incompatibility
 from kiln.components.errors import CheckpointError
-from tests.checkpointing.huggingface.hf_tiny import ids, kiln_from_hf, kiln_model
+from tests.checkpointing.huggingface.hf_tiny import export_loads_back, ids, kiln_from_hf, kiln_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,14 +69,10 @@ def test_yarn_with_deepseeks_mscale_imports_and_exports(tmp_path):
     x = ids(t=40)
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
-    export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    export_loads_back(model, tmp_path / "out", x)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rope_parameters"]["mscale"] == pytest.approx(0.8)
     assert config["rope_parameters"]["mscale_all_dim"] == pytest.approx(0.6)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                             dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
 
 
 def test_llama3_rope_scaling_imports_and_exports(tmp_path):
@@ -92,11 +87,7 @@ def test_llama3_rope_scaling_imports_and_exports(tmp_path):
     x = ids(t=40)
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
-    export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                             dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
+    export_loads_back(model, tmp_path / "out", x)
 
 
 def test_a_checkpoints_mtp_layer_is_left_out_as_transformers_leaves_it(tmp_path):
@@ -116,13 +107,8 @@ def test_transformers_loads_kilns_export_with_the_same_logits(tmp_path):
     with torch.no_grad():  # kiln's own weights now: the export must carry them
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    summary = export.export(model, None, tmp_path / "out", model_table={}, recipe_file=None)
+    summary = export_loads_back(model, tmp_path / "out", ids(t=16))
     assert summary["layout"] == "hf" and summary["family"] == "deepseek_v3", summary
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                             dtype=torch.float32).eval()
-    x = ids(t=16)
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
 
 
 def test_a_release_with_remote_code_needs_the_field_let_through(tmp_path):
