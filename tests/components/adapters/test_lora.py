@@ -150,7 +150,8 @@ def assert_chunked_head_equals_plain(model, chunk: int = 5) -> dict[str, torch.T
 @pytest.mark.parametrize("family, targets", [
     ("dense", ["output"]), ("dense", ["output", "*.attention.wq", "*.feed_forward.w2"]),
     ("moe", ["output", "*.attention.wo"]), ("diff_layerscale", ["output"]),
-    ("looped_moe", ["output", "*.attention.wk"])])
+    ("looped_moe", ["output", "*.attention.wk"]),
+    ("qwen3_next", ["output", "*.attention.wz", "*.feed_forward.shared_gate"])])
 def test_the_chunked_loss_trains_an_adapter_on_the_output(family, targets):
     """The adapter on ``output`` gets the gradient of the unchunked loss (it got none)."""
     grads = assert_chunked_head_equals_plain(_output_adapter_model(targets, family=family))
