@@ -68,12 +68,18 @@ class StepContext(Protocol):
         """Mean next-token loss of one micro-batch."""
 
     def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
-                       temperature: float = 1.0, vocab: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float = 1.0, vocab: int | None = None,
+                       groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log p(label) (B, T) fp32, trained (B, T) bool)`` of one micro-batch through
         ``model`` (the policy by default; a frozen model from ``StepBuildContext``), with this
         rank's inputs; ``temperature`` and ``vocab``: as a sampler sees the logits (divided,
-        cut); untrained positions hold 0. For sequence-level losses (preference, RL)."""
+        cut); untrained positions hold 0. For sequence-level losses (preference, RL).
+        ``groups`` (G, K) row indices: rows that begin with the same prompt, computed once
+        where the model allows it (``attention/shared_prefix.py``); the values are the same."""
+
+    def shared_prefix_problem(self, model: nn.Module | None = None) -> str | None:
+        """Why ``model`` (the policy by default) cannot compute a shared prompt once; None:
+        it can."""
 
     def stage_loss(self, run: Any, labels: torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,9 +117,12 @@ class StepBuildContext(Protocol):
     is_main: bool
 
     def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
-                       temperature: float = 1.0, vocab: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float = 1.0, vocab: int | None = None,
+                       groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``StepContext.token_logprobs`` of a batch (to the device), before the first step."""
+
+    def shared_prefix_problem(self) -> str | None:
+        """``StepContext.shared_prefix_problem`` of the policy (for the start-up log)."""
 
     def without_adapters(self) -> AbstractContextManager | None:
         """With ``[adapter]``: a context within which the policy computes its frozen base (the

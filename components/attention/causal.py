@@ -114,6 +114,8 @@ class CausalAttention(nn.Module):
     """Causal self-attention (SDPA) with GQA, RoPE and optional QK-norm, torchtitan v0.2 names."""
 
     Config = CausalAttentionConfig
+    # rows packed around a shared prompt attend through the context (attention/shared_prefix.py)
+    shares_prefix = True
     # A factor on the queries (after QK-norm): the score scale becomes q_scale / sqrt(head_dim).
     # 1 except under µP with a base head width (components/models/mup.py sets it).
     q_scale: float = 1.0

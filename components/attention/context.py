@@ -55,6 +55,8 @@ class AttentionContext:
     query_positions: torch.Tensor | None = None  # (Tq,) long
     doc_ids: torch.Tensor | None = None  # (B, T)
     windowed: dict[int, Any] = field(default_factory=dict)
+    # rows sharing a prompt, packed (``shared_prefix.PrefixLayout``): attention runs through it
+    prefix: Any = None
 
     def mask_for(self, window: int) -> Any:
         """The mask of a layer that sees ``window`` tokens (0: every earlier one)."""
@@ -236,6 +238,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flash kernel was 1.6x slower in bf16 there (forward + backward, (4, 16, 256, 16), casts
     included); with larger heads or longer sequences bf16 is as fast or faster, so it stays.
     """
+    if context is not None and context.prefix is not None:  # rows packed around a shared prompt
+        return context.prefix.attend(q, k, v, dropout_p, window, sinks)
     gqa = k.shape[1] != q.shape[1]
     mask = None if context is None else context.mask_for(window)
     if mask is None and window:  # rows without a context: causal within the window

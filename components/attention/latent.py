@@ -99,6 +99,7 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3), latent-cached generation."""
 
     Config = LatentAttentionConfig
+    shares_prefix = True  # attention through context.sdpa (attention/shared_prefix.py)
     q_scale: float = 1.0  # µP's query factor (components/models/mup.py), as causal attention's
 
     def __init__(self, cfg: LatentAttentionConfig, *, dim: int, layer_idx: int, n_layers: int,

@@ -126,6 +126,8 @@ class MoE(nn.Module):
     """Top-k routed SwiGLU experts (+ optional shared expert), aux-loss-free bias balancing."""
 
     Config = MoEConfig
+    # routing counts the batch's tokens (balance loss, capacity): rows may not share a prompt
+    shares_prefix = False
 
     def __init__(self, cfg: MoEConfig, *, dim: int, layer_idx: int, n_layers: int) -> None:
         super().__init__()

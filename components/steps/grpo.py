@@ -67,6 +67,10 @@ class GRPOStepConfig(ComponentConfig):
                                   "no token in the loss (DAPO)")
     log_rollouts: int = Field(0, ge=0, description="every N steps write the step's completions "
                               "with their rewards to RUN/rollouts/ (0 = never)")
+    share_prompts: bool = Field(
+        True, description="compute each group's shared prompt once in the training forward "
+        "(prefix sharing; the same values up to float rounding); models that cannot (Gated "
+        "DeltaNet, MoE, dropout, compiled blocks) run the rows whole, as the start-up log says")
 
 
 @register("step", "grpo")
@@ -144,6 +148,11 @@ class GRPOStep(StepContract):
         self.dataset, self.run_dir = build.dataset, build.run_dir
         self.rank, self.ranks = build.rank, build.ranks
         self.check_data(build.dataset)
+        if self.cfg.share_prompts:
+            why = build.shared_prefix_problem()
+            build.lines.append("step: each group's prompt computed once per training forward "
+                               "(share_prompts)" if why is None
+                               else f"step: share_prompts: the rows run whole, {why}")
         if not self.cfg.beta:
             build.lines.append("step: grpo, no KL term (beta = 0): no reference model")
             return
@@ -214,7 +223,17 @@ class GRPOStep(StepContract):
 
     def reference_logprobs(self, ctx: StepContext, rows: grpo_batch.Rows) -> torch.Tensor:
         return reference_logprobs(ctx, rows.batch, self.reference, self.adapters_off,
-                                  temperature=self.rollout.temperature, vocab=self.vocab)
+                                  temperature=self.rollout.temperature, vocab=self.vocab,
+                                  **self.shared(rows))
+
+    def shared(self, rows: grpo_batch.Rows) -> dict[str, torch.Tensor]:
+        """``token_logprobs``' ``groups`` of a micro-batch's rows: each ``group_size`` rows in
+        turn share their prompt (a micro-batch holds whole groups when its rows are a
+        multiple of the group; otherwise nothing is shared)."""
+        n, g = rows.mask.shape[0], self.cfg.group_size
+        if not self.cfg.share_prompts or n % g:
+            return {}
+        return {"groups": torch.arange(n).view(-1, g)}
 
     # ------------------------------------------------------------------ the step
     def __call__(self, ctx: StepContext, micro_batches) -> StepResult:
@@ -287,7 +306,7 @@ class GRPOStep(StepContract):
     def _logprobs(self, ctx: StepContext, part: grpo_batch.Rows, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
             logp = ctx.token_logprobs(part.batch, temperature=self.rollout.temperature,
-                                      vocab=self.vocab)[0]
+                                      vocab=self.vocab, **self.shared(part))[0]
         if not grad:
             ctx.model.pop_aux_loss()
         return logp

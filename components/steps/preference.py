@@ -54,6 +54,10 @@ class PreferenceStepConfig(ComponentConfig):
         "frozen copy")
     precompute_micro_batch: int = Field(8, ge=1, description="pairs per forward while "
                                         "precomputing")
+    share_prompts: bool = Field(
+        True, description="compute each pair's shared prompt once in the forward (prefix "
+        "sharing; the same values up to float rounding); models that cannot (Gated DeltaNet, "
+        "MoE, dropout, compiled blocks) run the rows whole, as the start-up log says")
 
 
 @register("step", "preference")
@@ -90,6 +94,7 @@ class PreferenceStep(StepContract):
     def setup(self, build) -> None:
         want, needs = self.cfg.reference, self.loss.needs_reference
         name = f"training.step.loss.type = {self.cfg.loss.type!r}"
+        self.sharing_line(build)
         if not needs:
             unused = [f"training.step.reference = {want!r}"] if want not in ("auto", "none") \
                 else []
@@ -119,14 +124,32 @@ class PreferenceStep(StepContract):
         if self.stored is not None:  # precomputed: looked up by each row's pair and side
             return self.stored.lookup(split, batch).to(ctx.device)
         self.reference_forwards += 1
-        return reference_logprobs(ctx, batch, self.reference, self.adapters_off).sum(-1)
+        return reference_logprobs(ctx, batch, self.reference, self.adapters_off,
+                                  **self.groups(batch)).sum(-1)
+
+    def groups(self, batch) -> dict[str, torch.Tensor]:
+        """``token_logprobs``' ``groups`` of a micro-batch: pair i's rows are i and n + i
+        (with ``share_prompts`` and pairs; an unpaired loss's rows share nothing)."""
+        if not self.cfg.share_prompts or self.takes_pairs != "paired":
+            return {}
+        n = batch["input_ids"].shape[0] // 2
+        return {"groups": torch.arange(2 * n).view(2, n).T}
+
+    def sharing_line(self, build) -> None:
+        """The start-up line saying whether the pairs' prompts are computed once."""
+        if not self.cfg.share_prompts or self.takes_pairs != "paired":
+            return
+        why = build.shared_prefix_problem()
+        build.lines.append(
+            "step: each pair's prompt computed once per forward (share_prompts)" if why is None
+            else f"step: share_prompts: the pairs run whole, {why}")
 
     # ------------------------------------------------------------------ the loss
     def pair_loss(self, ctx: StepContext, batch, split: str = "train"
                   ) -> tuple[PairLoss, PairLogps]:
         """The loss of one micro-batch's pairs, with the sequence log-probabilities."""
         ref = self.reference_logprobs(ctx, batch, split) if self.uses != "none" else None
-        logp, trained = ctx.token_logprobs(batch)
+        logp, trained = ctx.token_logprobs(batch, **self.groups(batch))
         seq, counts = logp.sum(-1), trained.sum(-1).to(logp.dtype)
         n = seq.shape[0] // 2
         logps = PairLogps(seq[:n], seq[n:], counts[:n], counts[n:],

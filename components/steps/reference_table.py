@@ -134,5 +134,5 @@ class _Context:
     def __init__(self, build) -> None:
         self.model, self.device, self._build = build.policy, build.device, build
 
-    def token_logprobs(self, batch, model=None):
-        return self._build.token_logprobs(batch, model)
+    def token_logprobs(self, batch, model=None, **kw):
+        return self._build.token_logprobs(batch, model, **kw)

@@ -35,10 +35,13 @@ class StepBuild(StepBuildContext):
         self.lines: list[str] = []  # for the start-up log
 
     def token_logprobs(self, batch: dict[str, torch.Tensor], model: nn.Module | None = None,
-                       temperature: float = 1.0, vocab: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float = 1.0, vocab: int | None = None,
+                       groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._trainer.step_context.token_logprobs(self._trainer.to_device(batch), model,
-                                                         temperature, vocab)
+                                                         temperature, vocab, groups)
+
+    def shared_prefix_problem(self) -> str | None:
+        return self._trainer.step_context.shared_prefix_problem()
 
     def without_adapters(self) -> AbstractContextManager | None:
         adapter = self._trainer.adapter

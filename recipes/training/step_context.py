@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.components import distributed
+from kiln.components.attention import shared_prefix
 from kiln.components.errors import TrainingAborted
 from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, TokenLosses, chunk_loss_sum
 from kiln.components.models.token_logprobs import LogprobHead, label_logprobs
@@ -82,6 +83,8 @@ class TrainStepContext:
     # Masked data (``chat``): the loss is the mean over the global batch's trained tokens.
     token_weighted: bool = False
     data_ranks: int = 1  # ranks with distinct batches (the others are tensor-parallel peers)
+    # shared_prefix.problem per (model, training): what stops a model sharing prompts
+    _share_problems: dict = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -141,25 +144,54 @@ class TrainStepContext:
 
     def token_logprobs(self, batch: dict[str, torch.Tensor],
                        model: torch.nn.Module | None = None, temperature: float = 1.0,
-                       vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       vocab: int | None = None, groups: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each trained token's log-probability of its label through ``model`` (the policy by
         default; as a sampler sees them: the logits divided by ``temperature``, cut to the
         first ``vocab``), fp32 (B, T), and the trained mask. With ``training.loss_chunk_tokens`` the
-        head runs in chunks (``token_logprobs.LogprobHead``: no (B, T, V) logits). Not under
-        pipeline or tensor parallelism yet (logits on other ranks, or sharded)."""
+        head runs in chunks (``token_logprobs.LogprobHead``: no (B, T, V) logits). ``groups``
+        (G, K): rows that begin with the same prompt, which the forward then computes once
+        (``attention/shared_prefix.py``) where the model allows it. Not under pipeline or
+        tensor parallelism yet (logits on other ranks, or sharded)."""
         if self.parallel.pipeline is not None or self.parallel.tp is not None:
             raise TrainingAborted("token log-probabilities need whole logits on every rank: "
                                   "not under pipeline or tensor parallelism yet")
         model = self.model if model is None else model
         ids, labels, extra = self.model_inputs(batch)
+        layout = None if groups is None else self.shared_layout(model, batch, ids, groups)
+
+        def run(**kw):  # the rows as they are, or packed around their prompts
+            return model(ids, **kw, **extra) if layout is None else layout.run(model, ids, **kw)
+
         with self.autocast:
             if self.loss_chunk_tokens:
-                head = LogprobHead(labels, self.loss_chunk_tokens, temperature, vocab)
-                logp = model(ids, head=head, **extra)
+                logp = run(head=LogprobHead(labels, self.loss_chunk_tokens, temperature, vocab))
             else:
-                logits = model(ids, **extra)[..., :vocab].float()
+                logits = run()[..., :vocab].float()
                 logp = label_logprobs(logits / temperature, labels)
         return logp, labels != IGNORE_INDEX
+
+    def shared_layout(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                      ids: torch.Tensor, groups: torch.Tensor
+                      ) -> shared_prefix.PrefixLayout | None:
+        """The layout that runs ``groups``' prompts once, or None: the model cannot share
+        (``shared_prefix_problem``), context parallel holds part of each row, a row holds
+        several documents under a document mask, or the prompts are too short to pay."""
+        if self.shared_prefix_problem(model) is not None or self.model_inputs.cp is not None:
+            return None
+        docs = batch.get("doc_ids") if self.model_inputs.document_mask else None
+        if docs is not None and bool((docs != docs[:, :1]).any()):
+            return None
+        return shared_prefix.plan(ids, groups.to(ids.device))
+
+    def shared_prefix_problem(self, model: torch.nn.Module | None = None) -> str | None:
+        """Why ``model`` (the policy by default) cannot compute a shared prompt once (None:
+        it can); asked once per model and mode (training, evaluation)."""
+        model = self.model if model is None else model
+        key = (id(model), model.training)
+        if key not in self._share_problems:
+            self._share_problems[key] = shared_prefix.problem(model)
+        return self._share_problems[key]
 
     def stage_loss(self, run, labels: torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,6 +42,7 @@ def kiln_step(policy, p: dict, *, reference: str = "frozen_copy"):
 
     import torch
 
+    from kiln.components.attention import shared_prefix
     from kiln.components.models.lm_head import IGNORE_INDEX
     from kiln.components.models.token_logprobs import LogprobHead
     from kiln.components.steps.preference import PreferenceStep, PreferenceStepConfig
@@ -50,13 +51,20 @@ def kiln_step(policy, p: dict, *, reference: str = "frozen_copy"):
     kiln_batch = {"input_ids": rows[:, :-1],
                   "labels": torch.where(mask[:, 1:].bool(), rows[:, 1:], IGNORE_INDEX)}
 
-    def logprobs(b, model=None):
-        logp = (model or policy)(b["input_ids"], head=LogprobHead(b["labels"], 4096))
+    def logprobs(b, model=None, groups=None):
+        """As the trainer's: each pair's prompt computed once (share_prompts) where it can."""
+        model, head = model or policy, LogprobHead(b["labels"], 4096)
+        ids = b["input_ids"]
+        layout = None if groups is None or shared_prefix.problem(model) else \
+            shared_prefix.plan(ids, groups)
+        logp = model(ids, head=head) if layout is None else layout.run(model, ids, head=head)
         return logp, b["labels"] != IGNORE_INDEX
 
     ctx = types.SimpleNamespace(model=policy, token_logprobs=logprobs)
-    step = PreferenceStep(PreferenceStepConfig(type="preference", reference=reference))
-    build = types.SimpleNamespace(lines=[], without_adapters=lambda: None)
+    step = PreferenceStep(PreferenceStepConfig(type="preference", reference=reference,
+                                               share_prompts=p.get("share_prompts", True)))
+    build = types.SimpleNamespace(lines=[], without_adapters=lambda: None,
+                                  shared_prefix_problem=lambda: shared_prefix.problem(policy))
     if reference == "adapters_off":
         from kiln.components.adapters.lora import LoRA, LoRAConfig
 

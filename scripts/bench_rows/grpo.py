@@ -43,6 +43,7 @@ def _kiln_model(p: dict):
 def kiln(p: dict) -> dict:
     import torch
 
+    from kiln.components.attention import shared_prefix
     from kiln.components.base import default_config
     from kiln.components.models.lm_head import IGNORE_INDEX
     from kiln.components.models.token_logprobs import LogprobHead
@@ -55,6 +56,7 @@ def kiln(p: dict) -> dict:
     prompts = [q for q in _prompts(p) for _ in range(p["group"])]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     calls = iter(range(10 ** 6))
+    share = p.get("share_prompts", True) and shared_prefix.problem(model.train()) is None
 
     def sample():
         seeds = [next(calls) for _ in prompts]
@@ -67,8 +69,12 @@ def kiln(p: dict) -> dict:
         adv, _ = grpo_loss.group_advantages(rewards, p["group"], "group")
         rows = grpo_batch.training_rows(prompts, samples, 0, "cpu")
         model.train()
-        labels = rows.batch["labels"]
-        logp = model(rows.batch["input_ids"], head=LogprobHead(labels, 4096, 1.0, 258))
+        labels, ids = rows.batch["labels"], rows.batch["input_ids"]
+        head = LogprobHead(labels, 4096, 1.0, 258)
+        # as the trainer's (share_prompts): each group's prompt computed once
+        layout = shared_prefix.plan(ids, torch.arange(len(prompts)).view(-1, p["group"])) \
+            if share else None
+        logp = model(ids, head=head) if layout is None else layout.run(model, ids, head=head)
         terms = grpo_loss.token_terms(logp, logp.detach(), adv, epsilon=0.2, epsilon_high=0.2)
         grpo_loss.aggregate(terms.loss, labels != IGNORE_INDEX, "sequence",
                             completions=float(len(samples)), tokens=1.0,

@@ -31,3 +31,24 @@ def run(base: tuple[str, ...], folder, *extra, steps: int):
     trainer = Trainer(recipe(base, folder, *extra, steps=steps), hooks=[record], out=out)
     trainer.fit()
     return record, trainer, out.getvalue()
+
+
+def shared_and_whole(base: tuple[str, ...], tmp_path, monkeypatch, *extra, steps: int = 2):
+    """Two runs, each pair's / group's prompt computed once (``share_prompts``, the default)
+    and every row whole: (the shared run's record, its log, the layouts ``plan`` made, the
+    whole run's record)."""
+    from kiln.components.attention import shared_prefix
+
+    layouts = []
+    plan = shared_prefix.plan
+
+    def spy(*args):
+        layouts.append(plan(*args))
+        return layouts[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shared_prefix, "plan", spy)
+        shared, _, log = run(base, tmp_path / "shared", *extra, steps=steps)
+    whole, *_ = run(base, tmp_path / "whole", *extra, "--training.step.share_prompts=false",
+                    steps=steps)
+    return shared, log, layouts, whole

@@ -102,6 +102,23 @@ def test_kl_to_a_frozen_copy_equals_kl_to_the_policy_with_lora_off(tmp_path):
     assert off.metrics[2]["kl"] > 0
 
 
+def test_each_groups_prompt_computed_once_gives_the_losses_of_whole_rows(tmp_path,
+                                                                        monkeypatch):
+    """share_prompts (the default): a group's rows packed around their prompt in the policy's
+    training forward and the reference's (beta > 0); losses and metrics those of whole rows."""
+    shared, log, layouts, whole = recorded_runs.shared_and_whole(
+        (*TINY, *PROMPTS), tmp_path, monkeypatch, "--training.step.beta=0.1")
+    assert "each group's prompt computed once per training forward" in log
+    used = [x for x in layouts if x is not None]
+    assert len(used) == 2 * 2 * 2  # 2 steps x 2 micro-batches x policy and reference
+    assert all(x.members == 4 for x in used)
+    for s in (1, 2):
+        assert shared.loss[s] == pytest.approx(whole.loss[s], rel=1e-4, abs=1e-6)
+        for key in ("kl", "entropy", "rollout/logp_diff", "reward"):
+            assert shared.metrics[s][key] == pytest.approx(whole.metrics[s][key], rel=1e-4,
+                                                           abs=1e-6), key
+
+
 def test_a_second_iteration_on_the_same_rollouts_moves_and_clips_the_ratio(tmp_path):
     record, *_ = _run(tmp_path / "mu", "--training.step.iterations=2",
                       "--training.step.epsilon=0.001", steps=1)

@@ -228,6 +228,29 @@ def test_a_precomputed_reference_gives_the_same_losses_with_no_reference_forward
     assert {s: second.loss[s] for s in (3, 4)} == {s: record.loss[s] for s in (3, 4)}
 
 
+def test_each_pairs_prompt_computed_once_gives_the_losses_of_whole_rows(tmp_path,
+                                                                       monkeypatch):
+    """share_prompts (the default): the pairs' rows packed around their prompt, in the policy's
+    forward and the reference's; the losses and metrics those of whole rows."""
+    shared, log, layouts, whole = recorded_runs.shared_and_whole(
+        (*TINY, *PAIRS), tmp_path, monkeypatch, "--eval.interval=0")
+    assert "each pair's prompt computed once per forward" in log
+    used = [x for x in layouts if x is not None]
+    assert len(used) == 2 * 2 * 2  # 2 steps x 2 micro-batches x policy and reference
+    assert all(x.members == 2 and x.prefix >= 128 / 8 for x in used)
+    for s in (1, 2):
+        assert shared.loss[s] == pytest.approx(whole.loss[s], rel=1e-5)
+        for key in METRICS:
+            assert shared.metrics[s][key] == pytest.approx(whole.metrics[s][key], rel=1e-4,
+                                                           abs=1e-6), key
+
+
+def test_a_policy_with_dropout_runs_its_pairs_whole_and_says_why(tmp_path):
+    _, _, log = _run(tmp_path / "run", "--model.attention.dropout=0.1", "--eval.interval=0",
+                     steps=1)
+    assert "share_prompts: the pairs run whole" in log and "dropout" in log
+
+
 def test_a_stored_reference_for_other_data_is_refused(tmp_path):
     from kiln.components.errors import CheckpointError
 
