@@ -44,6 +44,11 @@ class StepResult:
     skipped: bool = False
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    # What MFU counts: the tokens the model's passes computed, in forward-and-backward
+    # equivalents (a forward without gradients counts a third), all ranks; None = ``tokens``.
+    # The trainer sets it from ``token_logprobs``' count (preference, GRPO: padding cut, a
+    # shared prompt once, the reference's forward), where it differs from the data's tokens.
+    flop_tokens: float | None = None
 
 
 class StepContext(Protocol):

@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention: chunked training, a fixed-size state when generating."""
 
     Config = GatedDeltaNetConfig
-    shares_prefix = False  # a carried state, not masked attention (attention/shared_prefix.py)
+    shares_prefix = False  # (attention/shared_prefix.py)
+    prefix_problem = "a recurrent state, not masked attention"
     window = 0  # no sliding window (model.layer_types reads it)
 
     def __init__(self, cfg: GatedDeltaNetConfig, *, dim: int, layer_idx: int, n_layers: int,

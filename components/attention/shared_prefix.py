@@ -49,7 +49,8 @@ def problem(model: nn.Module) -> str | None:
         return f"{type(model).__name__}'s forward takes no attention context"
     for name, module in model.named_modules():
         if getattr(type(module), "shares_prefix", None) is False:
-            return f"{name} ({type(module).__name__}) mixes tokens beyond causal attention"
+            why = getattr(type(module), "prefix_problem", "it declares shares_prefix = False")
+            return f"{name} ({type(module).__name__}): {why}"
         attention = getattr(module, "attention", None)
         if isinstance(attention, nn.Module) and \
                 getattr(type(attention), "shares_prefix", False) is not True:
@@ -93,6 +94,11 @@ class PrefixLayout:
     @property
     def own(self) -> int:  # C
         return self.length - self.prefix
+
+    @property
+    def packed_tokens(self) -> int:
+        """Tokens the packed rows hold: G * (P + K * C)."""
+        return self.groups.shape[0] * (self.prefix + self.members * self.own)
 
     def positions(self, device) -> torch.Tensor:
         """(P + K * C,) long: each packed token's position in its row."""

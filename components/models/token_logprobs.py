@@ -8,6 +8,9 @@ into the hidden states and the head weight. At most one chunk's (n, V) logits ex
 whatever the sequence length, for one extra head matmul per chunk (Liger-Kernel's fused linear
 preference losses make the same trade).
 
+The head runs on the tokens with a label only: a prompt's positions (``IGNORE_INDEX``) cost
+no head matmul (one host read finds them; a batch without any runs them all, keeping the graph).
+
 A model computes it through its ``head=`` hook: ``model(ids, head=LogprobHead(labels, n))``
 returns the (B, T) log-probabilities, untrained positions (``IGNORE_INDEX``) holding 0. An
 adapter on the output layer joins the head as extra columns (``lm_head.head_operands``), so its
@@ -85,13 +88,23 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
+    kept = (y != IGNORE_INDEX).nonzero().squeeze(1)  # (one host read)
+    if 0 < kept.numel() < y.numel():  # the head on the trained tokens only (not a prompt's)
+        picked = _logprobs(h[kept], weight, y[kept], cap, chunk_tokens, temperature, vocab)
+        out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        return out.index_put((kept,), picked).view(labels.shape)
+    return _logprobs(h, weight, y, cap, chunk_tokens, temperature, vocab).view(labels.shape)
+
+
+def _logprobs(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cap: float,
+              chunk_tokens: int, temperature: float, vocab: int | None) -> torch.Tensor:
+    """(N, D), (N,) -> (N,): ``chunked_token_logprobs`` of flat rows."""
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        out = _ChunkedTokenLogprobs.apply(h, weight, y, cap, chunk_tokens, temperature, vocab)
-    else:  # no graph to keep: the forward alone
-        out = torch.cat([_chunk_logprobs(h[s:s + chunk_tokens], weight, y[s:s + chunk_tokens],
-                                         cap, temperature, vocab)
-                         for s in range(0, h.shape[0], chunk_tokens)])
-    return out.view(labels.shape)
+        return _ChunkedTokenLogprobs.apply(h, weight, y, cap, chunk_tokens, temperature, vocab)
+    # no graph to keep: the forward alone
+    return torch.cat([_chunk_logprobs(h[s:s + chunk_tokens], weight, y[s:s + chunk_tokens], cap,
+                                      temperature, vocab)
+                      for s in range(0, h.shape[0], chunk_tokens)])
 
 
 class LogprobHead:

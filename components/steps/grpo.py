@@ -27,6 +27,7 @@ import torch
 from pydantic import Field
 
 from kiln.components import distributed
+from kiln.components.attention import shared_prefix
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
@@ -150,7 +151,8 @@ class GRPOStep(StepContract):
         self.check_data(build.dataset)
         if self.cfg.share_prompts:
             why = build.shared_prefix_problem()
-            build.lines.append("step: each group's prompt computed once per training forward "
+            build.lines.append("step: each group's prompt computed once per training forward where "
+                               f"it is at least {shared_prefix.MIN_SHARE:.3g} of the row "
                                "(share_prompts)" if why is None
                                else f"step: share_prompts: the rows run whole, {why}")
         if not self.cfg.beta:

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from kiln.components.attention import shared_prefix
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
@@ -141,7 +142,8 @@ class PreferenceStep(StepContract):
             return
         why = build.shared_prefix_problem()
         build.lines.append(
-            "step: each pair's prompt computed once per forward (share_prompts)" if why is None
+            "step: each pair's prompt computed once per forward where it is at least "
+            f"{shared_prefix.MIN_SHARE:.3g} of the row (share_prompts)" if why is None
             else f"step: share_prompts: the pairs run whole, {why}")
 
     # ------------------------------------------------------------------ the loss

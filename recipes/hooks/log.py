@@ -18,6 +18,7 @@ class LogHook(Hook):
     def __init__(self):
         self._t0 = 0.0
         self._tokens0 = 0
+        self._flop_tokens = 0.0  # since the last line: what MFU counts (StepResult.flop_tokens)
         self._losses: list[float] = []
         self._over = False
 
@@ -46,6 +47,8 @@ class LogHook(Hook):
 
     def on_step_end(self, trainer, result) -> None:
         self._losses.append(result.loss)
+        ran = getattr(result, "flop_tokens", None)  # (a test's or plugin's bare result: None)
+        self._flop_tokens += result.tokens if ran is None else ran
         step = trainer.progress.step
         if step % trainer.recipe.run.log_interval and step not in (1, trainer.total_steps):
             return
@@ -62,8 +65,8 @@ class LogHook(Hook):
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
         if trainer.peak_flops:
-            values.update(self._mfu(trainer, trainer.flops_per_token * tps
-                                    / trainer.world.world_size))
+            values.update(self._mfu(trainer, trainer.flops_per_token * self._flop_tokens
+                                    / elapsed / trainer.world.world_size))
         values.update({f"lr/{k}": v for k, v in trainer.optimizers.lrs().items()})
         values.update(result.metrics)
         values.update(trainer.model.metrics())  # e.g. expert loads
@@ -80,3 +83,4 @@ class LogHook(Hook):
                 f"tok/s {tps:,.0f}{mfu_text}{skip}"
             )
         self._t0, self._tokens0, self._losses = now, trainer.progress.tokens, []
+        self._flop_tokens = 0.0

@@ -58,6 +58,19 @@ class SourceLosses:
         return out
 
 
+def without_trailing_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch cut after its last labelled column: its (B, T) tensors to (B, T') (rows padded
+    to ``seq_len``, as preference pairs are, run as wide as their longest). One host read."""
+    labels = batch["labels"]
+    b, t = labels.shape
+    labelled = (labels != IGNORE_INDEX).any(0).nonzero()
+    keep = int(labelled[-1]) + 1 if labelled.numel() else t
+    if keep == t:
+        return batch
+    return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[:2] == (b, t)
+            else v for k, v in batch.items()}
+
+
 @dataclass
 class TrainStepContext:
     """The model, its parallel plan, inputs, optimizers and guards, as one step sees them."""
@@ -83,6 +96,9 @@ class TrainStepContext:
     # Masked data (``chat``): the loss is the mean over the global batch's trained tokens.
     token_weighted: bool = False
     data_ranks: int = 1  # ranks with distinct batches (the others are tensor-parallel peers)
+    # token_logprobs' passes since the trainer last took them (StepResult.flop_tokens): this
+    # rank's tokens, forward-and-backward equivalents
+    flop_tokens: float = 0.0
     # shared_prefix.problem per (model, training): what stops a model sharing prompts
     _share_problems: dict = field(default_factory=dict, repr=False)
 
@@ -151,12 +167,17 @@ class TrainStepContext:
         first ``vocab``), fp32 (B, T), and the trained mask. With ``training.loss_chunk_tokens`` the
         head runs in chunks (``token_logprobs.LogprobHead``: no (B, T, V) logits). ``groups``
         (G, K): rows that begin with the same prompt, which the forward then computes once
-        (``attention/shared_prefix.py``) where the model allows it. Not under pipeline or
-        tensor parallelism yet (logits on other ranks, or sharded)."""
+        (``attention/shared_prefix.py``) where the model allows it. The columns after the
+        last labelled one (right padding) are not computed: causal, the rows' earlier tokens do
+        not see them (not under context parallelism, whose ranks hold interleaved shares).
+        Not under pipeline or tensor parallelism yet (logits on other ranks, or sharded)."""
         if self.parallel.pipeline is not None or self.parallel.tp is not None:
             raise TrainingAborted("token log-probabilities need whole logits on every rank: "
                                   "not under pipeline or tensor parallelism yet")
         model = self.model if model is None else model
+        width = batch["labels"].shape[1]
+        if self.model_inputs.cp is None:
+            batch = without_trailing_padding(batch)
         ids, labels, extra = self.model_inputs(batch)
         layout = None if groups is None else self.shared_layout(model, batch, ids, groups)
 
@@ -169,7 +190,13 @@ class TrainStepContext:
             else:
                 logits = run()[..., :vocab].float()
                 logp = label_logprobs(logits / temperature, labels)
-        return logp, labels != IGNORE_INDEX
+        computed = ids.numel() if layout is None else layout.packed_tokens
+        self.flop_tokens += computed * (1.0 if torch.is_grad_enabled() else 1 / 3)
+        trained = labels != IGNORE_INDEX
+        if self.model_inputs.cp is None and labels.shape[1] < width:  # the cut columns: 0
+            cut = width - labels.shape[1]
+            logp, trained = F.pad(logp, (0, cut)), F.pad(trained, (0, cut))
+        return logp, trained
 
     def shared_layout(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
                       ids: torch.Tensor, groups: torch.Tensor

@@ -339,7 +339,11 @@ class Trainer:
                 # Every generator from (seed, step): the same on all ranks and for any layout,
                 # so a resume on other processes needs no RNG mapping.
                 seed_step(self.recipe.training.seed, self.progress.step)
+                self.step_context.flop_tokens = 0.0
                 result = self.step_fn(self.step_context, micro)
+                if self.step_context.flop_tokens and result.flop_tokens is None:
+                    # (this rank's count for every data rank: their rows are as wide)
+                    result.flop_tokens = self.step_context.flop_tokens * self.data_ranks
                 if not started:
                     for hook in self.hooks:
                         hook.on_first_step(self)

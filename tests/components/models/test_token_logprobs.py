@@ -56,6 +56,25 @@ def test_without_a_graph_only_the_forward_runs():
     assert not got.requires_grad
 
 
+def test_the_head_runs_on_the_labelled_tokens_only(monkeypatch):
+    """A prompt's positions cost no head matmul; a batch with no label keeps its graph (zero
+    gradients, as whole logits give)."""
+    from kiln.components.models import token_logprobs
+
+    rows = []
+    inner = token_logprobs._chunk_logprobs
+    monkeypatch.setattr(token_logprobs, "_chunk_logprobs",
+                        lambda h, *a: rows.append(h.shape[0]) or inner(h, *a))
+    hidden, weight, labels, upstream = _case()
+    _grads(lambda: chunked_token_logprobs(hidden, weight, labels, chunk_tokens=4), hidden,
+           weight, upstream)
+    assert sum(rows) == 2 * (14 - 3)  # forward and backward, the 11 labelled tokens each
+    nothing = torch.full_like(labels, IGNORE_INDEX)
+    got, grad_h, grad_w = _grads(lambda: chunked_token_logprobs(hidden, weight, nothing),
+                                 hidden, weight, upstream)
+    assert (got == 0).all() and (grad_h == 0).all() and (grad_w == 0).all()
+
+
 def test_an_output_adapter_gets_the_gradient_through_the_chunked_head():
     from tests.components.adapters.test_lora import _output_adapter_model
 
@@ -91,3 +110,28 @@ def test_a_steps_token_logprobs_are_the_same_chunked_or_not():
     chunked, _ = ctx.token_logprobs(batch)
     assert trained[:, 5:].all() and not trained[:, :5].any()
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_a_steps_right_padding_after_the_last_label_is_not_computed(chunk):
+    """Rows padded to seq_len (preference pairs) run as wide as their last label: the values
+    of the whole width (0 after it), the model fed the narrower rows."""
+    from tests.components.steps.trainer_stub import StubTrainer
+
+    recipe = load_recipe(CONFIGS / "debug.toml", ["--model.dim=32", "--model.n_layers=1",
+                                                  "--model.attention.n_heads=2"])
+    torch.manual_seed(0)
+    model = recipe.model.build(vocab_size=264, seq_len=16)
+    ids = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+    labels[:, :3] = IGNORE_INDEX
+    labels[0, 9:] = labels[1, 6:] = IGNORE_INDEX  # row 0 ends at 9, row 1 at 6
+    widths = []
+    model.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
+    ctx = StubTrainer(model)
+    ctx.loss_chunk_tokens = chunk
+    got, trained = ctx.token_logprobs({"input_ids": ids, "labels": labels})
+    assert widths == [9] and got.shape == (2, 16)
+    torch.testing.assert_close(trained, labels != IGNORE_INDEX)
+    want = label_logprobs(model(ids).float(), labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

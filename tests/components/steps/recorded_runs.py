@@ -14,10 +14,12 @@ class Record:
     def __init__(self):
         self.loss: dict[int, float] = {}
         self.metrics: dict[int, dict[str, float]] = {}
+        self.flop_tokens: dict[int, float | None] = {}
 
     def on_step_end(self, trainer, result):
         self.loss[trainer.progress.step] = result.loss
         self.metrics[trainer.progress.step] = result.metrics
+        self.flop_tokens[trainer.progress.step] = result.flop_tokens
 
 
 def recipe(base: tuple[str, ...], folder, *extra, steps: int):

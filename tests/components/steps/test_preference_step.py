@@ -64,6 +64,20 @@ def test_dpo_starts_at_log_2_and_logs_trls_metrics(dpo):
     assert {f"eval/{m}" for m in METRICS} <= set(held_out[0])
 
 
+def test_mfu_counts_the_tokens_the_forwards_ran(dpo):
+    """Padding cut, prompts once, the reference's forward a third: fewer than the data's tokens
+    (both sides of 4 pairs of 128, a third more with the reference), and the logged MFU is
+    taken from them (one line per step)."""
+    record, trainer, _, folder = dpo
+    lines = [x for x in _lines(folder) if "mfu" in x]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    for line in lines:
+        ran = record.flop_tokens[line["step"]]
+        assert 0 < ran < 2 * 4 * 128
+        achieved = line["mfu"] * line["mfu_peak_tflops"] * 1e12 * line["interval_s"]
+        assert achieved == pytest.approx(trainer.flops_per_token * ran, rel=1e-6)
+
+
 def test_on_the_same_pairs_again_and_again_the_loss_falls_and_every_pair_is_ranked(tmp_path):
     record, *_ = _run(tmp_path / "same", "--data.builtin_rows=10", "--data.eval_fraction=0.2",
                       "--training.global_batch=8", "--training.micro_batch=4",
