@@ -47,7 +47,7 @@ class LogHook(Hook):
 
     def on_step_end(self, trainer, result) -> None:
         self._losses.append(result.loss)
-        ran = getattr(result, "flop_tokens", None)  # (a test's or plugin's bare result: None)
+        ran = result.flop_tokens
         self._flop_tokens += result.tokens if ran is None else ran
         step = trainer.progress.step
         if step % trainer.recipe.run.log_interval and step not in (1, trainer.total_steps):

@@ -71,6 +71,7 @@ def test_step_one_and_the_last_step_are_always_logged():
     for step in range(1, 61):
         trainer.progress.step, trainer.progress.tokens = step, step * 2048
         hook.on_step_end(trainer, SimpleNamespace(loss=5.0, grad_norm=None, metrics={},
-                                                  skipped=False))
+                                                  skipped=False, tokens=2048,
+                                                  flop_tokens=None))
     assert trainer.metrics.steps == [1, 25, 50, 60]
     assert out.getvalue().splitlines()[0].startswith("step      1/60  loss 5.0000")
