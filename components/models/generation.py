@@ -15,13 +15,17 @@ the cache is tested against, and the path for a plugin attention that has no cac
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.components.attention import kv_cache
+from kiln.components.models.lm_head import soft_cap
 
 
 @dataclass(frozen=True)
@@ -127,8 +131,8 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
                 if stats is not None:
                     stats.extend(row_stats)
             return out
-        step = lambda new: model(  # noqa: E731
-            torch.cat([ids, *new], 1), **kwargs)[:, -1, :vocab_size]
+        step = lambda new: last_logits(model, torch.cat([ids, *new], 1), vocab_size,  # noqa: E731
+                                       **kwargs)
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
     # A prompt repeated in the batch (an RL group's completions) is run once: its cache rows
     # are then copied to every row that shares it.
@@ -140,7 +144,7 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
     with kv_cache.attach(model, len(at), ids.shape[1] + max_new_tokens, device) as session:
         def step(new: list[torch.Tensor]) -> torch.Tensor:
             session.begin(None if new else first_valid)  # None: one valid token per row
-            logits = model(first_ids if not new else new[-1], **kwargs)[:, -1, :vocab_size]
+            logits = last_logits(model, first_ids if not new else new[-1], vocab_size, **kwargs)
             session.end()
             if not new and owner is not None:
                 session.select(owner)
@@ -148,6 +152,34 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
             return logits  # (B, V)
 
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
+
+
+def last_logits(model: nn.Module, ids: torch.Tensor, vocab_size: int | None,
+                **kwargs) -> torch.Tensor:
+    """The logits (B, V) of each row's last position, cut to the first ``vocab_size``: through
+    the model's ``head=`` hook where it has one, so the head multiplies that one position by
+    those rows only (a prompt's other positions, and a rounded-up vocabulary's padding rows,
+    cost nothing: the prefill of a long prompt makes no (B, T, V) logits); else the whole
+    logits, cut."""
+    if takes_head(type(model)):
+        return model(ids, head=_LastPosition(vocab_size), **kwargs)
+    return model(ids, **kwargs)[:, -1, :vocab_size]
+
+
+@functools.cache
+def takes_head(cls: type) -> bool:
+    """Whether a model class's forward takes a ``head=`` hook (kiln's do; a plugin's may not)."""
+    return "head" in inspect.signature(cls.forward).parameters
+
+
+class _LastPosition:
+    """A ``head=`` hook: (B, T, D) hidden states -> (B, V) soft-capped logits of position T-1."""
+
+    def __init__(self, vocab_size: int | None) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, cap: float) -> torch.Tensor:
+        return soft_cap(F.linear(hidden[:, -1], weight[:self.vocab_size]), cap)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,33 @@ def test_sampling_stays_inside_the_tokenizers_vocabulary(tmp_path):
         assert max(max(row) for row in out) < 258
 
 
+def test_the_head_runs_on_the_last_position_and_the_samplers_rows_only(tmp_path):
+    """``last_logits``: the whole logits' last position, cut to the vocabulary, with the head
+    hook multiplying one position by those rows (a model without the hook: the whole logits);
+    a soft cap and an output adapter as the whole head has them."""
+    from kiln.components.models import generation
+    from tests.components.adapters.test_lora import _output_adapter_model
+
+    model = _output_adapter_model(["output"]).eval()
+    model.logit_softcap = 5.0
+    ids = torch.randint(0, 264, (3, 9), generator=torch.Generator().manual_seed(0))
+    shapes = []
+    model.output.register_forward_hook(lambda m, args, out: shapes.append(args[0].shape))
+    with torch.no_grad():
+        whole = model(ids)[:, -1, :200]
+        assert shapes.pop() == (3, 9, 32)
+        got = generation.last_logits(model, ids, 200)
+    assert shapes == []  # the hook multiplies (3, D) by 200 rows, not the output module
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+    class NoHook(torch.nn.Module):
+        def forward(self, ids):
+            return torch.arange(2 * 4 * 6.0).view(2, 4, 6)
+
+    assert torch.equal(generation.last_logits(NoHook(), ids, 5),
+                       torch.arange(48.0).view(2, 4, 6)[:, -1, :5])
+
+
 def test_looped_cache_equals_no_cache_at_each_loop_count(tmp_path):
     """--loops h: the cached path (one cache slot per loop) gives the uncached tokens for an
     early exit and the full loop count (every family's default: test_combinations)."""
