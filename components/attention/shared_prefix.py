@@ -31,6 +31,7 @@ single-document rows).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +44,6 @@ MIN_SHARE = 1 / 8  # the prefix's share of a row from which sharing is used
 
 def problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot run rows with a shared prefix (None: it can)."""
-    import inspect
-
     if "context" not in inspect.signature(model.forward).parameters:
         return f"{type(model).__name__}'s forward takes no attention context"
     for name, module in model.named_modules():
@@ -84,7 +83,6 @@ class PrefixLayout:
     groups: torch.Tensor  # (G, K) row indices
     prefix: int  # P
     length: int  # T, each row's tokens
-    rows: int  # B
     _completion: AttentionContext | None = field(default=None, repr=False)
 
     @property
@@ -171,7 +169,7 @@ def plan(ids: torch.Tensor, groups: torch.Tensor) -> PrefixLayout | None:
     prefix = min(common_prefix(ids, groups), t - 1)  # every member keeps a token of its own
     if prefix < max(1, t * MIN_SHARE):
         return None
-    return PrefixLayout(groups, prefix, t, b)
+    return PrefixLayout(groups, prefix, t)
 
 
 class UnpackingHead:

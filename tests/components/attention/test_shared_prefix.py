@@ -141,3 +141,24 @@ def test_a_plugin_attention_must_declare_that_it_shares():
 
     model.layers["0"].attention.__class__ = Plugin
     assert "does not declare shares_prefix" in shared_prefix.problem(model)
+
+
+@pytest.mark.parametrize("family, queries", [("dense", "wq"), ("diff_layerscale", "wqkv")])
+def test_adapters_on_the_output_and_the_queries_train_as_on_whole_rows(family, queries):
+    """LoRA on the output layer (its columns join the head the packed rows' hidden states are
+    unpacked for) and on the query projection (differential attention's fused wqkv, with µP):
+    the adapters' gradients those of the rows one by one."""
+    from tests.components.adapters.test_lora import _output_adapter_model
+
+    model = _output_adapter_model(["output", f"*.attention.{queries}"], family=family).train()
+    assert shared_prefix.problem(model) is None
+    ids, labels, groups = grouped_rows(width=16)
+    ids, labels = ids % 264, labels.masked_fill(labels >= 264, 5)
+    layout = shared_prefix.plan(ids, groups)
+    want, want_grads = logprobs_and_grads(model, ids, labels)
+    got, grads = logprobs_and_grads(model, ids, labels, layout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want_grads["output.lora.A"].abs().sum() > 0
+    for key in want_grads:
+        torch.testing.assert_close(grads[key], want_grads[key], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")

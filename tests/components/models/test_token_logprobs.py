@@ -93,15 +93,20 @@ def test_an_output_adapter_gets_the_gradient_through_the_chunked_head():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6)
 
 
-def test_a_steps_token_logprobs_are_the_same_chunked_or_not():
-    from tests.components.steps.trainer_stub import StubTrainer
-
+def _tiny_rows():
+    """(a one-layer model, ids (2, 16), their next tokens as labels)"""
     recipe = load_recipe(CONFIGS / "debug.toml", ["--model.dim=32", "--model.n_layers=1",
                                                   "--model.attention.n_heads=2"])
     torch.manual_seed(0)
     model = recipe.model.build(vocab_size=264, seq_len=16)
     ids = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = ids.roll(-1, dims=1)
+    return model, ids, ids.roll(-1, dims=1)
+
+
+def test_a_steps_token_logprobs_are_the_same_chunked_or_not():
+    from tests.components.steps.trainer_stub import StubTrainer
+
+    model, ids, labels = _tiny_rows()
     labels[:, :5] = IGNORE_INDEX
     batch = {"input_ids": ids, "labels": labels}
     ctx = StubTrainer(model)
@@ -118,12 +123,7 @@ def test_a_steps_right_padding_after_the_last_label_is_not_computed(chunk):
     of the whole width (0 after it), the model fed the narrower rows."""
     from tests.components.steps.trainer_stub import StubTrainer
 
-    recipe = load_recipe(CONFIGS / "debug.toml", ["--model.dim=32", "--model.n_layers=1",
-                                                  "--model.attention.n_heads=2"])
-    torch.manual_seed(0)
-    model = recipe.model.build(vocab_size=264, seq_len=16)
-    ids = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = ids.roll(-1, dims=1)
+    model, ids, labels = _tiny_rows()
     labels[:, :3] = IGNORE_INDEX
     labels[0, 9:] = labels[1, 6:] = IGNORE_INDEX  # row 0 ends at 9, row 1 at 6
     widths = []
