@@ -64,6 +64,8 @@ class LogHook(Hook):
         }
         if result.grad_norm is not None:
             values["grad_norm"] = result.grad_norm
+        if result.flop_tokens is not None:  # what the forwards ran, per step (MFU counts it)
+            values["flop_tokens"] = self._flop_tokens / len(self._losses)
         if trainer.peak_flops:
             values.update(self._mfu(trainer, trainer.flops_per_token * self._flop_tokens
                                     / elapsed / trainer.world.world_size))

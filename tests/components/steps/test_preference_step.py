@@ -73,7 +73,7 @@ def test_mfu_counts_the_tokens_the_forwards_ran(dpo):
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for line in lines:
         ran = record.flop_tokens[line["step"]]
-        assert 0 < ran < 2 * 4 * 128
+        assert 0 < ran < 2 * 4 * 128 and line["flop_tokens"] == pytest.approx(ran)
         achieved = line["mfu"] * line["mfu_peak_tflops"] * 1e12 * line["interval_s"]
         assert achieved == pytest.approx(trainer.flops_per_token * ran, rel=1e-6)
 
