@@ -131,10 +131,7 @@ class PrefixLayout:
 
     def context(self, device) -> AttentionContext:
         """The packed rows' attention context: their positions, this layout as ``prefix``."""
-        packed = self.prefix + self.members * self.own
-        return AttentionContext(self.length, rope_positions=self.positions(device),
-                                query_positions=torch.arange(packed, device=device),
-                                prefix=self)
+        return AttentionContext(self.length, rope_positions=self.positions(device), prefix=self)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,8 +148,8 @@ class PrefixLayout:
 
         if self._completion is None:  # a member's queries at P..T-1 over keys 0..T-1
             at = torch.arange(p, self.length, device=q.device)
-            self._completion = AttentionContext(self.length, query_positions=at)
-            self._completion.mask = additive(visibility(self.length, at, None))
+            self._completion = AttentionContext(
+                self.length, mask=additive(visibility(self.length, at, None)), query_positions=at)
         out = sdpa(members(q), keys(k), keys(v), self._completion, dropout_p, window, sinks)
         out = out.unflatten(0, (g, n)).transpose(1, 2).flatten(2, 3)  # (G, H, K * C, D)
         return torch.cat([head, out], dim=2)

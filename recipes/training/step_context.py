@@ -20,6 +20,7 @@ from kiln.components.models.lm_head import IGNORE_INDEX, LossHead, TokenLosses, 
 from kiln.components.models.token_logprobs import LogprobHead, label_logprobs
 from kiln.components.protocols import GuardDecision
 from kiln.components.steps.common import unguarded
+from kiln.recipes.training.context_warmup import truncate
 
 
 @dataclass
@@ -61,14 +62,8 @@ class SourceLosses:
 def without_trailing_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch cut after its last labelled column: its (B, T) tensors to (B, T') (rows padded
     to ``seq_len``, as preference pairs are, run as wide as their longest). One host read."""
-    labels = batch["labels"]
-    b, t = labels.shape
-    labelled = (labels != IGNORE_INDEX).any(0).nonzero()
-    keep = int(labelled[-1]) + 1 if labelled.numel() else t
-    if keep == t:
-        return batch
-    return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[:2] == (b, t)
-            else v for k, v in batch.items()}
+    labelled = (batch["labels"] != IGNORE_INDEX).any(0).nonzero()
+    return truncate(batch, int(labelled[-1]) + 1) if labelled.numel() else batch
 
 
 @dataclass
