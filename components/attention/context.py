@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.components.attention.sinks import sink_attention
 from kiln.components.errors import RecipeError
 
 KERNELS = ("auto", "sdpa", "flex")
@@ -200,30 +201,6 @@ def _flex(q, k, v, block_mask, gqa: bool) -> torch.Tensor:
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
-                   sinks: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Attention with learned sinks (gpt-oss): each head's sink logit joins the softmax of
-    every query as a key without a value. ``mask``: additive (0 / -inf) or bool, broadcast to
-    (B, H, Tq, T), or None (causal, the queries being the last Tq positions). Written out: no
-    fused kernel takes an extra softmax term (SDPA's do not return the log-sum-exp)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # GQA: each kv head serves its group of query heads
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5  # (B, H, Tq, T)
-    if mask is None:
-        t, tq = k.shape[2], q.shape[2]
-        mask = torch.ones(tq, t, dtype=torch.bool, device=q.device).tril(t - tq)
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask.float()
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    if dropout_p:
-        probs = F.dropout(probs, p=dropout_p)
-    return probs.to(v.dtype) @ v
-
-
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          context: AttentionContext | None = None, dropout_p: float = 0.0,
          window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,7 +208,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     without one. kv heads broadcast to q heads (GQA) without copies. ``dropout_p``: dropout on
     the attention probabilities (pass 0 outside training). ``window``: a query sees itself and
     the ``window - 1`` keys before it (sliding-window attention; 0 = every earlier key).
-    ``sinks`` (H,): learned sink logits (``sink_attention``).
+    ``sinks`` (H,): learned sink logits (``sinks.sink_attention``).
 
     `enable_gqa` was as fast as `repeat_interleave` on CPU and does not materialise repeats.
     On CPU with bf16 inputs and small heads (D <= 32) the attention runs in fp32: the CPU

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.components.attention.context import sink_attention
+from kiln.components.attention.sinks import sink_attention
 
 
 class CacheSession:
@@ -169,7 +169,7 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D); ``window``:
     a sliding-window layer's (the cache keeps every key; the mask hides the far ones);
-    ``sinks``: learned sink logits (``context.sink_attention``)."""
+    ``sinks``: learned sink logits (``sinks.sink_attention``)."""
     gqa = k.shape[1] != q.shape[1]
     if sinks is not None:
         mask = session.window_mask(window) if window else session.mask  # None: causal

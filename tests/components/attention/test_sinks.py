@@ -1,6 +1,7 @@
 """Learned attention sinks (gpt-oss): the attention equals transformers' gpt-oss attention on the
 same queries, keys, values and sinks (forward and gradients, GQA, with and without a window);
-the parameter trains; what cannot hold them says so. Cached decoding and padding are in
+the parameter trains; the CPU flash-kernel path equals the written-out softmax (documents,
+bool masks, decoding's last queries, bf16); what cannot hold them says so. Cached decoding and padding are in
 test_kv_cache.py, the document mask in test_document_mask.py (the moe family has sinks)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import types
 import pytest
 import torch
 
+from kiln.components.attention import sinks as sinks_module
 from kiln.components.attention.context import additive, sdpa, visibility
 from kiln.components.errors import RecipeError
 from kiln.parallelisms.layout.check import model_problems
@@ -62,3 +64,48 @@ def test_what_cannot_hold_sinks_says_so():
     model = recipe.model.build(vocab_size=256, seq_len=16)
     assert any("sinks = true cannot run with parallelism.tp = 2" in p
                for p in model_problems(model, tp=2))
+
+
+def _kernel_vs_written_out(q, k, v, mask, sinks, tol):
+    """Output and gradients of the kernel path on the inputs against the written-out softmax
+    on their fp32 copies (bf16: the kernel's rounding, within ``tol``)."""
+    inputs = [q, k, v, sinks]
+    exact = [x.detach().float().requires_grad_() for x in inputs]
+    ours = sinks_module.sink_attention(q, k, v, mask, sinks)
+    ref = sinks_module.written_out(*exact[:3], mask, exact[3])
+    torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+    weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
+    for a, b_ in zip(torch.autograd.grad((ref * weights).sum(), exact),
+                     torch.autograd.grad((ours.float() * weights).sum(), inputs), strict=True):
+        torch.testing.assert_close(b_.float(), a, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", ["documents", "bool_window", "last_queries", "bf16"])
+def test_the_cpu_kernel_path_equals_the_written_out_softmax(case):
+    """The flash kernel with the rescale (sinks.py) against the sink softmax over the scores:
+    a per-row document mask, a bool window mask, fewer queries than keys (decoding: the queries
+    are the last positions), bf16 inputs with fp32 sinks."""
+    g = torch.Generator().manual_seed(0)
+    b, h, hk, t, d = 2, 4, 2, 12, 8
+    tq = 3 if case == "last_queries" else t
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    q = torch.randn(b, h, tq, d, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(b, hk, t, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    sinks = torch.randn(h, generator=g).requires_grad_()
+    mask = None
+    if case == "documents":
+        doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+        mask = additive(visibility(t, torch.arange(t), doc_ids, 0))  # (B, 1, T, T)
+    elif case == "bool_window":
+        mask = visibility(t, torch.arange(t), None, 4)
+    _kernel_vs_written_out(q, k, v, mask, sinks, 5e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_dropout_takes_the_written_out_softmax(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the kernel path has no attention dropout")
+
+    monkeypatch.setattr(sinks_module._SinkFlash, "apply", refuse)
+    q = torch.randn(1, 2, 4, 8)
+    out = sinks_module.sink_attention(q, q, q, None, torch.zeros(2), dropout_p=0.5)
+    assert out.shape == q.shape
