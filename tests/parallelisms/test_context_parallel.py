@@ -117,12 +117,13 @@ def _case(folder, corpus, *extra):
 # gpt2: learned absolute positions, each rank adding the rows of its own positions
 # (without its dropout: each rank draws the masks of its own chunks)
 GPT2 = tuple(f for f in FAMILIES["gpt2"][1] if "dropout" not in f)
-# window: sliding-window attention (5 tokens) beside the document mask, each rank's queries
-# windowed over the gathered keys
+# window: sliding-window attention (5 tokens) with gpt-oss's learned sinks beside the document
+# mask, each rank's queries windowed over the gathered keys
 # latent: DeepSeek's latent attention, each rank gathering the latents, not the expanded keys
 LATENT = ("--model.attention.type=latent", "--model.attention.kv_rank=16",
           "--model.attention.nope_head_dim=8", "--model.attention.rope_head_dim=8")
-TWO = {"plain": (), "gpt2": GPT2, "window": ("--model.attention.window=5", *MASK),
+SINKS = ("--model.attention.window=5", "--model.attention.sinks=true", *MASK)
+TWO = {"plain": (), "gpt2": GPT2, "window": SINKS,
        "latent": (*LATENT, *MASK), "mask": MASK}  # mask last: its log is read
 
 

@@ -1,8 +1,10 @@
 """Learned attention sinks (gpt-oss): the attention equals transformers' gpt-oss attention on the
 same queries, keys, values and sinks (forward and gradients, GQA, with and without a window);
 the parameter trains; the CPU flash-kernel path equals the written-out softmax (documents,
-bool masks, decoding's last queries, bf16); what cannot hold them says so. Cached decoding and padding are in
-test_kv_cache.py, the document mask in test_document_mask.py (the moe family has sinks)."""
+bool masks, decoding's last queries, a context-parallel rank's chunks, bf16); what cannot hold
+them says so. Cached decoding and padding are in test_kv_cache.py, the document mask in
+test_document_mask.py (the moe family has sinks), context parallelism end to end in
+tests/parallelisms/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -80,22 +82,25 @@ def _kernel_vs_written_out(q, k, v, mask, sinks, tol):
         torch.testing.assert_close(b_.float(), a, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("case", ["documents", "bool_window", "last_queries", "bf16"])
+@pytest.mark.parametrize("case", ["documents", "bool_window", "last_queries", "cp_queries",
+                                  "bf16"])
 def test_the_cpu_kernel_path_equals_the_written_out_softmax(case):
     """The flash kernel with the rescale (sinks.py) against the sink softmax over the scores:
     a per-row document mask, a bool window mask, fewer queries than keys (decoding: the queries
-    are the last positions), bf16 inputs with fp32 sinks."""
+    are the last positions; context parallel: a rank's head and tail chunks over every key,
+    with documents), bf16 inputs with fp32 sinks."""
     g = torch.Generator().manual_seed(0)
     b, h, hk, t, d = 2, 4, 2, 12, 8
-    tq = 3 if case == "last_queries" else t
+    q_pos = torch.tensor([0, 1, 2, 9, 10, 11]) if case == "cp_queries" else torch.arange(t)
+    tq = 3 if case == "last_queries" else len(q_pos)
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     q = torch.randn(b, h, tq, d, generator=g).to(dtype).requires_grad_()
     k, v = (torch.randn(b, hk, t, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
     sinks = torch.randn(h, generator=g).requires_grad_()
     mask = None
-    if case == "documents":
+    if case in ("documents", "cp_queries"):
         doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
-        mask = additive(visibility(t, torch.arange(t), doc_ids, 0))  # (B, 1, T, T)
+        mask = additive(visibility(t, q_pos, doc_ids, 0))  # (B, 1, Tq, T)
     elif case == "bool_window":
         mask = visibility(t, torch.arange(t), None, 4)
     _kernel_vs_written_out(q, k, v, mask, sinks, 5e-2 if dtype == torch.bfloat16 else 1e-5)
