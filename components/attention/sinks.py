@@ -89,6 +89,6 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
         mask = _causal_mask(q, k)
     if mask is not None:
         if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         mask = mask.to(q.dtype)
     return _SinkFlash.apply(q, k, v, sinks, mask, causal)
