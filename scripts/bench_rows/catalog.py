@@ -98,8 +98,8 @@ def groups(args) -> list[Group]:
                           "pairs/s", goal=">= 1.3x")],
                      {**base, "steps": 2 if quick else 10, "warmup": 1 if quick else 2}))
     out.append(Group("dpo-memory", "dpo_memory", "a frozen copy of the base as the reference",
-                     [Row("DPO step with LoRA, peak memory: adapters-off reference", "peak_mb",
-                          "MiB", higher_is_better=False, goal="report")],
+                     [Row("DPO step with LoRA, 60M parameters, peak memory: adapters-off reference",
+                          "peak_mb", "MiB", higher_is_better=False, goal="report")],
                      {**base}, third_party=False))
     grpo = {**base, "prompts": 4, "group": 8, "prompt": 32,
             "new_tokens": 8 if quick else 64, "repeats": 1 if quick else 3}
