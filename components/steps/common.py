@@ -52,6 +52,17 @@ def reference_logprobs(ctx, batch: dict[str, torch.Tensor], reference: torch.nn.
     return logp
 
 
+def sharing_line(build, once: str, rows: str) -> str:
+    """The start-up line of ``share_prompts``: "step: ``once`` where ..." when the prompts are
+    computed once, else why the model runs ``rows`` whole (``build.shared_prefix_problem``)."""
+    from kiln.components.attention.shared_prefix import MIN_SHARE
+
+    why = build.shared_prefix_problem()
+    if why is None:
+        return f"step: {once} where it is at least {MIN_SHARE:.3g} of the row (share_prompts)"
+    return f"step: share_prompts: the {rows} run whole, {why}"
+
+
 def sequence_parallel_refusal(step: str, layout) -> None:
     """A step built on whole sequences' log-probabilities refuses layouts where a rank lacks
     them (a RecipeError naming the setting)."""

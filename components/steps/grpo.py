@@ -27,13 +27,16 @@ import torch
 from pydantic import Field
 
 from kiln.components import distributed
-from kiln.components.attention import shared_prefix
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 from kiln.components.steps import grpo_batch, grpo_loss
-from kiln.components.steps.common import reference_logprobs, sequence_parallel_refusal
+from kiln.components.steps.common import (
+    reference_logprobs,
+    sequence_parallel_refusal,
+    sharing_line,
+)
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
 
@@ -150,11 +153,8 @@ class GRPOStep(StepContract):
         self.rank, self.ranks = build.rank, build.ranks
         self.check_data(build.dataset)
         if self.cfg.share_prompts:
-            why = build.shared_prefix_problem()
-            build.lines.append("step: each group's prompt computed once per training forward where "
-                               f"it is at least {shared_prefix.MIN_SHARE:.3g} of the row "
-                               "(share_prompts)" if why is None
-                               else f"step: share_prompts: the rows run whole, {why}")
+            build.lines.append(sharing_line(
+                build, "each group's prompt computed once per training forward", "rows"))
         if not self.cfg.beta:
             build.lines.append("step: grpo, no KL term (beta = 0): no reference model")
             return

@@ -25,13 +25,16 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kiln.components.attention import shared_prefix
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
 from kiln.components.registry import register
 from kiln.components.steps import reference_table
-from kiln.components.steps.common import reference_logprobs, sequence_parallel_refusal
+from kiln.components.steps.common import (
+    reference_logprobs,
+    sequence_parallel_refusal,
+    sharing_line,
+)
 from kiln.components.steps.preference_losses import PairLogps, PairLoss
 
 Reference = Literal["auto", "frozen_copy", "adapters_off", "none"]
@@ -95,7 +98,7 @@ class PreferenceStep(StepContract):
     def setup(self, build) -> None:
         want, needs = self.cfg.reference, self.loss.needs_reference
         name = f"training.step.loss.type = {self.cfg.loss.type!r}"
-        self.sharing_line(build)
+        self.log_sharing(build)
         if not needs:
             unused = [f"training.step.reference = {want!r}"] if want not in ("auto", "none") \
                 else []
@@ -136,15 +139,12 @@ class PreferenceStep(StepContract):
         n = batch["input_ids"].shape[0] // 2
         return {"groups": torch.arange(2 * n).view(2, n).T}
 
-    def sharing_line(self, build) -> None:
+    def log_sharing(self, build) -> None:
         """The start-up line saying whether the pairs' prompts are computed once."""
         if not self.cfg.share_prompts or self.takes_pairs != "paired":
             return
-        why = build.shared_prefix_problem()
-        build.lines.append(
-            "step: each pair's prompt computed once per forward where it is at least "
-            f"{shared_prefix.MIN_SHARE:.3g} of the row (share_prompts)" if why is None
-            else f"step: share_prompts: the pairs run whole, {why}")
+        build.lines.append(sharing_line(build, "each pair's prompt computed once per forward",
+                                       "pairs"))
 
     # ------------------------------------------------------------------ the loss
     def pair_loss(self, ctx: StepContext, batch, split: str = "train"
