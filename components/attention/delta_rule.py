@@ -22,8 +22,8 @@ K) and U_0 = T (beta V): U = U_0 - W S_0. Outputs and the state handed to the ne
     O   = exp(G) Q S_0 + (Q K^T * exp(G_t - G_i), i <= t) U
     S_C = exp(G_C) S_0 + (K * exp(G_C - G))^T U
 
-Only the S_0 terms run chunk after chunk (T / C steps of small matrix products); everything
-else is batched. Decay ratios are exp of masked differences, never ratios of exponentials, so a
+Only U and S_C run chunk after chunk (T / C steps of two small matrix products each); O is
+formed after that loop from every chunk's S_0 and U, batched, like everything else. Decay ratios are exp of masked differences, never ratios of exponentials, so a
 strong decay underflows to 0 instead of overflowing.
 
 Documents (packed rows): a token sees only state written by its own document. Inside a chunk the
@@ -35,6 +35,29 @@ new document.
 from __future__ import annotations
 
 import torch
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^-1 for strictly lower-triangular A (..., C, C). The backward is the inverse's
+    own, -T^T dT T^T (two products with the saved inverse), where autograd through
+    ``solve_triangular`` would run a second triangular solve: 1.9 ms against 0.7 ms for 64
+    chunks of 64 on a 2-core EPYC. The solve runs on a contiguous copy, which LAPACK's batched
+    path takes without another (1.2 ms against 1.9 ms on the chunked form's strided layout)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        inverse = torch.linalg.solve_triangular((eye + a).contiguous(), eye.expand_as(a),
+                                                upper=False, unitriangular=True)
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (inverse,) = ctx.saved_tensors
+        t = inverse.transpose(-1, -2)
+        return -(t @ grad @ t).tril(-1)  # A's free entries are the strictly lower ones
 
 
 def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -88,9 +111,7 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     diff = gam[..., :, None] - gam[..., None, :]  # G_t - G_i
     decay = diff.masked_fill(~incl, float("-inf")).exp()  # (B, H, n, C, C), 0 off the mask
     a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(~strict, 0.0)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    tri = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False,
-                                        unitriangular=True)  # (I + A)^-1
+    tri = _UnitLowerInverse.apply(a)  # (I + A)^-1
     scale = gam.exp() if doc_ids is None else gam.exp() * first  # exp(G), S_0's reach
     w = tri @ ((beta * scale)[..., None] * k)  # (B, H, n, C, Dk)
     u0 = tri @ (beta[..., None] * v)  # (B, H, n, C, Dv)
@@ -100,14 +121,21 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     end = gam[..., -1].exp()  # exp(G_C)
     if doc_ids is not None:
         hand, end = hand * last, end * first[..., -1]
-    k_end = hand[..., None] * k
+    k_end = (hand[..., None] * k).transpose(-1, -2)
     s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
-    out = []
-    for j in range(n):
+    # Only the chunk-to-chunk state is sequential: the loop carries it (two small products a
+    # chunk) and the outputs are formed after it, batched over all chunks. unbind, not
+    # indexing, so that autograd adds each chunk's gradient into one tensor instead of a
+    # zero-filled copy per chunk.
+    states, deltas = [], []
+    chunks = zip(u0.unbind(2), w.unbind(2), end.unbind(2), k_end.unbind(2), strict=True)
+    for j, (u0_j, w_j, end_j, k_end_j) in enumerate(chunks):
         if doc_ids is not None and j:
             s = s * carried[:, j].float()[:, None, None, None]
-        u = u0[:, :, j] - w[:, :, j] @ s
-        out.append(q_state[:, :, j] @ s + mix[:, :, j] @ u)
-        s = end[:, :, j, None, None] * s + k_end[:, :, j].transpose(-1, -2) @ u
-    o = torch.stack(out, dim=1).permute(0, 1, 3, 2, 4)  # (B, n, C, H, Dv)
+        states.append(s)
+        u = u0_j - w_j @ s
+        deltas.append(u)
+        s = end_j[..., None, None] * s + k_end_j @ u
+    o = q_state @ torch.stack(states, dim=2) + mix @ torch.stack(deltas, dim=2)
+    o = o.permute(0, 2, 3, 1, 4)  # (B, n, C, H, Dv)
     return o.flatten(1, 2)[:, :t].to(dtype), s
