@@ -36,7 +36,7 @@ class LowRankConfig(ComponentConfig):
     targets: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="globs over module names (as in the model's state dict, e.g. "
-        '"*.attention.wq", "*.ffn.*"); every matching nn.Linear gets an adapter, and '
+        '"*.attention.wq", "*.feed_forward.*"); every matching nn.Linear gets an adapter, and '
         'every glob must match at least one')
     allow_random_base: bool = Field(
         False, description="train adapters without checkpoint.init_from, on the model's "

@@ -23,8 +23,9 @@ K) and U_0 = T (beta V): U = U_0 - W S_0. Outputs and the state handed to the ne
     S_C = exp(G_C) S_0 + (K * exp(G_C - G))^T U
 
 Only U and S_C run chunk after chunk (T / C steps of two small matrix products each); O is
-formed after that loop from every chunk's S_0 and U, batched, like everything else. Decay ratios are exp of masked differences, never ratios of exponentials, so a
-strong decay underflows to 0 instead of overflowing.
+formed after that loop from every chunk's S_0 and U, batched, like everything else. Decay
+ratios are exp of masked differences, never ratios of exponentials, so a strong decay underflows
+to 0 instead of overflowing.
 
 Documents (packed rows): a token sees only state written by its own document. Inside a chunk the
 pairwise terms (A, the Q K^T mixing, the state handed on) are masked to the same document; S_0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from kiln.components import registry
 from kiln.components.base import ComponentConfig
 from kiln.components.errors import RecipeError
 from kiln.components.protocols import StepContext, StepContract, StepResult
@@ -39,6 +40,13 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _not_looped(model: str, model_type: str | None = None) -> str:
+    named = f"model.type = {model_type!r} ({model})" if model_type else model
+    return (f"training.step.type = \"segmented_bptt\" needs a looped model (one with "
+            f"loop_window); {named} has none: use model.type = \"looped\" or "
+            "training.step.type = \"standard\"")
+
+
 @register("step", "segmented_bptt")
 class SegmentedBPTT(StepContract):
     """Loops in segments of K, each with its own backward, guard check and optimizer step."""
@@ -48,6 +56,13 @@ class SegmentedBPTT(StepContract):
     def __init__(self, cfg: SegmentedBPTTConfig) -> None:
         self.cfg = cfg
 
+    def check_recipe(self, recipe, layout) -> None:
+        """The model must be a looped one (``loop_window``): refused here, for ``validate`` as
+        for ``train``, rather than at the first step."""
+        model_cls = registry.for_config(recipe.model).obj
+        if not hasattr(model_cls, "loop_window"):
+            raise RecipeError(_not_looped(model_cls.__name__, recipe.model.type))
+
     def segments(self, loops: int) -> list[tuple[int, int]]:
         k = self.cfg.segment_loops or loops
         return [(s, min(s + k, loops)) for s in range(0, loops, k)]
@@ -55,12 +70,8 @@ class SegmentedBPTT(StepContract):
     def __call__(self, ctx: StepContext,
                  micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         model = _unwrap(ctx.model)
-        if not hasattr(model, "loop_window"):
-            raise RecipeError(
-                f"training.step = segmented_bptt needs a looped model (with loop_window); "
-                f"{type(model).__name__} has none: use model.type = \"looped\" or step "
-                "\"standard\""
-            )
+        if not hasattr(model, "loop_window"):  # a step built outside a recipe (tests, plugins)
+            raise RecipeError(_not_looped(type(model).__name__))
         model.set_progress(ctx.step, ctx.total_steps)
         n = len(micro_batches)
         states: list[torch.Tensor | None] = [None] * n

@@ -47,11 +47,19 @@ class MetricsWriter:
             run_id = id_file.read_text().strip() if id_file.is_file() else ""
             if not run_id:
                 run_id = secrets.token_hex(4)  # W&B ids: [a-z0-9]
+                self.run_dir.mkdir(parents=True, exist_ok=True)  # (before the first step)
                 id_file.write_text(run_id + "\n")
-            self._wb = wandb.init(
-                project=c.project, entity=c.entity or None, name=c.name or name or None,
-                group=c.group or None, tags=c.tags or None, mode=c.mode,
-                dir=str(self.run_dir), config=config, id=run_id, resume="allow")
+            try:
+                self._wb = wandb.init(
+                    project=c.project, entity=c.entity or None, name=c.name or name or None,
+                    group=c.group or None, tags=c.tags or None, mode=c.mode,
+                    dir=str(self.run_dir), config=config, id=run_id, resume="allow")
+            except Exception as exc:  # wandb's errors (no key, no network) have no common base
+                raise RecipeError(
+                    f"run.wandb: Weights & Biases did not start ({type(exc).__name__}: "
+                    f"{str(exc).strip()}); log in (`wandb login` or WANDB_API_KEY), or set "
+                    'run.wandb.mode = "offline" (files under the run folder, `wandb sync` '
+                    "later), or remove [run.wandb]") from None
         return self._wb
 
     def _writer(self):
@@ -65,9 +73,11 @@ class MetricsWriter:
     def begin_session(self, step: int) -> None:
         """Training (re)starts from ``step``: the next line carries ``session: {"from_step":
         step}``, so a reader drops what an earlier session logged after that step
-        (``recipes/runs/read.py``). Nothing is written until then: a run that fails before its first
-        step leaves no file."""
+        (``recipes/runs/read.py``). Nothing is written to metrics.jsonl until then: a run that
+        fails before its first step leaves no line. W&B starts here, before the step rather than
+        at its first log line, so that a login it lacks stops the run before any work."""
         self._session = step
+        self._wandb()
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:

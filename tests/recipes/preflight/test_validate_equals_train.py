@@ -46,8 +46,10 @@ BAD = [
     ("lora-export-at-end", "sft_debug.toml",
      [*CHAT, *LORA, "--adapter.allow_random_base=true", "--checkpoint.export_at_end=true"],
      "export_at_end with [adapter]"),
-    ("chat-segmented-step", "sft_debug.toml", [*CHAT, "--training.step.type=segmented_bptt"],
-     "token-weighted"),
+    ("bptt-not-looped", "debug.toml", ["--training.step.type=segmented_bptt"],
+     "needs a looped model"),
+    ("chat-segmented-step", "sft_debug.toml",
+     [*CHAT, "--training.step.type=segmented_bptt", "--model.type=looped"], "token-weighted"),
     ("init-from-missing", "debug.toml", ["--checkpoint.init_from=no/such/model"],
      "checkpoint.init_from = 'no/such/model': no such folder"),
     ("lora-base-missing", "sft_debug.toml",
@@ -73,7 +75,9 @@ def test_validate_refuses_what_train_refuses(capsys, tmp_path, case, file, overr
         (tmp_path / "debug.toml").write_text((CONFIGS / "debug.toml").read_text())
     else:
         path = CONFIGS / file
-    args = [*SMALL, f"--run.folder={tmp_path / 'run'}", *overrides]
+    looped = "--model.type=looped" in overrides  # (its stack is sized by n_recurrent)
+    small = [a for a in SMALL if not (looped and a.startswith("--model.n_layers"))]
+    args = [*small, f"--run.folder={tmp_path / 'run'}", *overrides]
     (v_status, v_out), (t_status, t_err) = _both(capsys, path, args)
     assert t_status != 0 and fragment in t_err, t_err
     message = t_err.split("kiln train: error: ", 1)[1].strip()

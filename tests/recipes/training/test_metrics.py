@@ -54,6 +54,32 @@ def test_missing_wandb_package_is_a_recipe_error(tmp_path, monkeypatch):
         run(tmp_path / "x", "--run.wandb.project=p")
 
 
+def test_wandb_that_cannot_start_stops_the_run_before_its_first_step(tmp_path, monkeypatch):
+    """No login (or no network) is one clear line naming run.wandb and the offline mode, raised
+    when the session begins: no step is trained and no metric line is written first."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from kiln.recipes.training.metrics import MetricsWriter
+
+    class UsageError(Exception):
+        pass
+
+    def init(**kwargs):
+        raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__, fake.init = importlib.machinery.ModuleSpec("wandb", None), init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = types.SimpleNamespace(project="p", entity="", name="", group="", tags=[],
+                                mode="online")
+    writer = MetricsWriter(tmp_path, tensorboard=False, enabled=True, wandb=cfg)
+    with pytest.raises(RecipeError, match=r'run\.wandb: .*No API key.*mode = "offline"'):
+        writer.begin_session(0)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_each_session_marks_its_first_line_with_the_step_it_started_from(tmp_path):
     from kiln.recipes.training.metrics import MetricsWriter
 
