@@ -78,6 +78,7 @@ class ChatLoader(Loader):
     cursor counts rows)."""
 
     rows_class = ChatRows  # how a batch is read from the folder
+    examples = "conversations"  # what a row holds, for messages
 
     def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, seed: int) -> None:
@@ -88,9 +89,12 @@ class ChatLoader(Loader):
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
+            held = f"{folder}: the {split} split holds {self.windows_per_epoch} rows"
             raise DataError(
-                f"{folder}: the {split} split holds {self.windows_per_epoch} rows, fewer than "
-                f"one global batch of {global_batch}; add conversations, lower "
-                "training.global_batch" + (" or raise data.eval_fraction" if split == "eval"
-                                           else ""))
+                f"{held}, fewer than one global batch of {global_batch}; add "
+                f"{self.examples} or lower training.global_batch" if split != "eval" else
+                f"{held}, fewer than one evaluation batch of {global_batch} (training."
+                f"micro_batch on every process); add {self.examples}, raise "
+                "data.eval_fraction, lower training.micro_batch, or turn evaluation off "
+                "(eval.interval = 0 and eval.at_end = false)")
         self._pos, self._it = 0, None

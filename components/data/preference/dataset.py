@@ -81,6 +81,7 @@ class PairRows(ChatRows):
 
 class PairLoader(ChatLoader):
     rows_class = PairRows
+    examples = "preference pairs"
 
 
 @register("dataset", "preference")

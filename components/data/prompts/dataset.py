@@ -71,6 +71,7 @@ class PromptRows(ChatRows):
 
 class PromptLoader(ChatLoader):
     rows_class = PromptRows
+    examples = "prompts"
 
 
 @register("dataset", "prompts")

@@ -90,7 +90,8 @@ def test_the_eval_split_is_held_out_and_small_splits_say_what_to_do(tmp_path):
     ds = _dataset(tmp_path)
     ds.prepare()
     assert ds.meta["splits"]["eval"]["conversations"] == 15
-    with pytest.raises(DataError, match="fewer than one global batch of 64.*eval_fraction"):
+    with pytest.raises(DataError,
+                       match="fewer than one evaluation batch of 64.*eval_fraction.*micro_batch"):
         ds.loader("eval", micro_batch=64, global_batch=64)
 
 
