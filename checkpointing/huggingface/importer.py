@@ -96,10 +96,12 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") -> int:
+def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "", *,
+                 check_only: bool = False) -> int:
     """Copy a Hugging Face checkpoint into ``model`` (built and allocated, possibly sharded);
     returns the number of tensors read. Every kiln tensor must come from the checkpoint and
-    every checkpoint tensor must be used; shapes must agree."""
+    every checkpoint tensor must be used; shapes must agree. ``check_only``: those checks alone,
+    from the files' headers (``model`` may be on the meta device: ``kiln validate``)."""
     label = label or str(folder)
     reason = hf_layout.hf_incompatibility(model)
     if reason:
@@ -146,6 +148,8 @@ def load_weights(model: nn.Module, folder: Path, config: dict, label: str = "") 
             raise CheckpointError(f"{label}: {hf_name} has shape {list(files.shape(hf_name))}, "
                                   f"the recipe's model needs {list(want)} (for "
                                   f"{owner[hf_name]})")
+    if check_only:
+        return len(needed)
     for name, t in targets.items():
         parts = layout[name]
         local, offset, shape = local_region(t)

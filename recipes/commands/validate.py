@@ -55,7 +55,7 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     parameter counts, FLOPs/token, optimizer routing, and for more than one process the mesh
     and per-rank memory."""
     shape, bp = checks.plan_layout(recipe, world_size)
-    checks.check_init_from(recipe)
+    source = checks.check_init_from(recipe)
     tr = recipe.training
     tokenizer = recipe.tokenizer.build()
     lines = [batch_plan.describe_budget(tr, bp)]
@@ -70,6 +70,8 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     model = build_meta_model(recipe, tokenizer)
     complete_model(model)
     checks.check_model(recipe, model, tokenizer)
+    if source is not None:  # its tensors against the model, from the files' headers
+        source.check(model)
     if recipe.adapter is not None:
         lines.append(checks.add_adapter(recipe, model)[1])
     raise_problems(model_problems(model, shape.tp, shape.ep, shape.cp)

@@ -13,6 +13,7 @@ import tomli_w
 from kiln.checkpointing.huggingface import config as hf_config
 from kiln.checkpointing.huggingface import importer as hf_import
 from kiln.components.errors import CheckpointError, RecipeError
+from kiln.components.tokenizers.byte_tokenizer import ByteTokenizer
 from kiln.components.tokenizers.hf_tokenizer import (
     TOKENIZER_FILE,
     HuggingFaceTokenizer,
@@ -65,6 +66,11 @@ def tokenizer_table(source: str, folder: Path, config: dict[str, Any],
     tokenizer on the same source, its BOS / EOS pinned to config.json's ids where the
     tokenizer's own config picks other tokens; else the byte tokenizer."""
     if not (folder / TOKENIZER_FILE).is_file():
+        if model_vocab < ByteTokenizer.vocab_size:  # as written the recipe would not train
+            return {"type": "byte"}, (
+                f"{source} has no {TOKENIZER_FILE}, and its vocabulary ({model_vocab}) is "
+                f"smaller than the byte tokenizer's ({ByteTokenizer.vocab_size}) that the "
+                "recipe falls back to: set [tokenizer] to the model's own before training")
         return {"type": "byte"}, (
             f"{source} has no {TOKENIZER_FILE}; the recipe uses the byte tokenizer (ids 0-257 "
             "of the model's vocabulary): set [tokenizer] for real text")

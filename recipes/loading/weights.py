@@ -88,6 +88,14 @@ class Source:
         theirs, ours = to_dict(load_recipe(self.folder))["model"], to_dict(recipe)["model"]
         return differences(theirs, ours, source=f"in {self.spec}")
 
+    def check(self, model: nn.Module) -> None:
+        """What ``load`` checks before it reads a tensor, on ``model`` built on the meta device:
+        a Hugging Face folder's files readable, every tensor there with its shape. (A kiln
+        checkpoint's tensors are checked as they load: its manifest has no shapes.)"""
+        if self.kind == "hf":
+            hf_import.load_weights(model, self.folder, self.config, label=self.spec,
+                                   check_only=True)
+
     def load(self, model: nn.Module) -> int:
         """Copy the weights into ``model`` (built, possibly sharded: each rank fills its own
         shard); the tensors read."""

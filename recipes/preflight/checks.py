@@ -36,20 +36,21 @@ def plan_layout(recipe, world_size: int) -> tuple[Layout, batch_plan.BatchPlan]:
     return shape, batch_plan.plan(recipe.training, shape.dp, tp=shape.tp, cp=shape.cp)
 
 
-def check_init_from(recipe) -> None:
+def check_init_from(recipe) -> Source | None:
     """``checkpoint.init_from`` is there (a Hugging Face folder with its config.json, a kiln
-    checkpoint or run folder with a finished checkpoint) before anything is built. A run that
-    will resume its own checkpoint does not read it, unless it trains adapters on it; a Hub
-    path is fetched when training starts."""
+    checkpoint or run folder with a finished checkpoint) before anything is built; the source,
+    for ``Source.check`` once the model is (None: not read by this run). A run that will resume
+    its own checkpoint does not read it, unless it trains adapters on it; a Hub path is fetched
+    when training starts."""
     cfg = recipe.checkpoint
     if not cfg.init_from or cfg.init_from.startswith("hf://"):
-        return
+        return None
     own = Path(recipe.run.folder) / "checkpoints"
     resumes = cfg.resume != "off" and (
         cfg.resume != "auto" or (own.is_dir() and newest_complete(own, warn=False) is not None))
     if recipe.adapter is None and resumes:
-        return
-    Source.open(recipe)
+        return None
+    return Source.open(recipe)
 
 
 @dataclass

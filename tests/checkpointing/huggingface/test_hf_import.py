@@ -127,3 +127,24 @@ def test_sliding_window_gradients_match_transformers(tmp_path, family, overrides
     (model(x) ** 2).mean().backward()
     torch.testing.assert_close(model.tok_embeddings.weight.grad,
                                hf.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_validate_checks_the_weights_from_their_headers(tmp_path, capsys):
+    """`kiln validate` of an imported recipe runs the weights' checks that training runs first
+    (every tensor there, with its shape; the files readable) on the meta model, reading only
+    the files' headers; `kiln train` would stop on the same line after the run had started."""
+    from kiln.recipes.cli import main
+    from kiln.recipes.loading.hf_recipe import import_recipe
+
+    save_tiny(tmp_path / "hf", "llama")
+    recipe = tmp_path / "imported.toml"
+    import_recipe(str(tmp_path / "hf"), recipe, seq_len=32)
+    assert main(["validate", str(recipe), "--no-data"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    assert main(["validate", str(recipe), "--no-data", "--model.ffn.hidden_dim=128"]) != 0
+    assert "mlp.gate_proj.weight has shape [96, 64]" in capsys.readouterr().out
+    index = json.loads((tmp_path / "hf" / hf_files.INDEX).read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "hf" / shard).write_bytes(b"\xff" * 64)  # a damaged download
+    assert main(["validate", str(recipe), "--no-data"]) != 0
+    assert f"{shard}: cannot read safetensors" in capsys.readouterr().out

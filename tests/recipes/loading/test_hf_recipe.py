@@ -95,6 +95,21 @@ def test_bad_config_is_one_error_naming_the_field(tmp_path, capsys):
     assert "no config.json there" in capsys.readouterr().err
 
 
+def test_without_a_tokenizer_the_note_says_whether_the_byte_fallback_fits(tmp_path, capsys):
+    """No tokenizer.json: the recipe falls back to the byte tokenizer (258 ids); the note says
+    so, and where the model's vocabulary is smaller says that the recipe cannot train as it
+    is (validate would refuse it)."""
+    for vocab, fits in ((300, True), (200, False)):
+        save_tiny(tmp_path / str(vocab), "llama", vocab_size=vocab)
+        out = tmp_path / f"{vocab}.toml"
+        assert main(["import", str(tmp_path / str(vocab)), "--out", str(out)]) == 0
+        err = "".join(capsys.readouterr())
+        assert ("ids 0-257 of the model's vocabulary" in err) == fits, err
+        assert ("its vocabulary (200) is smaller than the byte tokenizer's (258)" in err) \
+            == (not fits), err
+        assert load_recipe(out).tokenizer.type == "byte"
+
+
 def test_hub_source_through_an_offline_cache(tmp_path, offline_cache, capsys):  # noqa: F811
     from tests.components.tokenizers.tokenizer_files import trained_tokenizer
 
