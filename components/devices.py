@@ -66,16 +66,18 @@ def accelerator_type() -> str | None:
     return acc.type if acc is not None else None
 
 
-def pick_device(choice: str, *, world_size: int = 1) -> torch.device:
-    """The device of this process: ``choice`` is one of ``DEVICES``; the index is LOCAL_RANK."""
+def pick_device(choice: str, *, world_size: int = 1, key: str = "training.device"
+                ) -> torch.device:
+    """The device of this process: ``choice`` is one of ``DEVICES``; the index is LOCAL_RANK.
+    ``key``: where the choice came from, for the messages (a command's ``--device``)."""
+    said = (lambda v: f"{key} {v}") if key.startswith("--") else (lambda v: f'{key} = "{v}"')
     if choice not in DEVICES:
-        raise RecipeError(f"training.device = {choice!r}: use one of {', '.join(DEVICES)}")
+        raise RecipeError(f"{said(choice)}: use one of {', '.join(DEVICES)}")
     kind = (accelerator_type() or "cpu") if choice == "auto" else choice
     if not is_available(kind):
         raise RecipeError(
-            f"training.device = \"{kind}\" but this machine has no usable {kind} device: it "
-            f"needs {INSTALL[kind]}; or set training.device = \"auto\" (the accelerator present, "
-            "else the CPU)"
+            f"{said(kind)} but this machine has no usable {kind} device: it needs "
+            f"{INSTALL[kind]}; or use {said('auto')} (the accelerator present, else the CPU)"
         )
     if kind == "mps" and world_size > 1:
         raise RecipeError(

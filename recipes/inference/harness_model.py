@@ -68,7 +68,7 @@ class KilnLM(TemplateLM):
         if str(dtype) not in DTYPES:
             raise RecipeError(f"--model_args dtype={dtype}: use {' or '.join(DTYPES)}")
         recipe, self.tokenizer_, model, self.label = open_model(str(path), step=int(step))
-        self._device = pick_device(device or "auto")
+        self._device = pick_device(device or "auto", key="device")
         model = model.to(device=self._device, dtype=DTYPES[str(dtype)]).eval()
         self.max_length = int(max_length) or model_context(model, recipe.training.seq_len)
         self.max_gen_toks = int(max_gen_toks)

@@ -60,6 +60,9 @@ def test_a_device_that_is_not_there_names_what_to_install(kind, package):
     with pytest.raises(RecipeError) as err:
         devices.pick_device(kind)
     assert f'training.device = "{kind}"' in str(err.value) and package in str(err.value)
+    with pytest.raises(RecipeError) as err:  # a command's flag is named as the user typed it
+        devices.pick_device(kind, key="--device")
+    assert f"--device {kind} but" in str(err.value) and "or use --device auto" in str(err.value)
 
 
 def test_npu_without_torch_npu_is_unavailable_not_a_crash(monkeypatch):

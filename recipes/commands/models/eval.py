@@ -121,7 +121,7 @@ def evaluate_run(run: str, loops: str = "", tokens: int = 0, micro_batch: int = 
     ckpt = find_checkpoint(Path(run))
     recipe, tokenizer, model = load_model(ckpt)
     data_recipe = load_recipe(ckpt, overrides) if overrides else recipe
-    dev = pick_device(device)
+    dev = pick_device(device, key="--device")
     model = model.to(dev).eval()
     values = parse_loops(loops, model)
     tr = data_recipe.training
@@ -190,6 +190,7 @@ def run_tasks(args) -> int:
     from kiln.components.devices import pick_device
     from kiln.recipes.inference import task_eval
 
+    device = lambda: pick_device(args.device, key="--device")  # noqa: E731 (not for --list-tasks)
     if args.harness:
         from kiln.recipes.commands.models.harness import run_harness
 
@@ -197,11 +198,11 @@ def run_tasks(args) -> int:
             raise RecipeError("--harness needs RUN (a run, checkpoint or Hugging Face folder)")
         step = f",step={args.step}" if args.step else ""
         return run_harness(["--model", "kiln", "--model_args", f"path={args.run}{step}",
-                            "--tasks", args.harness, "--device", pick_device(args.device).type])
+                            "--tasks", args.harness, "--device", device().type])
     if args.pending:
         if not args.run:
             raise RecipeError("--pending needs RUN (the paused run's folder)")
-        done = task_eval.run_pending(Path(args.run), device=pick_device(args.device))
+        done = task_eval.run_pending(Path(args.run), device=device())
         print(json.dumps(_json_safe(done)) if args.json else
               "\n".join(task_eval.render(d["label"], d["tasks"]) for d in done))
         return 0
@@ -226,7 +227,7 @@ def run_tasks(args) -> int:
         configs, source = recipe.evals, label
     chosen = task_eval.select(configs, args.tasks, source)
     results = task_eval.evaluate_model(model, tokenizer, recipe, chosen,
-                                       device=pick_device(args.device), limit=args.limit)
+                                       device=device(), limit=args.limit)
     print(json.dumps(_json_safe({"model": label, "tasks": results})) if args.json
           else task_eval.render(label, results))
     return 0

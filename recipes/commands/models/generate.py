@@ -133,7 +133,7 @@ def run(args) -> int:
         raise RecipeError(f"--loops {loops}: " + (
             f"this looped model was trained with H = {model.loops}; use 1..{model.loops}"
             if hasattr(model, "loops") else "only looped models take --loops"))
-    device = pick_device(args.device)
+    device = pick_device(args.device, key="--device")
     dtype = {"auto": torch.bfloat16 if device.type in ("cuda", "npu", "xpu") else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
