@@ -1,5 +1,6 @@
-"""The inline option settings of README.md and docs/*.md name real options and valid values
-(docs are code: a value the recipe loader would reject is a bug in the page)."""
+"""The inline option settings of README.md and docs/*.md name real options and valid values,
+and the command lines there name flags their command takes (docs are code: a value the recipe
+loader would reject, or a flag the command line would, is a bug in the page)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,54 @@ def test_the_check_catches_an_invalid_value():
     fields = _fields()
     assert "paper" not in fields["lambda_mode"] and "reparam" in fields["lambda_mode"]
     assert fields["activation_checkpoint"] == {"none", "full", "selective"}
+
+
+COMMAND_LINE = re.compile(r"kiln ([a-z]+)\b([^`\n]*)")
+FLAG = re.compile(r"(?<![\w.-])(--[a-z][a-z0-9-]*)(?![\w.-])")  # not a --section.key override
+
+
+def _command_flags() -> dict[str, set[str]]:
+    """Each kiln command's options, from its own ``add_arguments`` (the CLI builds them
+    lazily); a command with a parser of its own (``kiln harness``) is left out."""
+    import argparse
+    import importlib
+
+    from kiln.recipes.cli import COMMANDS
+
+    flags = {}
+    for name, (module_name, _) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        if getattr(module, "RAW_ARGS", False):
+            continue
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        flags[name] = _options(parser)
+    return flags
+
+
+def _options(parser) -> set[str]:
+    """A parser's options and its subcommands' (``kiln data prepare --out``)."""
+    import argparse
+
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options(sub)
+    return found
+
+
+def test_docs_name_real_command_flags():
+    """`kiln CMD ... --flag` in README.md and docs/*.md: CMD takes --flag (a renamed option
+    leaves no page behind)."""
+    flags = _command_flags()
+    found, bad = 0, []
+    for path in doc_pages(REPO):
+        for cmd, rest in COMMAND_LINE.findall(path.read_text(encoding="utf-8")):
+            for flag in FLAG.findall(rest) if cmd in flags else []:
+                found += 1
+                if flag not in flags[cmd] and flag != "--k":  # (README's `[--k=v ...]`)
+                    bad.append(f"{path.relative_to(REPO)}: `kiln {cmd} ... {flag}`: "
+                               f"kiln {cmd} has no {flag}")
+    assert found >= 20 and not bad, "\n".join(bad)
