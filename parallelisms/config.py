@@ -125,6 +125,15 @@ class ParallelismConfig(Config):
     float8_fsdp_all_gather: bool = Field(
         True, description="tensorwise + FSDP2: all-gather weights in float8 (less traffic)"
     )
+    float8_pad_inner_dim: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="pad fp8 matmuls' inner dimension to a multiple of 16 (torchao's "
+        "pad_inner_dim): a GPU's torch._scaled_mm needs it, and the weight gradient's inner "
+        "dimension is the micro-batch's token count; auto = on where that count can miss a "
+        "multiple of 16 (a step whose rows vary in width, such as preference and grpo; "
+        "micro_batch x seq_len / cp, or a context warmup's lengths, off the multiple), off "
+        "otherwise (the padding copies the operands) and for rowwise_with_gw_hp",
+    )
     # ----------------------------------------------------------------------------- compile
     compile: bool = Field(False, description="torch.compile each block")
     compile_loss: bool = Field(False, description="also torch.compile the loss")

@@ -25,6 +25,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
+from kiln.components import registry
 from kiln.components.errors import KilnError
 from kiln.components.torchao_import import import_torchao
 from kiln.parallelisms.blocks import clean_name
@@ -90,20 +91,46 @@ def float8_emulated(cfg: ParallelismConfig, device: torch.device) -> bool:
     return cfg.float8_emulate == "on" or (cfg.float8_emulate == "auto" and device.type == "cpu")
 
 
-def float8_config(cfg: ParallelismConfig, fsdp: bool, emulate: bool = False):
+def float8_config(cfg: ParallelismConfig, fsdp: bool, emulate: bool = False,
+                  pad: bool = False):
     """torchao's ``Float8LinearConfig`` for the recipe (float8 all-gather for tensorwise+FSDP;
-    ``emulate``: float32 matmuls of the dequantized fp8 operands)."""
+    ``emulate``: float32 matmuls of the dequantized fp8 operands; ``pad``: ``float8_pad``)."""
     f8 = _torchao_float8()
     config = f8.Float8LinearConfig.from_recipe_name(cfg.float8)
     if cfg.float8 == "tensorwise" and fsdp and cfg.float8_fsdp_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    return dataclasses.replace(config, emulate=emulate)
+    return dataclasses.replace(config, emulate=emulate, pad_inner_dim=pad)
+
+
+def float8_pad(cfg: ParallelismConfig, training=None, cp: int = 1) -> bool:
+    """``float8_pad_inner_dim``: whether the fp8 matmuls pad their inner dimension to a
+    multiple of 16. A GPU's ``torch._scaled_mm`` refuses another (CPU kernels and emulation
+    take any), and the weight gradient's inner dimension is the micro-batch's token count on a
+    rank (micro_batch x seq_len / cp), which kiln's layer filter cannot see. ``auto`` pads where
+    that count can miss the multiple: a step that trims or packs its rows (``varying_width``), a
+    context warmup's shorter lengths, or the fixed shape itself; and where ``training`` (the
+    ``[training]`` table) is not known. Padding copies the operands, so a run whose count is
+    always a multiple of 16 does without."""
+    if cfg.float8_pad_inner_dim != "auto":
+        return cfg.float8_pad_inner_dim == "on"
+    if cfg.float8 == "rowwise_with_gw_hp":  # its weight gradient stays in high precision
+        return False
+    if training is None:
+        return True
+    step = registry.for_config(training.step).obj
+    if getattr(step, "varying_width", False):
+        return True
+    warmup = training.context_warmup
+    lengths = [training.seq_len, *([warmup.multiple] if warmup.steps else [])]
+    return any(training.micro_batch * length % (16 * cp) for length in lengths)
 
 
 def apply_float8(
-    model: nn.Module, cfg: ParallelismConfig, device: torch.device, fsdp: bool
+    model: nn.Module, cfg: ParallelismConfig, device: torch.device, fsdp: bool,
+    pad: bool = False,
 ) -> tuple[list[str], str]:
-    """Convert the filtered Linear layers in place; return (converted names, a note).
+    """Convert the filtered Linear layers in place (``pad``: ``float8_pad``); return (converted
+    names, a note).
 
     The note is empty, or says why float8 was skipped (``float8_fallback`` on hardware without
     fp8). Without the fallback, such hardware is an error. Emulated float8 runs anywhere.
@@ -125,7 +152,7 @@ def apply_float8(
         return [], f"float8 {cfg.float8}: no Linear layer passes the filter"
     f8 = _torchao_float8()
     f8.convert_to_float8_training(model, module_filter_fn=keep,
-                                  config=float8_config(cfg, fsdp, emulate))
+                                  config=float8_config(cfg, fsdp, emulate, pad))
     from torchao.float8.float8_linear import Float8Linear
 
     converted = [clean_name(n) for n, m in model.named_modules() if isinstance(m, Float8Linear)]

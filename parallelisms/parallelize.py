@@ -39,7 +39,12 @@ from kiln.components.distributed import is_dtensor
 from kiln.parallelisms.activation_checkpoint import apply_activation_checkpoint
 from kiln.parallelisms.compile import apply_compile
 from kiln.parallelisms.config import ParallelismConfig
-from kiln.parallelisms.float8 import apply_float8, float8_emulated, float8_post_optimizer_step
+from kiln.parallelisms.float8 import (
+    apply_float8,
+    float8_emulated,
+    float8_pad,
+    float8_post_optimizer_step,
+)
 from kiln.parallelisms.grads import all_reduce_grads, clip_grad_norm, grad_sync_context
 from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.layout.mesh import layout
@@ -232,12 +237,15 @@ def parallelize(
         what = "data and context parallel" if shape.cp > 1 else "data parallel"
         plan.parts.append(f"{what} over {grad_ranks} ranks (gradient all-reduce)")
 
-    converted, f8_note = apply_float8(model, cfg, world.device, fsdp)
+    pad = cfg.float8 != "off" and float8_pad(cfg, training, shape.cp)
+    converted, f8_note = apply_float8(model, cfg, world.device, fsdp, pad)
     plan.float8_modules = converted
     if converted:
         plan.float8_emulated = float8_emulated(cfg, world.device)
-        emulated = " (emulated)" if plan.float8_emulated else ""
-        plan.parts.append(f"float8 {cfg.float8}{emulated} on {len(converted)} Linear layers")
+        how = ", ".join(w for w, on in (("emulated", plan.float8_emulated),
+                                        ("inner dimension padded", pad)) if on)
+        plan.parts.append(f"float8 {cfg.float8}{f' ({how})' if how else ''} on "
+                          f"{len(converted)} Linear layers")
         plan.float8_scale_precompute = (
             fsdp and cfg.float8 == "tensorwise" and cfg.float8_fsdp_all_gather
         )

@@ -83,6 +83,7 @@ class GRPOStep(StepContract):
 
     Config = GRPOStepConfig
     takes_pairs = "prompts"
+    varying_width = True  # prompts and completions, cut and packed as they come
 
     def __init__(self, cfg: GRPOStepConfig) -> None:
         self.cfg = cfg

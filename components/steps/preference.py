@@ -69,6 +69,7 @@ class PreferenceStep(StepContract):
     """A preference loss on chosen / rejected pairs, with a frozen reference or none."""
 
     Config = PreferenceStepConfig
+    varying_width = True  # rows cut after their last label, prompts packed once
 
     def __init__(self, cfg: PreferenceStepConfig) -> None:
         self.cfg = cfg

@@ -124,7 +124,8 @@ def test_two_processes_match_one(tmp_path):
     res = ranks[0]
     assert res["summary"] == "FSDP2 over 2 ranks (shard 2 x replicate 1)"
     assert res["init_max_diff"] == res["init_max_diff_float8"] == 0.0
-    assert res["summary_float8"].endswith("float8 tensorwise (emulated) on 21 Linear layers")
+    assert res["summary_float8"].endswith(
+        "float8 tensorwise (emulated, inner dimension padded) on 21 Linear layers")
     assert not ranks[0]["sharded_halves_equal"]
     assert res["sharded_std"] == pytest.approx(0.02, rel=0.2)  # trunc_normal_(std=init_std)
     ref = reference(ParallelismConfig())

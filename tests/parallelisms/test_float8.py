@@ -146,3 +146,60 @@ def test_cpu_without_rowwise_scaled_mm_is_a_clear_error_unless_emulated(monkeypa
                                                               float8_emulate="off"), CPU, False)
     assert converted
     assert f8.apply_float8(Mixed(), ParallelismConfig(float8="rowwise"), CPU, False)[0]
+
+
+@pytest.mark.parametrize("recipe, overrides, pad", [
+    ("debug.toml", [], False),  # 4 x 256 tokens a micro-batch: always a multiple of 16
+    ("debug.toml", ["--training.micro_batch=1", "--training.global_batch=1",
+                    "--training.seq_len=100"], True),
+    ("debug.toml", ["--training.micro_batch=1", "--training.global_batch=1",
+                    "--training.seq_len=100", "--parallelism.float8=rowwise_with_gw_hp"], False),
+    ("debug.toml", ["--parallelism.cp=2", "--training.micro_batch=1", "--training.seq_len=16",
+                    "--training.global_batch=1"], True),  # 8 tokens on each rank
+    ("debug.toml", ["--training.context_warmup.steps=10", "--training.context_warmup.multiple=8",
+                    "--training.micro_batch=1", "--training.global_batch=1"], True),
+    ("debug.toml", ["--parallelism.float8_pad_inner_dim=off", "--training.seq_len=100",
+                    "--training.micro_batch=1", "--training.global_batch=1"], False),
+    ("debug.toml", ["--parallelism.float8_pad_inner_dim=on"], True),
+    ("dpo_debug.toml", [], True),  # rows cut after their last label, prompts packed once
+    ("grpo_debug.toml", [], True),
+])
+def test_the_inner_dimension_is_padded_where_a_micro_batch_can_miss_16_tokens(
+        recipe, overrides, pad):
+    from kiln.recipes.config.files import load_recipe
+    from tests.conftest import CONFIGS
+
+    loaded = load_recipe(CONFIGS / recipe, ["--parallelism.float8=rowwise", *overrides])
+    cfg = loaded.parallelism
+    assert f8.float8_pad(cfg, loaded.training, cfg.cp) is pad
+    assert f8.float8_config(cfg, fsdp=False, pad=pad).pad_inner_dim is pad
+
+
+def test_padding_meets_the_gpu_kernels_multiple_of_16_on_24_tokens(monkeypatch):
+    """A GPU's torch._scaled_mm takes inner dimensions that are multiples of 16 only (the CPU
+    kernel takes any): with that check put on the CPU kernel, 24 tokens fail in the weight
+    gradient (its inner dimension is the token count) unpadded, and pass padded, with the
+    same result as the emulation."""
+    real = torch._scaled_mm
+
+    def gpu_like(a, b, *args, **kwargs):
+        if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+            raise RuntimeError(f"inner dimensions {tuple(a.shape)} @ {tuple(b.shape)}")
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_like)
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for pad, emulate in ((False, "off"), (True, "off"), (True, "on")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128))
+        cfg = ParallelismConfig(float8="tensorwise", float8_emulate=emulate)
+        assert f8.apply_float8(model, cfg, CPU, False, pad)[0] == ["0"]
+        loss = model(x).square().sum()
+        if not pad:
+            with pytest.raises(RuntimeError, match=r"inner dimensions \(128, 24\)"):
+                loss.backward()
+            continue
+        loss.backward()
+        grads[emulate] = model[0].weight.grad
+    torch.testing.assert_close(grads["off"], grads["on"], rtol=1e-4, atol=1e-4)

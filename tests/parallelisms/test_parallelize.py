@@ -24,7 +24,8 @@ def test_order_and_summary():
     model = tiny_model(meta=True)
     plan = parallelize(model, cfg, ONE)
     assert plan.summary == (
-        "float8 rowwise (emulated) on 21 Linear layers, compile per block, "
+        "float8 rowwise (emulated, inner dimension padded) on 21 Linear layers, compile per "
+        "block, "
         "activation checkpointing selective every 2nd block (1 of 3)"
     )
     # float8 first (inside the wrapper), then AC wraps, then compile applies to the wrapper
