@@ -2,7 +2,8 @@
 
 Rows (``ROWS``; add one to extend the check): the ~1B dense recipe (``gpu_1b.toml``) and the Nova
 family at ~1.2B (``gpu_nova.toml``), each in bf16 eager, bf16 + compile and fp8 rowwise +
-compile, and the dense one with tensor parallel 2 where two GPUs are visible. Each row is one
+compile, the dense one with tensor parallel 2 where two GPUs are visible, and fp8 on a micro-batch
+of 1000 tokens (not a multiple of 16: the padded weight gradient). Each row is one
 ``kiln bench --json`` process (compile caches and CUDA memory do not leak between rows); a row
 with a ``peer`` also runs ``scripts/reference_train.py`` (a plain PyTorch loop of the same model
 and numerics) and reports kiln / peer tokens/s. A matmul probe
@@ -62,6 +63,14 @@ ROWS = [Row(shape, setup, recipe, list(kiln), list(peer) if has_peer else None)
 ROWS.append(Row("dense ~1B", "bf16 + compile, tp 2", "train_configs/gpu_1b.toml",
                 ["--parallelism.compile=true", "--parallelism.float8=off", "--parallelism.tp=2"],
                 None, ngpu=2))
+# fp8 with a micro-batch of 1000 tokens, not a multiple of 16: the weight gradient's inner
+# dimension, which a GPU's torch._scaled_mm refuses unpadded (parallelism.float8_pad_inner_dim;
+# the CPU dry run's TINY shape is aligned, so the padding is switched on by name). Last: the
+# throughput rows above keep the time budget.
+ROWS.append(Row("dense ~1B", "fp8 rowwise, 1 x 1000 tokens (padded)", "train_configs/gpu_1b.toml",
+                ["--parallelism.compile=false", "--parallelism.float8=rowwise",
+                 "--parallelism.float8_pad_inner_dim=on", "--training.micro_batch=1",
+                 "--training.seq_len=1000"]))
 # A CPU dry run: the same rows on a model of a few hundred thousand parameters.
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.attention.n_heads=4",
         "--model.attention.n_kv_heads=2", "--model.ffn.hidden_dim=128", "--model.vocab_size=512",
