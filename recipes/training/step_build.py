@@ -65,7 +65,10 @@ class StepBuild(StepBuildContext):
         model = t.build_model()
         for p in model.parameters():  # before FSDP2 wraps them: no gradient is ever reduced
             p.requires_grad_(False)
-        pcfg = pcfg.model_copy(update={"reshard_after_forward": "always"})  # no backward comes
+        # No backward comes: no resharding for one, and no fp8 weight gradient whose token
+        # dimension would need padding (the forward's inner dimensions pass the layer filter).
+        pcfg = pcfg.model_copy(update={"reshard_after_forward": "always",
+                                       "float8_pad_inner_dim": "off"})
         plan = parallelize(
             model, pcfg, t.world, mesh=t.health.mesh, ep_mesh=t.health.ep_mesh,
             training=recipe.training, grad_accum=t.plan.grad_accum, checkpoint=recipe.checkpoint,
