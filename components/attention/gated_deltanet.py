@@ -61,6 +61,38 @@ class GatedDeltaNetConfig(ComponentConfig):
         return None
 
 
+class _CausalConv(torch.autograd.Function):
+    """A causal depthwise convolution over (B, T, C) with weight (C, taps), the last tap on the
+    token itself, tap taps-1-s on the token s back (``same[s - 1]``, optional: 1 where both are
+    of one document). Written as in-place multiply-adds on shifted views, forward and backward,
+    in the (B, T, C) layout: 3.5 ms against 6.6 ms for the same sums through autograd and 8.3 ms
+    for ``F.conv1d`` over the transpose (4 x 256 x 512 channels, 4 taps, forward and backward
+    with the SiLU, 2-core EPYC). Gradients checked against transformers' layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, same: list | None) -> torch.Tensor:
+        out = x * weight[:, -1]
+        for s in range(1, weight.shape[1]):
+            back = x[:, :-s] if same is None else x[:, :-s] * same[s - 1]
+            out[:, s:].addcmul_(back, weight[:, -1 - s])
+        ctx.same = same
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad * weight[:, -1]
+        grad_w = torch.empty_like(weight)
+        grad_w[:, -1] = (grad * x).sum((0, 1))
+        for s in range(1, weight.shape[1]):
+            ahead = grad[:, s:] if ctx.same is None else grad[:, s:] * ctx.same[s - 1]
+            grad_x[:, :-s].addcmul_(ahead, weight[:, -1 - s])
+            grad_w[:, -1 - s] = (ahead * x[:, :-s]).sum((0, 1))
+        return grad_x, grad_w, None
+
+
 @register("attention", "gated_deltanet")
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention: chunked training, a fixed-size state when generating."""
@@ -140,20 +172,12 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, mixed: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """The causal depthwise convolution and SiLU over (B, T, channels); with ``doc_ids`` no
-        tap reaches into an earlier document. Written as shifted multiply-adds in the (B, T,
-        channels) layout rather than ``F.conv1d`` over the transpose: with 4 taps its forward and
-        backward took 6.6 ms against conv1d's 8.3 ms at 4 x 256 x 512 channels (2-core EPYC),
-        which spends them transposing in and out."""
-        weight = self.conv[:, 0].to(mixed.dtype)  # (channels, taps), the last tap is "now"
-        out = mixed * weight[:, -1]
-        for shift in range(1, self.conv_size):  # tap taps-1-shift reads the token `shift` back
-            back = F.pad(mixed, (0, 0, shift, 0))[:, :mixed.shape[1]]
-            if doc_ids is not None:
-                same = torch.zeros_like(doc_ids, dtype=torch.bool)
-                same[:, shift:] = doc_ids[:, shift:] == doc_ids[:, :-shift]
-                back = back * same[..., None]
-            out = out + back * weight[:, -1 - shift]
-        return F.silu(out)
+        tap reaches into an earlier document."""
+        same = None
+        if doc_ids is not None:  # same[s - 1]: token t and token t - s share a document
+            same = [(doc_ids[:, s:] == doc_ids[:, :-s]).to(mixed.dtype)[..., None]
+                    for s in range(1, self.conv_size)]
+        return F.silu(_CausalConv.apply(mixed, self.conv[:, 0].to(mixed.dtype), same))
 
     def _heads(self, mixed: torch.Tensor):
         """Convolved channels -> q, k (B, T, H, Dk; L2-normed, q scaled, one per value head)

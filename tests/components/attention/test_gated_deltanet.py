@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.components.attention.context import build_context
 from kiln.components.attention.delta_rule import chunk_gated_delta, recurrent_gated_delta
@@ -144,6 +145,28 @@ def test_a_packed_row_equals_its_documents_alone():
         packed = model(ids, context=build_context(20, doc_ids=doc_ids))
         alone = torch.cat([model(ids[:, :7]), model(ids[:, 7:])], dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_causal_convolution_has_the_gradients_of_its_sums(documents):
+    """The convolution's own backward (``_CausalConv``) against autograd's numerical gradients,
+    in float64, with and without document boundaries (a tap never reaches an earlier one)."""
+    from kiln.components.attention.gated_deltanet import _CausalConv
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 11, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    same = None
+    if documents:
+        doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 9 + [1] * 2])
+        same = [(doc_ids[:, s:] == doc_ids[:, :-s]).double()[..., None] for s in range(1, 4)]
+    assert torch.autograd.gradcheck(lambda a, b: _CausalConv.apply(a, b, same), (x, weight))
+    out = _CausalConv.apply(x, weight, same)
+    want = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), weight[:, None], groups=6).transpose(1, 2)
+    if documents:  # the second row's last document: its first token sees no earlier one
+        assert torch.allclose(out[1, 9], x[1, 9] * weight[:, -1])
+    else:
+        torch.testing.assert_close(out, want)
 
 
 def test_what_cannot_hold_it_is_one_clear_line():
