@@ -86,9 +86,14 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       beta: torch.Tensor, chunk: int = 64, state: torch.Tensor | None = None,
                       doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrent form's result, computed by chunks of ``chunk`` tokens (module docstring).
-    ``doc_ids`` (B, T): the document of every token (None: one sequence)."""
-    b, t, h, dk = k.shape
-    dv, dtype = v.shape[-1], v.dtype
+    ``doc_ids`` (B, T): the document of every token (None: one sequence). q and k may have
+    fewer heads than v (grouped: each serves H / Hk consecutive value heads, as if repeated
+    with ``repeat_interleave``); their products Q K^T and K K^T are then computed once a
+    group."""
+    b, t, hk, dk = k.shape
+    h, dv, dtype = v.shape[2], v.shape[-1], v.dtype
+    group = h // hk
+    by_key = lambda x: x.unflatten(1, (hk, group))  # noqa: E731  (B, H, ...) -> (B, Hk, r, ...)
     pad = (-t) % chunk
     # (B, H, n, C, ...) in fp32; padding at the end: g = beta = 0 changes nothing before it.
     # The time axis is split before the heads move forward: torch.compile's backward of a
@@ -111,18 +116,20 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         incl, strict = incl & same, strict & same
     diff = gam[..., :, None] - gam[..., None, :]  # G_t - G_i
     decay = diff.masked_fill(~incl, float("-inf")).exp()  # (B, H, n, C, C), 0 off the mask
-    a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(~strict, 0.0)
+    keys = k[:, :, None]  # (B, Hk, 1, n, C, Dk): one per group of value heads
+    kk, qk = ((x @ k.transpose(-1, -2))[:, :, None] for x in (k, q))  # (B, Hk, 1, n, C, C)
+    a = (by_key(beta[..., :, None]) * kk * by_key(decay.masked_fill(~strict, 0.0))).flatten(1, 2)
     tri = _UnitLowerInverse.apply(a)  # (I + A)^-1
     scale = gam.exp() if doc_ids is None else gam.exp() * first  # exp(G), S_0's reach
-    w = tri @ ((beta * scale)[..., None] * k)  # (B, H, n, C, Dk)
+    w = tri @ (by_key((beta * scale)[..., None]) * keys).flatten(1, 2)  # (B, H, n, C, Dk)
     u0 = tri @ (beta[..., None] * v)  # (B, H, n, C, Dv)
-    mix = (q @ k.transpose(-1, -2)) * decay  # (B, H, n, C, C)
-    q_state = scale[..., None] * q
+    mix = (qk * by_key(decay)).flatten(1, 2)  # (B, H, n, C, C)
+    q_state = (by_key(scale[..., None]) * q[:, :, None]).flatten(1, 2)
     hand = (gam[..., -1:] - gam).exp()  # exp(G_C - G_i)
     end = gam[..., -1].exp()  # exp(G_C)
     if doc_ids is not None:
         hand, end = hand * last, end * first[..., -1]
-    k_end = (hand[..., None] * k).transpose(-1, -2)
+    k_end = (by_key(hand[..., None]) * keys).flatten(1, 2).transpose(-1, -2)
     s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
     # Only the chunk-to-chunk state is sequential: the loop carries it (two small products a
     # chunk) and the outputs are formed after it, batched over all chunks. unbind, not

@@ -164,7 +164,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
         cache = self.kv_cache
         if cache is None:
-            q, k, v = self._heads(self._conv(mixed, doc_ids))
+            q, k, v = self._heads(self._conv(mixed, doc_ids), grouped=True)
             o, _ = chunk_gated_delta(q, k, v, g, beta, self.chunk, doc_ids=doc_ids)
         else:
             o = self._decode(mixed, g, beta, cache)
@@ -179,16 +179,16 @@ class GatedDeltaNet(nn.Module):
                     for s in range(1, self.conv_size)]
         return F.silu(_CausalConv.apply(mixed, self.conv[:, 0].to(mixed.dtype), same))
 
-    def _heads(self, mixed: torch.Tensor):
-        """Convolved channels -> q, k (B, T, H, Dk; L2-normed, q scaled, one per value head)
-        and v (B, T, H, Dv)."""
+    def _heads(self, mixed: torch.Tensor, grouped: bool = False):
+        """Convolved channels -> q, k (B, T, H, Dk; L2-normed, q scaled, one per value head;
+        ``grouped``: one per key head, which the chunked form takes) and v (B, T, H, Dv)."""
         key = self.n_key_heads * self.head_dim
         q, k, v = mixed.split([key, key, self.n_heads * self.v_head_dim], dim=-1)
         q, k = (_l2norm(y.unflatten(-1, (self.n_key_heads, self.head_dim)).float())
                 for y in (q, k))
         q = q * self.head_dim ** -0.5
         group = self.n_heads // self.n_key_heads
-        if group > 1:
+        if group > 1 and not grouped:
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         return q, k, v.unflatten(-1, (self.n_heads, self.v_head_dim))
 
@@ -215,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         both = torch.cat([history, mixed], dim=1)  # (B, taps - 1 + T, channels)
         conv = F.conv1d(both.transpose(1, 2), self.conv.to(mixed.dtype),
                         groups=channels).transpose(1, 2)  # (B, T, channels)
-        q, k, v = self._heads(F.silu(conv))
+        q, k, v = self._heads(F.silu(conv), grouped=t > 1)
         if t == 1:
             o, state = recurrent_gated_delta(q, k, v, g, beta, state=state)
         else:

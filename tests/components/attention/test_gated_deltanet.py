@@ -57,6 +57,35 @@ def test_the_chunked_form_equals_the_recurrent_one(chunk, documents):
         assert (a - b).norm() <= 1e-5 * a.norm()
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_grouped_keys_in_the_chunked_form_equal_them_repeated(documents):
+    """q and k with fewer heads than v (each serving two value heads) in the chunked form equal
+    the recurrent form on them repeated per value head; their gradients are the group's sums."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 21, 2, 8, generator=g, requires_grad=True)
+    k = torch.nn.functional.normalize(torch.randn(2, 21, 2, 8, generator=g), dim=-1)
+    k.requires_grad_()
+    v = torch.randn(2, 21, 4, 6, generator=g, requires_grad=True)
+    decay = (-torch.rand(2, 21, 4, generator=g) * 2).requires_grad_()
+    beta = torch.rand(2, 21, 4, generator=g, requires_grad=True)
+    doc_ids = starts = None
+    if documents:
+        doc_ids = torch.tensor([[0] * 6 + [1] * 15, [0] * 13 + [1] * 8])
+        starts = torch.zeros(2, 21, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    inputs = (q, k, v, decay, beta)
+    ref, ref_state = recurrent_gated_delta(q.repeat_interleave(2, dim=2),
+                                           k.repeat_interleave(2, dim=2), v, decay, beta,
+                                           starts=starts)
+    out, out_state = chunk_gated_delta(*inputs, chunk=8, doc_ids=doc_ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_state, ref_state, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((ref * weights).sum(), inputs),
+                    torch.autograd.grad((out * weights).sum(), inputs), strict=True):
+        assert (a - b).norm() <= 1e-5 * a.norm()
+
+
 def test_the_recurrent_form_equals_transformers_reference():
     qwen = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, decay, beta = (x.detach() for x in _inputs())
