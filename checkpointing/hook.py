@@ -94,6 +94,8 @@ class CheckpointHook(Hook):
 
     def _resume(self, trainer) -> None:
         cfg = self.cfg
+        if cfg.resume == "off":
+            self._start_over(trainer)
         valid, tried = (None, []) if cfg.resume == "off" else self._set_aside_damaged(trainer)
         source = self._resolve(trainer)
         if tried:
@@ -143,6 +145,18 @@ class CheckpointHook(Hook):
         if source.explicit and cfg.skip_data_steps:
             trainer.train_loader.skip_steps(cfg.skip_data_steps)
             trainer.print(f"kiln: skipped {cfg.skip_data_steps} steps of data")
+
+    def _start_over(self, trainer) -> None:
+        """``resume = "off"`` where this run folder already holds snapshots: they move to
+        ``checkpoints/previous/N/``, said in one line, before the new run's first save."""
+        moved, dest = resume.set_aside_previous(self.root) if trainer.world.is_main else ([], None)
+        if trainer.world.distributed:
+            moved, dest = distributed.broadcast_object((moved, dest))
+        if moved:
+            trainer.print(f'kiln: checkpoint.resume = "off": this run folder\'s snapshots '
+                          f"{', '.join(moved)} moved to {dest} (kept); training starts from "
+                          "step 1")
+        distributed.barrier()
 
     def _set_aside_damaged(self, trainer) -> tuple[Path | None, list[dict[str, str]]]:
         """Unattended recovery over the run's own snapshots, newest first: every one that fails

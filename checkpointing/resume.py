@@ -23,6 +23,7 @@ from kiln.components.errors import CheckpointError, DataError, RecipeError
 ROLLBACK = "rollback.json"  # the last rollback's target, so rerunning the command continues
 KEY = "checkpoint.resume"  # the recipe key resolve() reads, named in its errors
 CORRUPT = "corrupt"  # snapshots that failed verification, moved aside by unattended recovery
+PREVIOUS = "previous"  # an earlier run's snapshots, moved aside when resume = "off" starts over
 
 
 @dataclass
@@ -136,6 +137,25 @@ def quarantine(root: Path, folder: Path) -> Path:
         (root / "latest").unlink(missing_ok=True)
     layout.write_index(root)
     return dest
+
+
+def set_aside_previous(root: Path) -> tuple[list[str], Path | None]:
+    """``resume = "off"`` in a run folder that holds snapshots: move them all (complete or not)
+    to ``root/previous/N/`` (N: one more than the last such start-over), and drop ``latest`` and
+    ``final``, so the new run's saves, its rotation and a later ``auto`` resume see only its own
+    snapshots, and nothing of the earlier run is lost (rank 0). Returns (the names, where)."""
+    found = layout.list_checkpoints(root)
+    if not found:
+        return [], None
+    earlier = [int(p.name) for p in (root / PREVIOUS).glob("*") if p.name.isdigit()]
+    dest = root / PREVIOUS / str(max(earlier, default=0) + 1)
+    dest.mkdir(parents=True)
+    for _, folder in found:
+        folder.rename(dest / folder.name)
+    for name in ("final", "latest"):
+        (root / name).unlink(missing_ok=True)
+    layout.write_index(root)
+    return [folder.name for _, folder in found], dest
 
 
 def quarantined(root: Path) -> list[str]:

@@ -131,3 +131,26 @@ def test_a_run_whose_snapshots_all_lack_their_manifest_is_not_started_over(cut, 
     assert _cli(run, "--checkpoint.resume=off") == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
     assert sorted(p.name for p in corrupt.iterdir()) == [f"step_000000{i}" for i in (3, 4, 5)]
+
+
+def test_starting_over_on_purpose_keeps_the_earlier_snapshots_aside(cut, tmp_path):
+    """resume = "off" in a folder with valid snapshots: they move to checkpoints/previous/1
+    (untouched, said in one line), the new run saves, rotates and later resumes among its own
+    snapshots only (before: its step 3 was rotated out at once by the old run's newer 4 and 5,
+    which it then overwrote one by one, so a crash in between resumed the old run), and it
+    trains as a fresh run does."""
+    run = shutil.copytree(cut / "cut", tmp_path / "again")
+    ck = run / "checkpoints"
+    before = {i: (ck / f"step_000000{i}" / "manifest.json").read_bytes() for i in (3, 4, 5)}
+    out = train("dense", run, *EVERY_STEP, "--checkpoint.resume=off")
+    assert ('checkpoint.resume = "off": this run folder\'s snapshots step_0000003, '
+            "step_0000004, step_0000005 moved to") in out
+    previous = ck / "previous" / "1"
+    assert {i: (previous / f"step_000000{i}" / "manifest.json").read_bytes()
+            for i in (3, 4, 5)} == before
+    assert sorted(p.name for p in ck.glob("step_*")) == [f"step_000000{i}" for i in (4, 5, 6)]
+    assert (ck / "latest").read_text().strip() == "step_0000006"
+    fresh = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    started = max(i for i, r in enumerate(fresh) if "session" in r)
+    assert {r["step"]: r["loss"] for r in fresh[started:] if "loss" in r} == losses(cut / "full")
+    assert "already finished" in train("dense", run, *EVERY_STEP)  # auto: its own step 6
