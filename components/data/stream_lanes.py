@@ -52,16 +52,27 @@ class DocReader:
                     yield j, here, text
                     j += 1
             if not found and (address is None or p > address[0]):
-                raise DataError(f"the inputs hold no training documents after the first "
-                                f"eval_docs = {self.eval_docs}; add data or lower data.eval_docs")
+                raise DataError(f"data.inputs hold no training documents after the first "
+                                f"data.eval_docs = {self.eval_docs}{skipped(self.stats)}; add "
+                                "data or lower data.eval_docs")
             p, f, index, offset, q = p + 1, 0, 0, 0, 0
 
 
-def eval_texts(files: list[SourceFile], opts: dict[str, Any], n: int) -> list[str]:
-    """The first ``n`` documents of the inputs: the held-out eval split."""
+def skipped(stats: ReadStats) -> str:
+    """What reading passed over, for a message about missing documents ("" if nothing)."""
+    parts = [f"{n} {what}" for n, what in ((stats.invalid_utf8, "not UTF-8 (skipped: "
+                                            "data.on_invalid_utf8 = 'skip')"),
+                                           (stats.empty, "empty")) if n]
+    return f" ({' and '.join(parts)}: first at {stats.where[0]})" if parts else ""
+
+
+def eval_texts(files: list[SourceFile], opts: dict[str, Any], n: int,
+               stats: ReadStats | None = None) -> list[str]:
+    """The first ``n`` documents of the inputs: the held-out eval split (``stats``: what reading
+    skipped on the way)."""
     out: list[str] = []
     for src in files:
-        for _, _, text in read_documents(src, **opts):
+        for _, _, text in read_documents(src, stats=stats, **opts):
             if len(out) == n:
                 return out
             out.append(text)

@@ -27,11 +27,11 @@ from kiln.components.base import ComponentConfig
 from kiln.components.data import documents
 from kiln.components.data.cursor import PlanCursor, check_cursor
 from kiln.components.data.packed_loader import _check_batch_plan
-from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts
+from kiln.components.data.stream_lanes import DocReader, Lanes, eval_texts, skipped
 from kiln.components.errors import DataError, RecipeError
 from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
-from kiln.components.sources.text_sources import expand_inputs
+from kiln.components.sources.text_sources import ReadStats, expand_inputs
 
 
 class StreamingTextConfig(ComponentConfig):
@@ -214,10 +214,15 @@ class StreamingText(DatasetContract):
     def _eval_split(self) -> tuple[np.ndarray, float]:
         if self._eval is None:
             self.prepare()
-            texts = eval_texts(self.files, self.read_opts, self.cfg.eval_docs)
-            if not texts:
+            stats = ReadStats()
+            texts = eval_texts(self.files, self.read_opts, self.cfg.eval_docs, stats)
+            if not texts and not self.cfg.eval_docs:
                 raise DataError("data.eval_docs = 0: streaming_text has no eval split; set "
                                 "eval_docs > 0 or eval.interval = 0 and eval.at_end = false")
+            if not texts:
+                raise DataError(f"data.inputs hold no document to hold out for evaluation "
+                                f"(data.eval_docs = {self.cfg.eval_docs}){skipped(stats)}; "
+                                "check data.inputs and data.text_field")
             ids = self.tokenizer.encode_batch(texts)
             tokens = np.concatenate([np.concatenate([[self.tokenizer.bos_id], a,
                                                      [self.tokenizer.eos_id]]) for a in ids])

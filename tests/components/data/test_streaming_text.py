@@ -127,7 +127,20 @@ def test_eval_split_is_held_out_and_knows_its_bytes(inputs):
 def test_no_training_documents_is_an_error(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", DOCS[:3])
     ds = _ds(tmp_path / "a.jsonl")
-    with pytest.raises(DataError, match="no training documents after the first eval_docs = 4"):
+    with pytest.raises(DataError, match="no training documents after the first data.eval_docs "
+                                        "= 4; add data"):
+        _take(ds.loader("train", micro_batch=MB, global_batch=GB), 1)
+
+
+def test_inputs_that_are_all_skipped_say_so(tmp_path):
+    """Input that is not UTF-8 is skipped (data.on_invalid_utf8 = "skip"): where nothing is
+    left, the messages say what was skipped and where, not that eval_docs is 0."""
+    (tmp_path / "bytes.txt").write_bytes(bytes(range(128, 256)) * 8)
+    ds = _ds(tmp_path / "bytes.txt")
+    with pytest.raises(DataError, match=r"no document to hold out for evaluation \(data."
+                                        r"eval_docs = 4\) \(1 not UTF-8 .*bytes.txt"):
+        ds.tokens_per_byte()
+    with pytest.raises(DataError, match=r"no training documents .*\(1 not UTF-8 .*bytes.txt"):
         _take(ds.loader("train", micro_batch=MB, global_batch=GB), 1)
 
 
