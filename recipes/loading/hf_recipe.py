@@ -42,14 +42,33 @@ def resolved_model_table(table: dict[str, Any]) -> dict[str, Any]:
     return to_dict(build_config(Recipe, {"model": table}, "", Layered()))["model"]
 
 
+# How training feeds attention, not what the model is: a config.json has no such setting, so a
+# recipe's choice there is no difference from it.
+TRAINING_ONLY = ("document_mask", "positions", "mask_kernel")
+# Head counts whose 0 means "as many as n_heads" (GQA off): compared as the heads they give.
+SAME_AS_HEADS = ("n_kv_heads", "n_key_heads")
+
+
+def _heads_given(flat: dict[str, Any]) -> dict[str, Any]:
+    out = dict(flat)
+    for key, value in flat.items():
+        prefix, _, name = key.rpartition(".")
+        if name in SAME_AS_HEADS and value == 0:
+            out[key] = flat.get(f"{prefix}.n_heads" if prefix else "n_heads", value)
+    return out
+
+
 def differences(config_table: dict[str, Any], recipe_table: dict[str, Any],
-                source: str = "for config.json") -> list[str]:
+                source: str = "for config.json", skip: tuple[str, ...] = ()) -> list[str]:
     """``model.KEY: source's value, recipe value`` for every key where the recipe's model is
     not the one the source describes (config.json, or a kiln checkpoint's recipe; both resolved
-    with defaults)."""
-    want, have = _flat(resolved_model_table(config_table)), _flat(recipe_table)
+    with defaults; a head count of 0 read as the n_heads it means); keys named in ``skip`` (the
+    last part: ``TRAINING_ONLY`` for a config.json) are left out."""
+    want = _heads_given(_flat(resolved_model_table(config_table)))
+    have = _heads_given(_flat(recipe_table))
     return [f"model.{k}: {want.get(k)!r} {source}, {have.get(k)!r} in the recipe"
-            for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+            for k in sorted(set(want) | set(have))
+            if want.get(k) != have.get(k) and k.rpartition(".")[2] not in skip]
 
 
 def _config_ids(config: dict[str, Any], key: str) -> list[int]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln.checkpointing.huggingface import config as hf_config
 from kiln.recipes.config.files import to_dict
-from kiln.recipes.loading.hf_recipe import differences
+from kiln.recipes.loading.hf_recipe import TRAINING_ONLY, differences
 from kiln.recipes.loading.weights import Source
 
 
@@ -36,7 +36,7 @@ def load_pretrained(model: nn.Module, recipe, *, is_main: bool,
         recipe_table = to_dict(recipe)["model"]
         if not recipe_table.get("vocab_size"):  # 0: the tokenizer's size, as built
             recipe_table["vocab_size"] = getattr(model, "vocab_size", 0)
-        notes = differences(table, recipe_table)
+        notes = differences(table, recipe_table, skip=TRAINING_ONLY)
     else:
         notes = source.model_differences(recipe)
     started = Started(lines=[f"kiln: note: init_from differs: {line}" for line in notes])

@@ -95,6 +95,21 @@ def test_bad_config_is_one_error_naming_the_field(tmp_path, capsys):
     assert "no config.json there" in capsys.readouterr().err
 
 
+def test_init_from_notes_no_difference_where_there_is_none(tmp_path):
+    """A recipe that trains the imported model with a document mask and per-document positions
+    (how training feeds attention: a config.json has no such key) and writes its kv heads as 0
+    (= n_heads, the config's 4): no note, where each used to print one."""
+    save_tiny(tmp_path / "hf", "llama", num_key_value_heads=4)
+    main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "r.toml")])
+    recipe = load_recipe(tmp_path / "r.toml", [
+        *TRAIN, f"--run.folder={tmp_path / 'run'}", "--model.attention.n_kv_heads=0",
+        "--model.attention.document_mask=true", "--model.attention.positions=per_document"])
+    text = io.StringIO()
+    Trainer(recipe, out=text)._start_from_pretrained()
+    assert "init_from differs" not in text.getvalue(), text.getvalue()
+    assert "initial weights from" in text.getvalue()
+
+
 def test_without_a_tokenizer_the_note_says_whether_the_byte_fallback_fits(tmp_path, capsys):
     """No tokenizer.json: the recipe falls back to the byte tokenizer (258 ids); the note says
     so, and where the model's vocabulary is smaller says that the recipe cannot train as it
