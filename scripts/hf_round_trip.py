@@ -12,6 +12,7 @@ they disagree.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def main() -> int:
     work = (REPO / args.work_dir).resolve()
     sh(sys.executable, "scripts/tiny_hf_model.py", str(work / "hf"), "--family", args.family)
     sh("kiln", "import", str(work / "hf"), "--out", str(work / "recipe.toml"), "--seq-len", "256")
+    shutil.rmtree(work / "run", ignore_errors=True)  # scratch: a rerun trains afresh
     sh("./run_train.sh", str(work / "recipe.toml"), f"--training.steps={args.steps}",
        f"--run.folder={work / 'run'}", "--run.progress_bar=false", "--run.log_interval=5",
        "--eval.interval=0", "--eval.at_end=false", "--checkpoint.resume=off")
