@@ -34,9 +34,10 @@ def main() -> int:
     parser.add_argument("--family", default="llama")
     args = parser.parse_args()
     work = (REPO / args.work_dir).resolve()
+    for scratch in ("hf", "run", "export"):  # a rerun starts afresh: model, run and export
+        shutil.rmtree(work / scratch, ignore_errors=True)
     sh(sys.executable, "scripts/tiny_hf_model.py", str(work / "hf"), "--family", args.family)
     sh("kiln", "import", str(work / "hf"), "--out", str(work / "recipe.toml"), "--seq-len", "256")
-    shutil.rmtree(work / "run", ignore_errors=True)  # scratch: a rerun trains afresh
     sh("./run_train.sh", str(work / "recipe.toml"), f"--training.steps={args.steps}",
        f"--run.folder={work / 'run'}", "--run.progress_bar=false", "--run.log_interval=5",
        "--eval.interval=0", "--eval.at_end=false", "--checkpoint.resume=off")
