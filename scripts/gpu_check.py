@@ -2,8 +2,9 @@
 
 Rows (``ROWS``; add one to extend the check): the ~1B dense recipe (``gpu_1b.toml``) and the Nova
 family at ~1.2B (``gpu_nova.toml``), each in bf16 eager, bf16 + compile and fp8 rowwise +
-compile, the dense one with tensor parallel 2 where two GPUs are visible, and fp8 on a micro-batch
-of 1000 tokens (not a multiple of 16: the padded weight gradient). Each row is one
+compile, the dense one with tensor parallel 2 where two GPUs are visible, fp8 on a micro-batch
+of 1000 tokens (not a multiple of 16: the padded weight gradient), and the dense recipe with
+MoE feed-forwards (torch._grouped_mm's backward on uneven expert groups). Each row is one
 ``kiln bench --json`` process (compile caches and CUDA memory do not leak between rows); a row
 with a ``peer`` also runs ``scripts/reference_train.py`` (a plain PyTorch loop of the same model
 and numerics) and reports kiln / peer tokens/s. A matmul probe
@@ -71,6 +72,13 @@ ROWS.append(Row("dense ~1B", "fp8 rowwise, 1 x 1000 tokens (padded)", "train_con
                 ["--parallelism.compile=false", "--parallelism.float8=rowwise",
                  "--parallelism.float8_pad_inner_dim=on", "--training.micro_batch=1",
                  "--training.seq_len=1000"]))
+# MoE: torch._grouped_mm's backward on the GPU, token groups as the router makes them (uneven,
+# not padded to any multiple), in the same numerics as the first setup.
+ROWS.append(Row("dense ~1B as MoE (8 experts, top 2)", "bf16, grouped experts",
+                "train_configs/gpu_1b.toml",
+                ["--parallelism.compile=false", "--parallelism.float8=off", "--model.ffn.type=moe",
+                 "--model.ffn.n_experts=8", "--model.ffn.top_k=2",
+                 "--model.ffn.hidden_dim=1024"]))  # 8 x 1024: the dense 8192's parameters
 # A CPU dry run: the same rows on a model of a few hundred thousand parameters.
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.attention.n_heads=4",
         "--model.attention.n_kv_heads=2", "--model.ffn.hidden_dim=128", "--model.vocab_size=512",
