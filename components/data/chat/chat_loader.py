@@ -81,7 +81,8 @@ class ChatLoader(Loader):
     examples = "conversations"  # what a row holds, for messages
 
     def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
-                 global_batch: int, rank: int, world_size: int, seed: int) -> None:
+                 global_batch: int, rank: int, world_size: int, seed: int,
+                 source: str = "") -> None:
         self._set_plan(split, seq_len, micro_batch, global_batch, rank, world_size)
         self.num_workers, self.prefetch, self.pin_memory = 0, 2, False
         self._windows = self.rows_class(folder, split, seed)  # read by Loader's micro-batches
@@ -89,7 +90,7 @@ class ChatLoader(Loader):
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
-            held = f"{folder}: the {split} split holds {self.windows_per_epoch} rows"
+            held = f"{source or folder}: the {split} split holds {self.windows_per_epoch} rows"
             raise DataError(
                 f"{held}, fewer than one global batch of {global_batch}; add "
                 f"{self.examples} or lower training.global_batch" if split != "eval" else

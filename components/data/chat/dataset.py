@@ -76,6 +76,7 @@ class ChatDataset(DatasetContract):
     cache_name = "chat"  # its folder under the cache root
     token_weighted = True  # the step averages over the global batch's trained tokens
     split_files = SPLIT_FILES  # the arrays ``_write`` stores per split
+    loader_class = ChatLoader  # how a split's rows are served
 
     def __init__(self, cfg: ChatConfig, *, tokenizer: Any, seq_len: int, seed: int = 0,
                  **context: Any) -> None:
@@ -216,6 +217,9 @@ class ChatDataset(DatasetContract):
                world_size: int = 1) -> ChatLoader:
         if not self.meta:
             self.prepare()
-        return ChatLoader(self.folder, split, seq_len=self.seq_len, micro_batch=micro_batch,
-                          global_batch=global_batch, rank=rank, world_size=world_size,
-                          seed=self.seed)
+        path = getattr(self.cfg, "path", "")
+        source = (f"data.path = {path!r}" if path else "the built-in rows") + \
+            f" (prepared in {self.folder})"
+        return self.loader_class(self.folder, split, seq_len=self.seq_len,
+                                 micro_batch=micro_batch, global_batch=global_batch, rank=rank,
+                                 world_size=world_size, seed=self.seed, source=source)

@@ -91,6 +91,7 @@ class PreferenceDataset(ChatDataset):
     Config = PreferenceConfig
     cache_name = "preference"
     token_weighted = False  # the loss is a mean over pairs, not over tokens
+    loader_class = PairLoader
 
     def __init__(self, cfg: PreferenceConfig, **context: Any) -> None:
         super().__init__(cfg, **context)
@@ -214,10 +215,3 @@ class PreferenceDataset(ChatDataset):
         ``pair_ids``): what a step reads to compute something once per pair."""
         return self._split_rows(split).pairs(np.asarray(ids, dtype=np.int64))
 
-    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
-               world_size: int = 1) -> PairLoader:
-        if not self.meta:
-            self.prepare()
-        return PairLoader(self.folder, split, seq_len=self.seq_len, micro_batch=micro_batch,
-                          global_batch=global_batch, rank=rank, world_size=world_size,
-                          seed=self.seed)

@@ -82,6 +82,7 @@ class PromptDataset(ChatDataset):
     cache_name = "prompts"
     token_weighted = False
     split_files = FILES
+    loader_class = PromptLoader
     pairs = "prompts"  # the step must take prompts (``StepContract.takes_pairs``)
 
     def __init__(self, cfg: PromptConfig, **context: Any) -> None:
@@ -201,10 +202,3 @@ class PromptDataset(ChatDataset):
     def tokens_per_epoch(self) -> int:
         return int(self.meta["splits"]["train"]["prompts"]) * self.seq_len
 
-    def loader(self, split: str, *, micro_batch: int, global_batch: int, rank: int = 0,
-               world_size: int = 1) -> PromptLoader:
-        if not self.meta:
-            self.prepare()
-        return PromptLoader(self.folder, split, seq_len=self.seq_len, micro_batch=micro_batch,
-                            global_batch=global_batch, rank=rank, world_size=world_size,
-                            seed=self.seed)

@@ -93,6 +93,8 @@ def test_the_eval_split_is_held_out_and_small_splits_say_what_to_do(tmp_path):
     with pytest.raises(DataError,
                        match="fewer than one evaluation batch of 64.*eval_fraction.*micro_batch"):
         ds.loader("eval", micro_batch=64, global_batch=64)
+    with pytest.raises(DataError, match=r"^the built-in rows \(prepared in .*cache.*\): the eval"):
+        ds.loader("eval", micro_batch=64, global_batch=64)  # the source, then where it is kept
 
 
 def test_bad_rows_and_damaged_folders_are_one_clear_error(tmp_path):
