@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.components.attention import banded
 from kiln.components.attention.sinks import sink_attention
 from kiln.components.errors import RecipeError
 
@@ -55,7 +56,7 @@ class AttentionContext:
     # what a sliding-window layer's mask is built from (once per window size and forward)
     query_positions: torch.Tensor | None = None  # (Tq,) long
     doc_ids: torch.Tensor | None = None  # (B, T)
-    windowed: dict[int, Any] = field(default_factory=dict)
+    windowed: dict[Any, Any] = field(default_factory=dict)
     # rows sharing a prompt, packed (``shared_prefix.PrefixLayout``): attention runs through it
     prefix: Any = None
 
@@ -73,6 +74,15 @@ class AttentionContext:
                 built = additive(visible)
             self.windowed[window] = built
         return self.windowed[window]
+
+    def band_for(self, window: int) -> torch.Tensor:
+        """``banded.band_mask`` of a layer that sees ``window`` tokens (whole rows: queries =
+        keys), once per window size and forward."""
+        key = ("band", window)
+        if key not in self.windowed:
+            self.windowed[key] = banded.band_mask(self.length, window, self.doc_ids,
+                                                  self.query_positions.device)
+        return self.windowed[key]
 
     def rope_args(self) -> dict[str, Any]:
         """Keyword arguments for the position component: the positions and their bound (known
@@ -217,18 +227,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if context is not None and context.prefix is not None:  # rows packed around a shared prompt
         return context.prefix.attend(q, k, v, dropout_p, window, sinks)
-    gqa = k.shape[1] != q.shape[1]
+    kernel = "sdpa" if context is None else context.kernel
+    if kernel == "sdpa" and banded.worth_it(q.shape[2], k.shape[2], window):
+        mask = banded.band_mask(k.shape[2], window, None, q.device) if context is None else \
+            context.band_for(window)
+        return banded.attend(q, k, v, window, mask, lambda q_, k_, v_, m: _attend(
+            q_, k_, v_, m, kernel, dropout_p, sinks))
     mask = None if context is None else context.mask_for(window)
     if mask is None and window:  # rows without a context: causal within the window
         t = k.shape[2]
         mask = additive(visibility(t, torch.arange(t - q.shape[2], t, device=q.device), None,
                                    window))
+    return _attend(q, k, v, mask, kernel, dropout_p, sinks)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, kernel: str,
+            dropout_p: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``sdpa``'s kernels: ``mask`` additive fp32 (``sdpa``) or a ``BlockMask`` (``flex``), None =
+    causal."""
+    gqa = k.shape[1] != q.shape[1]
     if sinks is not None:
-        if context is not None and context.kernel == "flex":
+        if kernel == "flex":
             raise RecipeError("model.attention.sinks with the flex kernel: set "
                               "model.attention.mask_kernel = \"sdpa\"")
         return sink_attention(q, k, v, mask, sinks, dropout_p)
-    if mask is not None and context is not None and context.kernel == "flex":
+    if mask is not None and kernel == "flex":
         if dropout_p:
             raise RecipeError("model.attention.dropout: the flex kernel has no attention "
                               "dropout; set model.attention.mask_kernel = \"sdpa\" or dropout 0")

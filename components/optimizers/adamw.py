@@ -1,4 +1,4 @@
-"""AdamW, torch's implementation (foreach on CPU, fused on CUDA)."""
+"""AdamW, torch's implementation (fused by default, on CPU and CUDA alike)."""
 
 from __future__ import annotations
 

@@ -130,6 +130,14 @@ def groups(args) -> list[Group]:
                      [Row("GPT-2 recipe step vs a plain loop, nanoGPT CPU size, 1 thread",
                           "tokens_per_second", "tok/s", goal=">= 1.1x")],
                      {**gpt2, "what": "loop"}, third_party=False))
+    for length in (1024, 4096):
+        out.append(Group(f"window-{length}", "window", "the same layer, the whole masked row",
+                         [Row(f"sliding-window attention, window 128, {length} tokens "
+                              f"({length // 128} windows), forward + backward", "step_ms", "ms",
+                              higher_is_better=False, goal="report")],
+                         {**base, "length": 256 if quick else length,
+                          "steps": 2 if quick else 10, "warmup": 1 if quick else 2},
+                         third_party=False))
     out.append(Group("fit", "fit", "the same fit, one scipy L-BFGS refit per resample",
                      [Row("scaling-law fit, 20 points, 1,000 bootstrap refits", "seconds", "s",
                           higher_is_better=False, goal="< 10 s")],

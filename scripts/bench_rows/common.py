@@ -53,6 +53,16 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def trainers_adamw(params, lr: float):
+    """The AdamW both trainers of a fine-tuning row step with by default: fused (kiln's
+    ``optimizer.implementation = "auto"``; transformers' ``TrainingArguments.optim`` is
+    ``adamw_torch_fused`` on torch >= 2.8, which TRL's trainers inherit). A bare
+    ``torch.optim.AdamW`` would run neither's: one parameter at a time on a CPU."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
 def set_threads(threads: int) -> None:
     import torch
 
@@ -77,15 +87,18 @@ def word_tokenizer():
 
 
 def timed_train_steps(forward, params, p: dict, shape: tuple[int, int, int],
-                      step_fn=None) -> float:
+                      step_fn=None, foreach: bool = True) -> float:
     """Mean seconds of one training step (forward, fp32 cross-entropy, backward, ``step_fn``,
-    AdamW with foreach kernels, zero_grad, the loss read on the host) over ``p["steps"]`` after
-    ``p["warmup"]``, on seeded random batches of ``shape`` = (batch, seq, vocab)."""
+    AdamW, zero_grad, the loss read on the host) over ``p["steps"]`` after ``p["warmup"]``, on
+    seeded random batches of ``shape`` = (batch, seq, vocab). AdamW with foreach kernels, or
+    with ``foreach=False`` torch's default on a CPU: one parameter at a time (torch picks foreach
+    by itself only on accelerators)."""
     import torch
     import torch.nn.functional as F
 
     batch, seq, vocab = shape
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=False)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=False,
+                            foreach=foreach)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g)
                for _ in range(p["warmup"] + p["steps"])]

@@ -18,7 +18,13 @@ import tempfile
 import types
 from pathlib import Path
 
-from bench_rows.common import Unavailable, median_seconds, set_threads, word_tokenizer
+from bench_rows.common import (
+    Unavailable,
+    median_seconds,
+    set_threads,
+    trainers_adamw,
+    word_tokenizer,
+)
 from bench_rows.generate import setup  # noqa: F401  (the same checkpoint and export)
 
 PAIRS, WIDTH, PROMPT = 4, 257, 64
@@ -72,7 +78,7 @@ def kiln_step(policy, p: dict, *, reference: str = "frozen_copy"):
         build.without_adapters = lambda: lora.disabled(policy)
     build.frozen_model = lambda source: copy.deepcopy(policy).eval().requires_grad_(False)
     step.setup(build)
-    opt = torch.optim.AdamW([q for q in policy.parameters() if q.requires_grad], lr=1e-5)
+    opt = trainers_adamw([q for q in policy.parameters() if q.requires_grad], 1e-5)
 
     def run() -> None:
         out, _ = step.pair_loss(ctx, kiln_batch)
@@ -117,7 +123,7 @@ def peer(p: dict) -> dict:
     rows, mask = batch()
     inputs = {"input_ids": rows, "attention_mask": torch.ones_like(rows),
               "completion_mask": mask}
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+    opt = trainers_adamw(policy.parameters(), 1e-5)
     policy.train()
 
     def run() -> None:

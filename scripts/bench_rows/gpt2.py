@@ -88,7 +88,7 @@ def _loop_peer(p: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(params, recipe.training.grad_clip)
 
     seconds = timed_train_steps(model, list(model.parameters()), p, (BATCH, SEQ, VOCAB),
-                                nanogpt_step)
+                                nanogpt_step, foreach=False)  # nanoGPT's AdamW on a CPU
     return {"tokens_per_second": BATCH * SEQ / seconds, "step_ms": seconds * 1e3}
 
 

@@ -20,7 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_rows.common import Unavailable, median_seconds, set_threads, word_tokenizer
+from bench_rows.common import (
+    Unavailable,
+    median_seconds,
+    set_threads,
+    trainers_adamw,
+    word_tokenizer,
+)
 from bench_rows.generate import setup  # noqa: F401  (the same checkpoint and export)
 
 
@@ -54,7 +60,7 @@ def kiln(p: dict) -> dict:
     rollout = default_config("rollout", "kiln", temperature=1.0,
                              max_new_tokens=p["new_tokens"]).build()
     prompts = [q for q in _prompts(p) for _ in range(p["group"])]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = trainers_adamw(model.parameters(), 1e-6)
     calls = iter(range(10 ** 6))
     share = p.get("share_prompts", True) and shared_prefix.problem(model.train()) is None
 
@@ -123,7 +129,7 @@ def peer(p: dict) -> dict:
         train_dataset=Dataset.from_list([{"prompt": t} for t in texts]))
     trainer.current_gradient_accumulation_steps = 1  # (set by Trainer.train's loop)
     inputs = [{"prompt": t} for t in texts for _ in range(p["group"])]
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    opt = trainers_adamw(policy.parameters(), 1e-6)
 
     def sample():
         ids = tokenizer(texts, return_tensors="pt")["input_ids"].repeat_interleave(p["group"], 0)

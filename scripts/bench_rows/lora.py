@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from bench_rows.common import Unavailable, median_seconds, set_threads
+from bench_rows.common import Unavailable, median_seconds, set_threads, trainers_adamw
 from bench_rows.generate import setup  # noqa: F401  (the same checkpoint and export)
 
 RANK, ALPHA = 8, 16.0
@@ -42,10 +42,9 @@ def kiln_model(work: Path, lora: bool = True):
 
 def timed_steps(forward, params, p: dict) -> tuple[float, object]:
     """Median seconds of one training step, and the optimizer after it."""
-    import torch
     import torch.nn.functional as F
 
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = trainers_adamw(params, 1e-4)
     ids, labels = _batch()
 
     def step() -> None:

@@ -44,13 +44,14 @@ DENSE = ("--model.dim=32", "--model.n_layers=2", "--model.attention.n_heads=2",
 # name -> (recipe, overrides). Every model family kiln ships, at toy size.
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": ("debug.toml", DENSE),
-    # gpt-oss's blocks: learned sinks, a window on layer 0 shorter than the cells' rows, its
-    # biased experts with the clamped SwiGLU and a router bias
+    # gpt-oss's blocks: learned sinks, a window on layer 0 shorter than the cells' rows (16
+    # tokens: 6 windows of 3, so it runs banded, attention/banded.py), its biased experts
+    # with the clamped SwiGLU and a router bias
     "moe": ("debug.toml", (*DENSE, "--model.ffn.type=moe", "--model.ffn.n_experts=4",
                            "--model.ffn.experts=gpt_oss", "--model.ffn.router_bias=true",
                            "--model.ffn.top_k=2", "--model.ffn.hidden_dim=32",
                            "--model.ffn.aux_loss_coeff=0.01", "--model.ffn.n_shared_experts=1",
-                           "--model.attention.window=6", "--model.attention.sinks=true",
+                           "--model.attention.window=3", "--model.attention.sinks=true",
                            '--model.layer_types=["sliding","full"]')),
     # DeepSeek-V3's blocks: latent attention (a query latent too), a dense layer, then
     # sigmoid-routed experts in groups; one multi-token prediction module

@@ -33,6 +33,7 @@ TOL = dict(rtol=0, atol=1e-5)
     ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1, "attention_bias": True}),
     ("mistral", {"sliding_window": 64}),
     ("mistral", {"sliding_window": 5}),  # every layer slides within the 16-token rows
+    ("mistral", {"sliding_window": 3}),  # 6 windows a row: banded (attention/banded.py)
     # layer 0 full, layer 1 sliding (max_window_layers), QK-norm
     ("qwen3", {"head_dim": 32, "use_sliding_window": True, "sliding_window": 5,
                "max_window_layers": 1}),
@@ -115,6 +116,7 @@ def test_errors_name_the_tensor(tmp_path):
 
 @pytest.mark.parametrize("family, overrides", [
     ("mistral", {"sliding_window": 5}),
+    ("mistral", {"sliding_window": 3}),  # banded, the last band padded
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
 ])
 def test_sliding_window_gradients_match_transformers(tmp_path, family, overrides):
