@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.components.attention import banded
 from kiln.components.attention.sinks import sink_attention
 
 
@@ -169,8 +170,22 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D); ``window``:
     a sliding-window layer's (the cache keeps every key; the mask hides the far ones);
-    ``sinks``: learned sink logits (``sinks.sink_attention``)."""
+    ``sinks``: learned sink logits (``sinks.sink_attention``).
+
+    Windows without left padding (positions = cache slots) attend only to what they can see: a
+    decode step to the last ``window`` keys, unmasked (its cost no longer grows with the text),
+    and a first forward of many windows (the prompt) in bands (``banded``)."""
     gqa = k.shape[1] != q.shape[1]
+    if window and not session.padded:
+        t, s = q.shape[2], k.shape[2]
+        if t == 1 and s > window:  # a decode step sees the last `window` keys, all of them
+            k, v = k[:, :, s - window:], v[:, :, s - window:]
+            if sinks is not None:
+                return sink_attention(q, k, v, None, sinks)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if session.start == 0 and banded.worth_it(t, s, window):
+            return banded.attend(q, k, v, window, banded.band_mask(s, window, None, q.device),
+                                 lambda q_, k_, v_, m: _masked(q_, k_, v_, m, sinks))
     if sinks is not None:
         mask = session.window_mask(window) if window else session.mask  # None: causal
         return sink_attention(q, k, v, mask, sinks)
@@ -187,6 +202,15 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=session.causal, enable_gqa=gqa)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention under an additive fp32 ``mask`` (``banded``'s), with or without sinks."""
+    if sinks is not None:
+        return sink_attention(q, k, v, mask, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype),
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def cached_mask(session: CacheSession, window: int = 0) -> torch.Tensor | None:

@@ -69,6 +69,24 @@ def test_cached_decoding_equals_the_full_forward(name):
     assert all(getattr(m, "kv_cache", None) is None for m in model.modules())  # detached
 
 
+def test_a_windowed_decode_step_reads_only_its_window(monkeypatch):
+    """Without padding, a sliding layer's decode step attends to its last ``window`` keys, no
+    mask (its cost stays flat as the text grows); the full layer to every cached key."""
+    model = build(MODELS["causal_window"])  # layer 0: window 5, layer 1: full
+    ids = torch.randint(0, 258, (2, 12), generator=torch.Generator().manual_seed(3))
+    real, keys = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, **kw):
+        if q.shape[2] == 1:
+            keys.append((k.shape[2], kw.get("attn_mask") is None))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        decode(model, ids, [6] + [1] * 6)
+    assert keys == [x for s in range(7, 13) for x in ((5, True), (s, True))]
+
+
 def test_decoding_projects_q_k_v_with_one_stacked_matrix_when_small(monkeypatch):
     from kiln.components.attention import causal
 
