@@ -235,6 +235,9 @@ class DatasetContract:
     """
 
     token_weighted: bool = False  # masked labels: the loss is the mean over trained tokens
+    # one example per row, then padding: a step may run a micro-batch only as wide as its
+    # longest example (``step_context.padding_cut``)
+    padded_rows: bool = False
     pairs: str = ""  # "paired": chosen rows, then rejected; "unpaired" (KTO); "prompts" (RL)
     template: Any = None  # chat data: the template it renders with (the run folder keeps it)
     source_names: Any = ()  # a mixture's sources, in the order of a batch's source_ids
@@ -273,7 +276,8 @@ def complete_dataset(dataset: Any) -> Any:
     if isinstance(dataset, DatasetContract):
         return dataset
     _complete(dataset, DatasetContract)
-    for name in ("token_weighted", "pairs", "template", "source_names", "meta"):
+    for name in ("token_weighted", "padded_rows", "pairs", "template", "source_names",
+                 "meta"):
         if not hasattr(dataset, name):
             object.__setattr__(dataset, name, getattr(DatasetContract, name))
     return dataset

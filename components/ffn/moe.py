@@ -129,6 +129,7 @@ class MoE(nn.Module):
     # routing counts the batch's tokens (balance loss, capacity): rows may not share a prompt
     shares_prefix = False
     prefix_problem = "its routing counts the batch's tokens (balance loss, expert bias)"
+    counts_batch_tokens = True  # padding columns count too (step_context.padding_cut)
 
     def __init__(self, cfg: MoEConfig, *, dim: int, layer_idx: int, n_layers: int) -> None:
         super().__init__()

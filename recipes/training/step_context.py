@@ -59,11 +59,50 @@ class SourceLosses:
         return out
 
 
-def without_trailing_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch cut after its last labelled column: its (B, T) tensors to (B, T') (rows padded
-    to ``seq_len``, as preference pairs are, run as wide as their longest). One host read."""
+def without_trailing_padding(batch: dict[str, torch.Tensor],
+                             multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The batch cut after its last labelled column, rounded up to a ``multiple``: its (B, T)
+    tensors to (B, T') (rows padded to ``seq_len``, as preference pairs are, run as wide as
+    their longest). One host read."""
     labelled = (batch["labels"] != IGNORE_INDEX).any(0).nonzero()
-    return truncate(batch, int(labelled[-1]) + 1) if labelled.numel() else batch
+    if not labelled.numel():
+        return batch
+    return truncate(batch, -(-(int(labelled[-1]) + 1) // multiple) * multiple)
+
+
+# A cut micro-batch's width is a multiple of this: float8's matrix products on a GPU need the
+# tokens of a micro-batch to be a multiple of 16 (parallelisms/float8.py), and fewer distinct
+# widths are fewer allocator sizes.
+CUT_MULTIPLE = 16
+
+
+def padding_cut(model: torch.nn.Module, parallel: Any, model_inputs: Any,
+                dataset: Any) -> tuple[int, str]:
+    """(the width multiple ``forward_loss`` cuts micro-batches to, or 0, and a line for the
+    log). Data whose rows end in padding (``dataset.padded_rows``: one conversation a row) runs
+    each micro-batch as wide as its longest row: causal, no labelled token sees the columns
+    cut. Not where the width is fixed or the padding counts: pipeline stages, context or
+    tensor parallel shares of a row, compiled blocks (a recompile per width), MoE routing (its
+    balance loss and expert loads count every token of the batch), a loop carry (a state per
+    row and position)."""
+    if not dataset.padded_rows:
+        return 0, ""
+    why = None
+    if parallel.pipeline is not None or parallel.tp is not None or model_inputs.cp is not None:
+        why = "pipeline, tensor and context parallelism keep every micro-batch at seq_len"
+    elif getattr(model, "carry_state", lambda: None)() is not None:
+        why = "the loop carry holds a state per row and position"
+    for name, module in model.named_modules():
+        if why:
+            break
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            why = f"{name or 'the model'} is compiled (every width would compile anew)"
+        elif getattr(type(module), "counts_batch_tokens", False):
+            why = f"{name} ({type(module).__name__}) counts the batch's tokens, padding too"
+    if why:
+        return 0, f"padded rows run at training.seq_len: {why}"
+    return CUT_MULTIPLE, ("padded rows: each micro-batch runs as wide as its longest row "
+                          f"(rounded up to a multiple of {CUT_MULTIPLE})")
 
 
 @dataclass
@@ -91,6 +130,7 @@ class TrainStepContext:
     # Masked data (``chat``): the loss is the mean over the global batch's trained tokens.
     token_weighted: bool = False
     data_ranks: int = 1  # ranks with distinct batches (the others are tensor-parallel peers)
+    cut_padding: int = 0  # ``padding_cut``'s multiple: micro-batches cut after their last label
     # token_logprobs' passes since the trainer last took them (StepResult.flop_tokens): this
     # rank's tokens, forward-and-backward equivalents
     flop_tokens: float = 0.0
@@ -147,6 +187,8 @@ class TrainStepContext:
         pipeline parallelism forward through every stage (evaluation; the same on all ranks)."""
         if self.parallel.pipeline is not None:
             return self.parallel.pipeline.eval_loss(batch, self.stage_loss, self.autocast)
+        if self.cut_padding:
+            batch = without_trailing_padding(batch, self.cut_padding)
         ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
         if getattr(self.model, "mtp", None) is not None:  # multi-token prediction's targets
             extra = {**extra, "mtp_labels": labels}

@@ -33,7 +33,7 @@ from kiln.recipes.training.optimizer_set import OptimizerSet
 from kiln.recipes.training.run_hooks import CloseLoader, WriteRecipe
 from kiln.recipes.training.run_layout import run_layout
 from kiln.recipes.training.step_build import StepBuild
-from kiln.recipes.training.step_context import Progress, TrainStepContext
+from kiln.recipes.training.step_context import Progress, TrainStepContext, padding_cut
 
 
 class Trainer:
@@ -108,6 +108,9 @@ class Trainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if tr.mixed_precision == "bf16" else contextlib.nullcontext()
         )
+        cut, line = padding_cut(self.model, self.parallel, self.model_inputs, self.dataset)
+        if line:
+            self.print(line)
         self.step_context = TrainStepContext(
             model=self.model, world=self.world, parallel=self.parallel,
             model_inputs=self.model_inputs, optimizers=self.optimizers, guards=self.guards,
@@ -115,7 +118,7 @@ class Trainer:
             global_batch=self.plan.global_batch, seq_len=self.seq_len, grad_clip=tr.grad_clip,
             loss_chunk_tokens=tr.loss_chunk_tokens, autocast=self.autocast,
             source_losses=self._source_losses(), token_weighted=self._token_weighted(),
-            data_ranks=self.data_ranks, **self.compiled_losses)
+            data_ranks=self.data_ranks, cut_padding=cut, **self.compiled_losses)
         build = StepBuild(self)
         self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
         for line in build.lines:

@@ -78,6 +78,12 @@ class ChatDataset(DatasetContract):
     split_files = SPLIT_FILES  # the arrays ``_write`` stores per split
     loader_class = ChatLoader  # how a split's rows are served
 
+    @property
+    def padded_rows(self) -> bool:
+        """One conversation a row, padded to seq_len (``pack = false``). Preference and prompt
+        rows, padded too, are cut by their own steps (``token_logprobs``)."""
+        return not self.cfg.pack if isinstance(self.cfg, ChatConfig) else False
+
     def __init__(self, cfg: ChatConfig, *, tokenizer: Any, seq_len: int, seed: int = 0,
                  **context: Any) -> None:
         self.cfg, self.tokenizer, self.seq_len, self.seed = cfg, tokenizer, seq_len, seed
