@@ -29,7 +29,7 @@ import torch.nn.functional as F
 # From this many windows per row the bands are used. The attention's forward and backward
 # alone, CPU flash kernel, 2 threads (docs/benchmarks.md, "Sliding windows"): at 4 blocks the
 # banded call was slower (0.85-0.88x: with 2W-key bands the kernel's tiles are no fewer), at 5
-# 1.14-1.5x faster, at 8 1.7-3.3x, at 32 5.9x.
+# 1.14-1.5x faster, at 8 1.7-3.3x, at 32 5.9-8.5x.
 MIN_BLOCKS = 5
 
 
