@@ -47,6 +47,7 @@ class _Timer(Hook):
     def __init__(self):
         self.ends: list[float] = []
         self.waits: list[float] = []
+        self.ran: list[float] = []  # tokens the step's forwards computed (what MFU counts)
 
     def on_train_start(self, trainer) -> None:
         self.fit_start = time.perf_counter()
@@ -55,6 +56,7 @@ class _Timer(Hook):
         devices.synchronize(trainer.device)
         self.ends.append(time.perf_counter())
         self.waits.append(trainer.data_wait_s)
+        self.ran.append(result.tokens if result.flop_tokens is None else result.flop_tokens)
 
 
 def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -90,7 +92,10 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
     waits = timer.waits
     data_wait = (waits[-1] - (waits[warmup - 1] if warmup else 0.0)) / len(window)
     tokens_per_s = trainer.plan.tokens_per_step / step_time
-    achieved = trainer.flops_per_token * tokens_per_s
+    # FLOPs of what ran: steps that compute fewer tokens than the batch holds (cut padding,
+    # prompts shared by a group) report them as StepResult.flop_tokens
+    ran = sum(timer.ran[warmup:] if warmup < len(ends) else timer.ran) / len(window)
+    achieved = trainer.flops_per_token * ran / step_time
     peak = trainer.peak_flops * trainer.world.world_size
     state = optimizer_state_bytes(trainer)
     result = {
@@ -99,6 +104,7 @@ def measure(recipe_path: str, overrides: list[str], steps: int, warmup: int) -> 
         "params": trainer.num_params,  # the whole model (a pipeline rank holds a part)
         "tokens_per_step": trainer.plan.tokens_per_step,
         "tokens_per_second": tokens_per_s,
+        "computed_tokens_per_step": ran,
         "step_time_s": step_time,
         "data_wait_s": data_wait,
         "data_wait_fraction": data_wait / step_time,
@@ -141,7 +147,9 @@ def render(r: dict) -> str:
         ("device / threads", f"{r['device']} / {r['threads']}"),
         ("parameters", f"{r['params']:,}"),
         ("tokens/s", f"{r['tokens_per_second']:,.0f}"),
-        ("step time", f"{r['step_time_s'] * 1000:.1f} ms ({r['tokens_per_step']:,} tokens/step)"),
+        ("step time", f"{r['step_time_s'] * 1000:.1f} ms ({r['tokens_per_step']:,} tokens/step"
+         + (f", {r['computed_tokens_per_step']:,.0f} computed)"
+            if r["computed_tokens_per_step"] < r["tokens_per_step"] else ")")),
         ("model FLOPs/token", f"{r['flops_per_token']:.4g}"),
         ("achieved FLOP/s", f"{r['achieved_flops'] / 1e9:.1f} GFLOP/s"),
         ("peak FLOP/s", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s"

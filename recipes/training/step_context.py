@@ -190,6 +190,8 @@ class TrainStepContext:
         if self.cut_padding:
             batch = without_trailing_padding(batch, self.cut_padding)
         ids, labels, extra = self.model_inputs(batch)  # this rank's tokens, attention context
+        if self.cut_padding:  # what ran, for MFU (a cut micro-batch ran fewer than seq_len)
+            self.flop_tokens += ids.numel() * (1.0 if torch.is_grad_enabled() else 1 / 3)
         if getattr(self.model, "mtp", None) is not None:  # multi-token prediction's targets
             extra = {**extra, "mtp_labels": labels}
         rows = batch.get("source_ids") if self.source_losses is not None else None

@@ -26,9 +26,11 @@ UNPACKED = [*TINY, "--data.pack=false", "--training.steps=3", "--eval.interval=0
 class _Losses(Hook):
     def __init__(self):
         self.losses: list[float] = []
+        self.computed: list[float | None] = []  # StepResult.flop_tokens: what MFU counts
 
     def on_step_end(self, trainer, result) -> None:
         self.losses.append(float(result.loss))
+        self.computed.append(result.flop_tokens)
 
 
 def _train(folder, *extra):
@@ -40,21 +42,22 @@ def _train(folder, *extra):
     run.model.register_forward_pre_hook(  # training forwards (not the end's samples)
         lambda m, args: widths.append(args[0].shape[1]) if m.training else None)
     run.fit()
-    return kept.losses, widths, out.getvalue()
+    return kept.losses, widths, out.getvalue(), kept.computed
 
 
 def test_unpacked_rows_run_as_wide_as_their_longest_with_the_same_losses(tmp_path, monkeypatch):
-    losses, widths, log = _train(tmp_path / "cut")
+    losses, widths, log, computed = _train(tmp_path / "cut")
     assert "each micro-batch runs as wide as its longest row" in log
     assert all(w % 16 == 0 and w <= 256 for w in widths) and min(widths) < 256, widths
+    assert sum(computed) == sum(2 * w for w in widths)  # micro-batches of 2 rows: MFU's count
     monkeypatch.setattr(trainer, "padding_cut", lambda *a: (0, ""))
-    full, full_widths, _ = _train(tmp_path / "full")
-    assert set(full_widths) == {256}
+    full, full_widths, _, not_cut = _train(tmp_path / "full")
+    assert set(full_widths) == {256} and set(not_cut) == {None}  # MFU: the batch's tokens
     assert losses == pytest.approx(full, rel=1e-5)
 
 
 def test_moe_routing_keeps_the_full_width_and_says_why(tmp_path):
-    _, widths, log = _train(tmp_path / "moe", "--model.ffn.type=moe", "--model.ffn.n_experts=2",
+    _, widths, log, _ = _train(tmp_path / "moe", "--model.ffn.type=moe", "--model.ffn.n_experts=2",
                             "--model.ffn.top_k=1", "--model.ffn.hidden_dim=32")
     assert set(widths) == {256}
     assert "padded rows run at training.seq_len: " in log and "counts the batch's tokens" in log
