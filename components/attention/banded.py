@@ -21,6 +21,7 @@ its own (zero) key, so no row of the softmax is empty.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,8 +29,8 @@ import torch.nn.functional as F
 
 # From this many windows per row the bands are used. The attention's forward and backward
 # alone, CPU flash kernel, 2 threads (docs/benchmarks.md, "Sliding windows"): at 4 blocks the
-# banded call was slower (0.85-0.88x: with 2W-key bands the kernel's tiles are no fewer), at 5
-# 1.14-1.5x faster, at 8 1.7-3.3x, at 32 5.9-8.5x.
+# two were even (0.89-1.18x: with 2W-key bands the kernel's tiles are few fewer), at 5
+# 1.4-1.7x faster, at 8 1.9-2.6x, at 32 9.4x.
 MIN_BLOCKS = 5
 
 
@@ -56,6 +57,25 @@ def band_mask(t: int, window: int, doc_ids: torch.Tensor | None,
         docs_k = doc_ids[:, k_pos.clamp(0, last)]  # (B, blocks, 1, 2W)
         seen = seen & (docs_q == docs_k)
     return seen | ((q_pos >= t) & (k_pos == q_pos))  # padding queries: their own key
+
+
+def additive_mask(t: int, window: int, doc_ids: torch.Tensor | None, batch: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """``band_mask`` as the kernels take it: (batch * blocks, 1, W, 2W) fp32, 0 where a key is
+    seen, -inf elsewhere. Build it once per forward (``AttentionContext.band_for``) or take
+    ``shared_mask`` where no documents make it differ: at a 512-token window over 8,192 tokens it
+    took ~50 ms on a 2-core CPU, about what the layer's banded attention costs."""
+    seen = band_mask(t, window, doc_ids, device)
+    additive = torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
+    blocks = seen.shape[1]
+    return additive.expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, 2 * window)
+
+
+@functools.lru_cache(maxsize=8)
+def shared_mask(t: int, window: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``additive_mask`` without documents: the same for every layer and step of a shape, so
+    kept (a few shapes: training's, evaluation's)."""
+    return additive_mask(t, window, None, batch, device)
 
 
 class _Bands(torch.autograd.Function):
@@ -91,19 +111,16 @@ class _Bands(torch.autograd.Function):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, mask: torch.Tensor,
            run: Any) -> torch.Tensor:
     """Self-attention of q (B, H, T, D) over k, v (B, Hk, T, D[v]) within ``window``, through
-    ``run(q, k, v, additive_mask)`` (the caller's kernel on (B * blocks, ., ., .) inputs; the
-    mask fp32, 0 or -inf, as ``context.additive``'s).
-    ``mask``: ``band_mask``'s, for these rows. Returns (B, H, T, Dv), its memory laid out as
-    (B, T, H, Dv) like SDPA's."""
+    ``run(q, k, v, mask)`` (the caller's kernel on (B * blocks, ., ., .) inputs). ``mask``:
+    ``additive_mask``'s for these rows (or ``shared_mask``'s). Returns (B, H, T, Dv), its memory
+    laid out as (B, T, H, Dv) like SDPA's."""
     b, h, t, d = q.shape
     blocks = -(-t // window)
     if blocks * window != t:  # zeros at the end: their queries see only their own key
         q, k, v = (F.pad(x, (0, 0, 0, blocks * window - t)) for x in (q, k, v))
     # (B, H, blocks, W, D) -> (B * blocks, H, W, D); a view for kiln's (B, T, H, D) layout
     qb = q.unflatten(2, (blocks, window)).transpose(1, 2).reshape(b * blocks, h, window, d)
-    additive = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))
-    additive = additive.expand(b, -1, -1, -1).reshape(b * blocks, 1, window, 2 * window)
-    out = run(qb, _Bands.apply(k, window), _Bands.apply(v, window), additive)
+    out = run(qb, _Bands.apply(k, window), _Bands.apply(v, window), mask)
     dv = out.shape[-1]
     # (B * blocks, H, W, Dv) -> (B, blocks * W, H, Dv) -> the first T, as (B, H, T, Dv)
     rows = out.view(b, blocks, h, window, dv).transpose(2, 3).reshape(b, blocks * window, h, dv)

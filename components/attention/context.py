@@ -75,13 +75,16 @@ class AttentionContext:
             self.windowed[window] = built
         return self.windowed[window]
 
-    def band_for(self, window: int) -> torch.Tensor:
-        """``banded.band_mask`` of a layer that sees ``window`` tokens (whole rows: queries =
-        keys), once per window size and forward."""
+    def band_for(self, window: int, batch: int) -> torch.Tensor:
+        """``banded.additive_mask`` of a layer that sees ``window`` tokens (whole rows:
+        queries = keys), once per window size and forward."""
+        device = self.query_positions.device
+        if self.doc_ids is None:
+            return banded.shared_mask(self.length, window, batch, torch.device(device))
         key = ("band", window)
         if key not in self.windowed:
-            self.windowed[key] = banded.band_mask(self.length, window, self.doc_ids,
-                                                  self.query_positions.device)
+            self.windowed[key] = banded.additive_mask(self.length, window, self.doc_ids,
+                                                      self.doc_ids.shape[0], device)
         return self.windowed[key]
 
     def rope_args(self) -> dict[str, Any]:
@@ -229,8 +232,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return context.prefix.attend(q, k, v, dropout_p, window, sinks)
     kernel = "sdpa" if context is None else context.kernel
     if kernel == "sdpa" and banded.worth_it(q.shape[2], k.shape[2], window):
-        mask = banded.band_mask(k.shape[2], window, None, q.device) if context is None else \
-            context.band_for(window)
+        mask = banded.shared_mask(k.shape[2], window, q.shape[0], q.device) \
+            if context is None else context.band_for(window, q.shape[0])
         return banded.attend(q, k, v, window, mask, lambda q_, k_, v_, m: _attend(
             q_, k_, v_, m, kernel, dropout_p, sinks))
     mask = None if context is None else context.mask_for(window)

@@ -184,7 +184,8 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 return sink_attention(q, k, v, None, sinks)
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         if session.start == 0 and banded.worth_it(t, s, window):
-            return banded.attend(q, k, v, window, banded.band_mask(s, window, None, q.device),
+            return banded.attend(q, k, v, window, banded.shared_mask(s, window, q.shape[0],
+                                                                     q.device),
                                  lambda q_, k_, v_, m: _masked(q_, k_, v_, m, sinks))
     if sinks is not None:
         mask = session.window_mask(window) if window else session.mask  # None: causal

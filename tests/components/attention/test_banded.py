@@ -76,8 +76,18 @@ def test_only_whole_rows_with_enough_windows_run_banded():
     assert not banded.worth_it(400, 400, 0)  # no window
 
 
-def test_a_banded_layer_keeps_the_document_band_once_per_forward():
-    context = build_context(60, doc_ids=torch.zeros(2, 60, dtype=torch.long))
-    first = context.band_for(10)
-    assert context.band_for(10) is first and first.shape == (2, 6, 10, 20)
-    assert context.band_for(12) is not first
+def test_the_band_masks_are_built_once_per_forward_or_shape():
+    """With documents once per forward and window (every layer shares it); without, once per
+    shape for every layer and step. Either is band_mask's, additive, a row per block."""
+    docs = torch.zeros(2, 60, dtype=torch.long)
+    docs[1, 30:] = 1
+    context = build_context(60, doc_ids=docs)
+    first = context.band_for(10, 2)
+    assert context.band_for(10, 2) is first and first.shape == (2 * 6, 1, 10, 20)
+    assert context.band_for(12, 2) is not first
+    expected = banded.band_mask(60, 10, docs, "cpu").reshape(12, 1, 10, 20)
+    assert torch.equal(first == 0, expected)
+    plain = banded.shared_mask(60, 10, 2, torch.device("cpu"))
+    assert banded.shared_mask(60, 10, 2, torch.device("cpu")) is plain
+    assert torch.equal(plain == 0, banded.band_mask(60, 10, None, "cpu").expand(2, -1, -1, -1)
+                       .reshape(12, 1, 10, 20))
