@@ -234,18 +234,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if kernel == "sdpa" and banded.worth_it(q.shape[2], k.shape[2], window):
         mask = banded.shared_mask(k.shape[2], window, q.shape[0], q.device) \
             if context is None else context.band_for(window, q.shape[0])
-        return banded.attend(q, k, v, window, mask, lambda q_, k_, v_, m: _attend(
+        return banded.attend(q, k, v, window, mask, lambda q_, k_, v_, m: kernel_attention(
             q_, k_, v_, m, kernel, dropout_p, sinks))
     mask = None if context is None else context.mask_for(window)
     if mask is None and window:  # rows without a context: causal within the window
         t = k.shape[2]
         mask = additive(visibility(t, torch.arange(t - q.shape[2], t, device=q.device), None,
                                    window))
-    return _attend(q, k, v, mask, kernel, dropout_p, sinks)
+    return kernel_attention(q, k, v, mask, kernel, dropout_p, sinks)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, kernel: str,
-            dropout_p: float, sinks: torch.Tensor | None) -> torch.Tensor:
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, kernel: str,
+                     dropout_p: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """``sdpa``'s kernels: ``mask`` additive fp32 (``sdpa``) or a ``BlockMask`` (``flex``), None =
     causal."""
     gqa = k.shape[1] != q.shape[1]

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.components.attention import banded
+from kiln.components.attention.context import kernel_attention
 from kiln.components.attention.sinks import sink_attention
 
 
@@ -184,9 +185,9 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 return sink_attention(q, k, v, None, sinks)
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         if session.start == 0 and banded.worth_it(t, s, window):
-            return banded.attend(q, k, v, window, banded.shared_mask(s, window, q.shape[0],
-                                                                     q.device),
-                                 lambda q_, k_, v_, m: _masked(q_, k_, v_, m, sinks))
+            mask = banded.shared_mask(s, window, q.shape[0], q.device)
+            return banded.attend(q, k, v, window, mask, lambda q_, k_, v_, m: kernel_attention(
+                q_, k_, v_, m, "sdpa", 0.0, sinks))
     if sinks is not None:
         mask = session.window_mask(window) if window else session.mask  # None: causal
         return sink_attention(q, k, v, mask, sinks)
@@ -203,15 +204,6 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=session.causal, enable_gqa=gqa)
-
-
-def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            sinks: torch.Tensor | None) -> torch.Tensor:
-    """Attention under an additive fp32 ``mask`` (``banded``'s), with or without sinks."""
-    if sinks is not None:
-        return sink_attention(q, k, v, mask, sinks)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype),
-                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def cached_mask(session: CacheSession, window: int = 0) -> torch.Tensor | None:
