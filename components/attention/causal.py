@@ -208,9 +208,10 @@ class CausalAttention(nn.Module):
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hk, S, D)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, S, D)
+                                shareable=not self.window and self.sinks is None)
             out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window,
-                              sinks=self.sinks)
+                              sinks=self.sinks, prefix=cache.prefix())
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.
         return self.wo(self.gated(out.transpose(1, 2).reshape(b, t, -1), x))
 

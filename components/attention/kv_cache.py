@@ -21,6 +21,15 @@ Positions count only valid tokens, so a left-padded row sees the positions it wo
 Padding is masked out of every query's keys; a padding query attends to itself only (a row
 with no valid key would give NaN, and NaN values poison the sums even under a zero weight).
 
+A prompt that several rows repeat (an RL group's completions) is run once; ``session.share``
+then keeps its keys and values once per group and gives each row a cache of its own new tokens
+only: a decode step's query attends to its group's prompt (the group's queries together, one
+matrix product over the prompt's keys) and to its own tokens, and the two softmax parts are
+merged by their log-sum-exps (the cascade form of FlashInfer's shared-prefix decoding and of
+Hydragen, Juravsky et al. 2024). The prompt's keys are read once per group per step instead of
+once per row; on a CPU that costs more than it saves below ``SHARE_MIN_PREFIX`` prompt tokens
+(docs/benchmarks.md, "Reinforcement learning").
+
 A module called several times per forward (the core of a looped model runs once per loop, each
 time on a different state) gets one cache slot per call, in call order: the keys of loop i at
 position t are those loop i computed, exactly as in a full forward. The number of calls per
@@ -40,6 +49,10 @@ from kiln.components.attention import banded
 from kiln.components.attention.context import kernel_attention
 from kiln.components.attention.sinks import sink_attention
 
+# Prompt tokens from which a shared prompt's keys are kept once per group (``share``): the
+# merge's extra kernel call and elementwise work cost more below (docs/benchmarks.md).
+SHARE_MIN_PREFIX = 128
+
 
 class CacheSession:
     """The state shared by every layer's cache during one generation."""
@@ -56,12 +69,15 @@ class CacheSession:
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) bool, or None: plain causal
         self.windowed: dict[int, torch.Tensor] = {}  # sliding-window layers' masks, by window
         self.caches: list[KVCache] = []
+        self.shared: SharedPrompt | None = None  # set by `share`
 
     def begin(self, valid: torch.Tensor | None, tokens: int = 1) -> None:
         """Before a forward of ``valid.shape[1]`` new tokens per row (valid: (B, T) bool), or of
         ``tokens`` new tokens per row that are all valid (``valid`` None: a decode step, without
         building, scanning and reading back a mask of ones)."""
         t = tokens if valid is None else valid.shape[1]
+        if self.shared is not None and (valid is not None or t != 1):
+            raise ValueError("after a shared prompt each forward decodes one valid token per row")
         if self.start + t > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens; {self.start + t} needed")
         self.stop = self.start + t
@@ -78,8 +94,10 @@ class CacheSession:
             self.positions = (self.count + ran - 1).clamp(min=0)  # (B, T)
             self.count = self.count + ran[:, -1:]
             self.padded = self.padded or not bool(valid.all())
-        if not self.padded:
-            # No padding: plain causal attention (one query: it sees every key anyway).
+        if not self.padded or self.shared is not None:
+            # No padding: plain causal attention (one query: it sees every key anyway). Shared
+            # prompt: its padding is masked by `SharedPrompt.mask`, each row's own tokens are
+            # all valid.
             self.mask = None
         else:
             seen = self.valid[:, :self.stop]  # (B, S)
@@ -111,10 +129,42 @@ class CacheSession:
     def select(self, rows: torch.Tensor) -> None:
         """Between forwards: row i of the cache becomes old row ``rows[i]`` (rows may repeat:
         several continuations scored after one cached context)."""
+        if self.shared is not None:
+            raise RuntimeError("select after share: the rows' prompts are laid out in groups")
         self.valid, self.count = self.valid[rows], self.count[rows]
         self.key_positions = self.key_positions[rows]
         for cache in self.caches:
             cache.slots = [tuple(t[rows] for t in slot) for slot in cache.slots]
+
+    def share(self, rows: torch.Tensor) -> bool:
+        """``select(rows)`` after the first forward, with each prompt's keys and values kept
+        once (module docstring) where ``rows`` puts every prompt's rows together in groups of
+        one size >= 2, the prompts are at least ``SHARE_MIN_PREFIX`` tokens and every module
+        that caches keys can attend to a shared prompt (causal attention without a window or
+        sinks; states such as Gated DeltaNet's are copied per row as ``select`` does). False,
+        nothing changed, where not: the caller selects."""
+        prompts, length = self.valid.shape[0], self.stop
+        group = rows.numel() // prompts
+        if (group < 2 or rows.numel() != group * prompts or length < SHARE_MIN_PREFIX
+                or self.start != length or not any(c.shareable for c in self.caches)
+                or any(c.shareable is False for c in self.caches)
+                or not torch.equal(rows.cpu(), torch.arange(prompts).repeat_interleave(group))):
+            return False
+        hidden = ~self.valid[:, :length] if self.padded else None  # (P, L) the prompts' padding
+        self.shared = SharedPrompt(length, group, hidden)
+        for cache in self.caches:
+            if cache.shareable:
+                cache.prefixes = [tuple(t[:, :, :length].clone() for t in slot)
+                                  for slot in cache.slots]
+                cache.slots = [tuple(t.new_empty(rows.numel(), t.shape[1], self.max_len - length,
+                                                 t.shape[3]) for t in slot)
+                               for slot in cache.slots]
+            else:
+                cache.slots = [tuple(t[rows] for t in slot) for slot in cache.slots]
+        self.valid, self.count = self.valid[rows], self.count[rows]
+        self.key_positions = self.key_positions[rows]
+        self.mask = None
+        return True
 
     @property
     def limit(self) -> int | None:
@@ -135,6 +185,11 @@ class KVCache:
         self.session = session
         self.slots: list[tuple[torch.Tensor, ...]] = []
         self.calls = 0
+        # Whether the module's keys and values can be shared by a group (``update``'s
+        # ``shareable``; None: a module that caches a state, not keys); after ``share``, the
+        # prompts' keys and values per slot, P rows, while ``slots`` holds each row's own.
+        self.shareable: bool | None = None
+        self.prefixes: list[tuple[torch.Tensor, ...]] = []
         # What the module derives once per generation and drops with the cache (causal
         # attention: its q/k/v projections stacked into one matrix).
         self.derived: dict[str, object] = {}
@@ -152,30 +207,95 @@ class KVCache:
             self.slots.append(make())
         return i
 
-    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def update(self, *new: torch.Tensor, shareable: bool = False) -> tuple[torch.Tensor, ...]:
         """Store the new tokens' tensors, each (B, H, T, D) (keys and values; latent attention
         caches one latent); return each with everything so far, (B, H, S, D), contiguous per
-        head."""
+        head (after ``share``: the row's own tokens only; ``prefix()`` has the prompt's).
+        ``shareable``: the module attends to a shared prompt through ``cached_sdpa``'s
+        ``prefix``."""
         s = self.session
+        self.shareable = shareable and self.shareable is not False
         i = self.next_slot(lambda: tuple(t.new_empty(*t.shape[:2], s.max_len, t.shape[-1])
                                          for t in new))
+        at = s.shared.length if self.prefixes else 0
         out = []
         for stored, t in zip(self.slots[i], new, strict=True):
-            stored[:, :, s.start:s.stop] = t
-            out.append(stored[:, :, :s.stop])
+            stored[:, :, s.start - at:s.stop - at] = t
+            out.append(stored[:, :, :s.stop - at])
         return tuple(out)
+
+    def prefix(self) -> tuple[torch.Tensor, ...] | None:
+        """After ``share``: the shared prompts' tensors of the slot last updated, each
+        (P, H, L, D); else None."""
+        return self.prefixes[self.calls - 1] if self.prefixes else None
+
+
+class SharedPrompt:
+    """What ``CacheSession.share`` keeps: the prompts' length (with their left padding), the
+    group size, and their padding as an additive mask (P, 1, 1, L) per dtype (None: none)."""
+
+    def __init__(self, length: int, group: int, hidden: torch.Tensor | None) -> None:
+        self.length, self.group, self.hidden = length, group, hidden
+        self.masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.hidden is None:
+            return None
+        if dtype not in self.masks:
+            m = torch.zeros(self.hidden.shape, dtype=dtype, device=self.hidden.device)
+            self.masks[dtype] = m.masked_fill(self.hidden, float("-inf"))[:, None, None]
+        return self.masks[dtype]
+
+
+def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       prefix: tuple[torch.Tensor, torch.Tensor], shared: SharedPrompt,
+                       fused: bool | None = None) -> torch.Tensor:
+    """One decode step's attention (q (B, Hq, 1, D)) over the group's prompt (``prefix``: keys
+    and values (P, Hk, L, D), B = P * group) and the row's own tokens (k, v (B, Hk, n, D)):
+    each part's softmax with its log-sum-exp, merged. ``fused`` (default: on a CPU): the
+    parts through the CPU flash kernel, which returns the log-sum-exp."""
+    b, h, _, d = q.shape
+    kp, vp = prefix
+    grouped = q.reshape(kp.shape[0], shared.group, h, d).transpose(1, 2)  # (P, Hq, G, D)
+    fused = q.device.type == "cpu" if fused is None else fused
+    o1, l1 = _attend_with_lse(grouped, kp, vp, shared.mask(q.dtype), fused)
+    o2, l2 = _attend_with_lse(q, k, v, None, fused)  # (B, Hq, 1, D), (B, Hq, 1)
+    o1 = o1.transpose(1, 2).reshape(b, h, 1, d)
+    l1 = l1.transpose(1, 2).reshape(b, h, 1)
+    # softmax over both parts = the parts' outputs weighted by their shares of the total mass
+    return torch.lerp(o2, o1, torch.sigmoid(l1 - l2)[..., None].to(o1.dtype))
+
+
+def _attend_with_lse(q, k, v, mask, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q (N, Hq, T, D) over k, v (N, Hk, S, D) and its log-sum-exp
+    (N, Hq, T) fp32. Not fused: in matrix products (no public op returns the log-sum-exp)."""
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v,
+                                                                          attn_mask=mask)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    lse = scores.logsumexp(-1)
+    return torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v), lse
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 session: CacheSession, window: int = 0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None,
+                prefix: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """SDPA of the new queries q (B, H, T, D) over the cached k, v (B, Hk, S, D); ``window``:
     a sliding-window layer's (the cache keeps every key; the mask hides the far ones);
     ``sinks``: learned sink logits (``sinks.sink_attention``).
 
     Windows without left padding (positions = cache slots) attend only to what they can see: a
     decode step to the last ``window`` keys, unmasked (its cost no longer grows with the text),
-    and a first forward of many windows (the prompt) in bands (``banded``)."""
+    and a first forward of many windows (the prompt) in bands (``banded``). ``prefix``: the
+    group's shared prompt (``KVCache.prefix``), k and v then the row's own tokens."""
+    if prefix is not None:
+        return shared_prompt_sdpa(q, k, v, prefix, session.shared)
     gqa = k.shape[1] != q.shape[1]
     if window and not session.padded:
         t, s = q.shape[2], k.shape[2]

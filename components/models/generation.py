@@ -135,7 +135,8 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
                                        **kwargs)
         return _loop(step, ids, max_new_tokens, sampling, stops, on_tokens, row_seeds, stats)
     # A prompt repeated in the batch (an RL group's completions) is run once: its cache rows
-    # are then copied to every row that shares it.
+    # are then shared by its rows' decode steps where they can be (``CacheSession.share``),
+    # else copied to every row that repeats it.
     at = {}  # each distinct prompt's row in the first forward
     owner_rows = [at.setdefault(tuple(p), len(at)) for p in prompts]
     first_ids, first_valid = (ids, valid) if len(at) == len(prompts) else \
@@ -147,7 +148,8 @@ def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
             logits = last_logits(model, first_ids if not new else new[-1], vocab_size, **kwargs)
             session.end()
             if not new and owner is not None:
-                session.select(owner)
+                if not session.share(owner):
+                    session.select(owner)
                 logits = logits[owner]
             return logits  # (B, V)
 

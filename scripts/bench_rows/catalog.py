@@ -107,6 +107,11 @@ def groups(args) -> list[Group]:
                      [Row(f"GRPO rollout, 4 prompts x 8, {grpo['new_tokens']} new tokens, "
                           "temperature 1", "tokens_per_second", "tok/s", goal=">= 1.5x")],
                      {**grpo, "what": "rollout"}))
+    out.append(Group("grpo-rollout-long", "grpo", "transformers generate, TRL GRPO's sampling",
+                     [Row(f"GRPO rollout, 4 prompts of 512 tokens x 8, {grpo['new_tokens']} new "
+                          "tokens (the prompt's keys shared by its group)", "tokens_per_second",
+                          "tok/s", goal="report")],
+                     {**grpo, "prompt": 512, "what": "rollout"}))
     out.append(Group("grpo-step", "grpo", "TRL GRPOTrainer.training_step on transformers",
                      [Row("GRPO step (rollout + update), fp32", "steps_per_second", "steps/s",
                           goal=">= 1.3x")],
