@@ -208,8 +208,7 @@ class CausalAttention(nn.Module):
         else:  # decoding: new tokens at their own positions, keys/values of earlier ones cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, S, D)
-                                shareable=not self.window and self.sinks is None)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), shareable=True)
             out = cached_sdpa(q.transpose(1, 2), k, v, session, window=self.window,
                               sinks=self.sinks, prefix=cache.prefix())
         # out: (B, Hq, T, D), its memory laid out as (B, T, Hq, D), so this reshape is a view.

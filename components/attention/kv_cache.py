@@ -140,9 +140,10 @@ class CacheSession:
         """``select(rows)`` after the first forward, with each prompt's keys and values kept
         once (module docstring) where ``rows`` puts every prompt's rows together in groups of
         one size >= 2, the prompts are at least ``SHARE_MIN_PREFIX`` tokens and every module
-        that caches keys can attend to a shared prompt (causal attention without a window or
-        sinks; states such as Gated DeltaNet's are copied per row as ``select`` does). False,
-        nothing changed, where not: the caller selects."""
+        that caches keys can attend to a shared prompt (causal attention, with windows and
+        sinks too; states such as Gated DeltaNet's are copied per row as ``select`` does; not
+        differential or latent attention). False, nothing changed, where not: the caller
+        selects."""
         prompts, length = self.valid.shape[0], self.stop
         group = rows.numel() // prompts
         if (group < 2 or rows.numel() != group * prompts or length < SHARE_MIN_PREFIX
@@ -249,21 +250,40 @@ class SharedPrompt:
 
 def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        prefix: tuple[torch.Tensor, torch.Tensor], shared: SharedPrompt,
+                       window: int = 0, sinks: torch.Tensor | None = None,
                        fused: bool | None = None) -> torch.Tensor:
     """One decode step's attention (q (B, Hq, 1, D)) over the group's prompt (``prefix``: keys
     and values (P, Hk, L, D), B = P * group) and the row's own tokens (k, v (B, Hk, n, D)):
-    each part's softmax with its log-sum-exp, merged. ``fused`` (default: on a CPU): the
-    parts through the CPU flash kernel, which returns the log-sum-exp."""
+    each part's softmax with its log-sum-exp, merged. ``window``: a sliding-window layer's
+    (the row's last ``window`` tokens: its own last ones, then the prompt's, which sit
+    right-aligned after its left padding); ``sinks``: learned sink logits (H,), which join the
+    softmax's total. ``fused`` (default: on a CPU, fp32 / bf16): the parts through the CPU
+    flash kernel, which returns the log-sum-exp."""
     b, h, _, d = q.shape
     kp, vp = prefix
-    grouped = q.reshape(kp.shape[0], shared.group, h, d).transpose(1, 2)  # (P, Hq, G, D)
-    fused = q.device.type == "cpu" if fused is None else fused
-    o1, l1 = _attend_with_lse(grouped, kp, vp, shared.mask(q.dtype), fused)
-    o2, l2 = _attend_with_lse(q, k, v, None, fused)  # (B, Hq, 1, D), (B, Hq, 1)
-    o1 = o1.transpose(1, 2).reshape(b, h, 1, d)
-    l1 = l1.transpose(1, 2).reshape(b, h, 1)
-    # softmax over both parts = the parts' outputs weighted by their shares of the total mass
-    return torch.lerp(o2, o1, torch.sigmoid(l1 - l2)[..., None].to(o1.dtype))
+    mask = shared.mask(q.dtype)
+    if window:
+        own = k.shape[2]
+        k, v = k[:, :, max(own - window, 0):], v[:, :, max(own - window, 0):]
+        reach = window - own  # the prompt's last tokens the window still sees
+        kp, vp = (kp[:, :, -reach:], vp[:, :, -reach:]) if reach > 0 else (None, None)
+        if mask is not None and reach > 0:
+            mask = mask[..., -reach:]  # the last slot is a token: no group sees only padding
+    if fused is None:
+        fused = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    parts = [_attend_with_lse(q, k, v, None, fused)]  # (B, Hq, 1, D), (B, Hq, 1)
+    if kp is not None:
+        grouped = q.reshape(kp.shape[0], shared.group, h, d).transpose(1, 2)  # (P, Hq, G, D)
+        o1, l1 = _attend_with_lse(grouped, kp, vp, mask, fused)
+        parts.append((o1.transpose(1, 2).reshape(b, h, 1, d), l1.transpose(1, 2).reshape(b, h, 1)))
+    if sinks is None and len(parts) == 2:
+        # softmax over both parts = their outputs weighted by their shares of the total mass
+        (o2, l2), (o1, l1) = parts
+        return torch.lerp(o2, o1, torch.sigmoid(l1 - l2)[..., None].to(o1.dtype))
+    total = torch.stack([lse for _, lse in parts]).logsumexp(0)  # (B, Hq, 1)
+    if sinks is not None:
+        total = torch.logaddexp(total, sinks.float().view(1, -1, 1))
+    return sum(o * (lse - total).exp()[..., None].to(o.dtype) for o, lse in parts)
 
 
 def _attend_with_lse(q, k, v, mask, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +315,7 @@ def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and a first forward of many windows (the prompt) in bands (``banded``). ``prefix``: the
     group's shared prompt (``KVCache.prefix``), k and v then the row's own tokens."""
     if prefix is not None:
-        return shared_prompt_sdpa(q, k, v, prefix, session.shared)
+        return shared_prompt_sdpa(q, k, v, prefix, session.shared, window, sinks)
     gqa = k.shape[1] != q.shape[1]
     if window and not session.padded:
         t, s = q.shape[2], k.shape[2]

@@ -1,8 +1,8 @@
 """A prompt shared by a group of rows (``CacheSession.share``): its keys and values are kept once
 per group and every decode step gives the logits the rows give with copied caches, for GQA,
-QK-norm, looped and Gated DeltaNet hybrid models and left-padded prompts; where it cannot
-share (windows, differential attention, rows not in equal groups, short prompts) it says so
-and nothing changes."""
+QK-norm, looped, sliding-window (the window inside the prompt, past it, beyond the row), sink
+and Gated DeltaNet hybrid models and left-padded prompts; where it cannot share (differential
+attention, rows not in equal groups, short prompts) it says so and nothing changes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.components.attention import kv_cache
+from kiln.components.attention.sinks import written_out
 from kiln.components.models.generation import Sampling, generate
 from tests.components.attention.test_kv_cache import MODELS, TINY, build
 
@@ -19,7 +20,11 @@ HYBRID = [*TINY, '--model.layer_types=["linear","full"]',
           "--model.linear_attention.head_dim=8"]
 SHARING = {"causal": MODELS["causal"],
            "causal_qknorm_yarn_fused": MODELS["causal_qknorm_yarn_fused"],
-           "looped": MODELS["looped"], "gated_deltanet_hybrid": HYBRID}
+           "looped": MODELS["looped"], "gated_deltanet_hybrid": HYBRID,
+           "causal_window": MODELS["causal_window"],  # window 5: reaches the prompt, then not
+           "causal_sinks_window": MODELS["causal_sinks_window"],
+           "causal_sinks_long_window": [*TINY, "--model.attention.sinks=true",
+                                        "--model.attention.window=32"]}
 
 
 def decode_groups(model, ids, valid, group, steps, share, **kw):
@@ -67,7 +72,7 @@ def test_shared_prompt_decodes_what_copied_rows_decode(monkeypatch, name, padded
     torch.testing.assert_close(shared, copied, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["causal_window", "differential", "causal_sinks_window"])
+@pytest.mark.parametrize("name", ["differential", "differential_window"])
 def test_modules_that_cannot_share_leave_the_session_to_select(monkeypatch, name):
     monkeypatch.setattr(kv_cache, "SHARE_MIN_PREFIX", 1)
     model = build(MODELS[name])
@@ -98,9 +103,13 @@ def test_share_refuses_rows_not_in_equal_groups_and_short_prompts(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_the_merged_parts_equal_attention_over_the_whole_row(fused):
-    """Prompt part (its padding masked) and own part, merged by their log-sum-exps, equal SDPA
-    over the row's whole keys: GQA, fp32; the matrix-product form (other devices) too."""
+@pytest.mark.parametrize("window", [0, 3, 7, 30])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_merged_parts_equal_attention_over_the_whole_row(fused, window, sinks):
+    """Prompt part (its padding masked) and own part, merged by their log-sum-exps, equal
+    attention over the row's whole keys: GQA, fp32, with a window (within the row's own
+    tokens, into the prompt, past its start) and sinks; the matrix-product form (other
+    devices) too."""
     g = torch.Generator().manual_seed(0)
     prompts, group, hq, hk, d, length, own = 2, 3, 4, 2, 8, 7, 5
     q = torch.randn(prompts * group, hq, 1, d, generator=g)
@@ -109,12 +118,20 @@ def test_the_merged_parts_equal_attention_over_the_whole_row(fused):
     hidden = torch.zeros(prompts, length, dtype=torch.bool)
     hidden[1, :3] = True  # the second prompt's left padding
     shared = kv_cache.SharedPrompt(length, group, hidden)
-    out = kv_cache.shared_prompt_sdpa(q, ko, vo, (kp, vp), shared, fused=fused)
+    sink = torch.randn(hq, generator=g) if sinks else None
+    out = kv_cache.shared_prompt_sdpa(q, ko, vo, (kp, vp), shared, window, sink, fused=fused)
     k = torch.cat([kp.repeat_interleave(group, 0), ko], 2)
     v = torch.cat([vp.repeat_interleave(group, 0), vo], 2)
     seen = torch.cat([~hidden.repeat_interleave(group, 0),
-                      torch.ones(prompts * group, own, dtype=torch.bool)], 1)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None], enable_gqa=True)
+                      torch.ones(prompts * group, own, dtype=torch.bool)], 1)  # (B, L + own)
+    if window:  # by position: the query is the row's last token, padding does not count
+        position = seen.long().cumsum(1)
+        seen &= position > position[:, -1:] - window
+    if sinks:
+        want = written_out(q, k, v, seen[:, None, None], sink)
+    else:
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None],
+                                              enable_gqa=True)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
