@@ -178,25 +178,31 @@ class DifferentialAttention(CausalAttention):
         if cache is None and context is not None:  # both maps under the context's mask
             q, k = self.position(q, k, **context.rope_args())
             k, v = context.gather(k), context.gather(v)  # (B, T_all, 2Hk, d), (B, T_all, Hk, 2d)
-            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, context, window=w)  # noqa: E731
+            attend = lambda q_, k_, v_, c: sdpa(q_, k_, v_, context, window=w)  # noqa: E731
         elif cache is None and w:
             q, k = self.position(q, k)
-            attend = lambda q_, k_, v_: sdpa(q_, k_, v_, None, window=w)  # noqa: E731
+            attend = lambda q_, k_, v_, c: sdpa(q_, k_, v_, None, window=w)  # noqa: E731
         elif cache is None:
             q, k = self.position(q, k)
-            attend = lambda q_, k_, v_: F.scaled_dot_product_attention(  # noqa: E731
+            attend = lambda q_, k_, v_, c: F.scaled_dot_product_attention(  # noqa: E731
                 q_, k_, v_, is_causal=True, enable_gqa=hk != h)
         else:  # decoding: the rotated keys and the values of earlier tokens are cached
             session = cache.session
             q, k = self.position(q, k, positions=session.positions, limit=session.limit)
             # cached in SDPA's layout: (B, 2Hk, S, d), (B, Hk, S, 2d)
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))
-            attend = lambda q_, k_, v_: cached_sdpa(q_, k_, v_, session, w)  # noqa: E731
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), shareable=True)
+            prefix = cache.prefix()  # a group's shared prompt: (P, 2Hk, L, d), (P, Hk, L, 2d)
+            halves = None if prefix is None else \
+                prefix[0].view(prefix[0].shape[0], hk, 2, -1, half)  # as k below
+
+            def attend(q_, k_, v_, c):
+                shared = None if halves is None else (halves[:, :, c], prefix[1])
+                return cached_sdpa(q_, k_, v_, session, w, prefix=shared)
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, 2Hk, S, d), (B, Hk, S, 2d)
         q = q.reshape(b, t, h, 2, half).transpose(1, 2)  # (B, H, T, 2, d)
         k = k.view(b, hk, 2, -1, half)  # (B, Hk, 2, S, d): sub-head 2i+c is half c of head i
-        a1v, a2v = (attend(q[..., c, :], k[:, :, c], v) for c in (0, 1))  # (B, H, T, 2d) each
+        a1v, a2v = (attend(q[..., c, :], k[:, :, c], v, c) for c in (0, 1))  # (B, H, T, 2d)
         lam = self.lambda_value(h).to(a1v.dtype).view(1, h, 1, 1)
         out = self.head_norm(a1v - lam * a2v) * (1 - self.lambda_init)  # (B, H, T, 2d)
         if self.head_gate is not None:

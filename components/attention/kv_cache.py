@@ -140,9 +140,9 @@ class CacheSession:
         """``select(rows)`` after the first forward, with each prompt's keys and values kept
         once (module docstring) where ``rows`` puts every prompt's rows together in groups of
         one size >= 2, the prompts are at least ``SHARE_MIN_PREFIX`` tokens and every module
-        that caches keys can attend to a shared prompt (causal attention, with windows and
-        sinks too; states such as Gated DeltaNet's are copied per row as ``select`` does; not
-        differential or latent attention). False, nothing changed, where not: the caller
+        that caches keys can attend to a shared prompt (causal and differential attention,
+        with windows and sinks too; states such as Gated DeltaNet's are copied per row as
+        ``select`` does; not latent attention). False, nothing changed, where not: the caller
         selects."""
         prompts, length = self.valid.shape[0], self.stop
         group = rows.numel() // prompts
@@ -257,8 +257,8 @@ def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     each part's softmax with its log-sum-exp, merged. ``window``: a sliding-window layer's
     (the row's last ``window`` tokens: its own last ones, then the prompt's, which sit
     right-aligned after its left padding); ``sinks``: learned sink logits (H,), which join the
-    softmax's total. ``fused`` (default: on a CPU, fp32 / bf16): the parts through the CPU
-    flash kernel, which returns the log-sum-exp."""
+    softmax's total. ``fused`` (default: on a CPU, fp32 / bf16, values as wide as the keys):
+    the parts through the CPU flash kernel, which returns the log-sum-exp."""
     b, h, _, d = q.shape
     kp, vp = prefix
     mask = shared.mask(q.dtype)
@@ -269,13 +269,15 @@ def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kp, vp = (kp[:, :, -reach:], vp[:, :, -reach:]) if reach > 0 else (None, None)
         if mask is not None and reach > 0:
             mask = mask[..., -reach:]  # the last slot is a token: no group sees only padding
-    if fused is None:
-        fused = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    if fused is None:  # (the kernel wants one head width for q, k and v: not differential's)
+        fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+                 and v.shape[-1] == q.shape[-1])
     parts = [_attend_with_lse(q, k, v, None, fused)]  # (B, Hq, 1, D), (B, Hq, 1)
     if kp is not None:
         grouped = q.reshape(kp.shape[0], shared.group, h, d).transpose(1, 2)  # (P, Hq, G, D)
         o1, l1 = _attend_with_lse(grouped, kp, vp, mask, fused)
-        parts.append((o1.transpose(1, 2).reshape(b, h, 1, d), l1.transpose(1, 2).reshape(b, h, 1)))
+        parts.append((o1.transpose(1, 2).reshape(b, h, 1, -1),  # values' width
+                      l1.transpose(1, 2).reshape(b, h, 1)))
     if sinks is None and len(parts) == 2:
         # softmax over both parts = their outputs weighted by their shares of the total mass
         (o2, l2), (o1, l1) = parts

@@ -1,8 +1,8 @@
 """A prompt shared by a group of rows (``CacheSession.share``): its keys and values are kept once
 per group and every decode step gives the logits the rows give with copied caches, for GQA,
-QK-norm, looped, sliding-window (the window inside the prompt, past it, beyond the row), sink
-and Gated DeltaNet hybrid models and left-padded prompts; where it cannot share (differential
-attention, rows not in equal groups, short prompts) it says so and nothing changes."""
+QK-norm, looped, sliding-window (the window inside the prompt, past it, beyond the row), sink,
+differential and Gated DeltaNet hybrid models and left-padded prompts; where it cannot share
+(latent attention, rows not in equal groups, short prompts) it says so and nothing changes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kiln.components.attention import kv_cache
 from kiln.components.attention.sinks import written_out
 from kiln.components.models.generation import Sampling, generate
 from tests.components.attention.test_kv_cache import MODELS, TINY, build
+from tests.components.attention.test_latent import MLA
 
 HYBRID = [*TINY, '--model.layer_types=["linear","full"]',
           "--model.linear_attention.type=gated_deltanet", "--model.linear_attention.n_heads=4",
@@ -24,7 +25,9 @@ SHARING = {"causal": MODELS["causal"],
            "causal_window": MODELS["causal_window"],  # window 5: reaches the prompt, then not
            "causal_sinks_window": MODELS["causal_sinks_window"],
            "causal_sinks_long_window": [*TINY, "--model.attention.sinks=true",
-                                        "--model.attention.window=32"]}
+                                        "--model.attention.window=32"],
+           "differential": MODELS["differential"],
+           "differential_window": MODELS["differential_window"]}
 
 
 def decode_groups(model, ids, valid, group, steps, share, **kw):
@@ -72,10 +75,9 @@ def test_shared_prompt_decodes_what_copied_rows_decode(monkeypatch, name, padded
     torch.testing.assert_close(shared, copied, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["differential", "differential_window"])
-def test_modules_that_cannot_share_leave_the_session_to_select(monkeypatch, name):
+def test_modules_that_cannot_share_leave_the_session_to_select(monkeypatch):
     monkeypatch.setattr(kv_cache, "SHARE_MIN_PREFIX", 1)
-    model = build(MODELS[name])
+    model = build(MLA)  # latent attention: its cache holds the latent, not split per group
     ids, valid = prompts_with_padding([9, 9], 9)
     _, did = decode_groups(model, ids, valid, 2, 2, share=True)
     assert not did
