@@ -140,10 +140,9 @@ class CacheSession:
         """``select(rows)`` after the first forward, with each prompt's keys and values kept
         once (module docstring) where ``rows`` puts every prompt's rows together in groups of
         one size >= 2, the prompts are at least ``SHARE_MIN_PREFIX`` tokens and every module
-        that caches keys can attend to a shared prompt (causal and differential attention,
-        with windows and sinks too; states such as Gated DeltaNet's are copied per row as
-        ``select`` does; not latent attention). False, nothing changed, where not: the caller
-        selects."""
+        that caches keys can attend to a shared prompt (kiln's causal, differential and latent
+        attention, with windows and sinks too; states such as Gated DeltaNet's are copied per
+        row as ``select`` does). False, nothing changed, where not: the caller selects."""
         prompts, length = self.valid.shape[0], self.stop
         group = rows.numel() // prompts
         if (group < 2 or rows.numel() != group * prompts or length < SHARE_MIN_PREFIX
@@ -251,15 +250,16 @@ class SharedPrompt:
 def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        prefix: tuple[torch.Tensor, torch.Tensor], shared: SharedPrompt,
                        window: int = 0, sinks: torch.Tensor | None = None,
-                       fused: bool | None = None) -> torch.Tensor:
-    """One decode step's attention (q (B, Hq, 1, D)) over the group's prompt (``prefix``: keys
+                       scale: float | None = None, fused: bool | None = None) -> torch.Tensor:
+    """One decode step's attention (q (B, Hq, T, D): T queries of the row's newest position,
+    e.g. latent attention's heads folded into rows) over the group's prompt (``prefix``: keys
     and values (P, Hk, L, D), B = P * group) and the row's own tokens (k, v (B, Hk, n, D)):
-    each part's softmax with its log-sum-exp, merged. ``window``: a sliding-window layer's
-    (the row's last ``window`` tokens: its own last ones, then the prompt's, which sit
-    right-aligned after its left padding); ``sinks``: learned sink logits (H,), which join the
-    softmax's total. ``fused`` (default: on a CPU, fp32 / bf16, values as wide as the keys):
-    the parts through the CPU flash kernel, which returns the log-sum-exp."""
-    b, h, _, d = q.shape
+    each part's softmax with its log-sum-exp, merged. ``window``: a sliding-window layer's (the
+    row's last ``window`` tokens: its own last ones, then the prompt's, which sit right-aligned
+    after its left padding); ``sinks``: learned sink logits (H,), which join the softmax's
+    total; ``scale``: SDPA's. ``fused`` (default: on a CPU, fp32 / bf16, values as wide as
+    the keys): the parts through the CPU flash kernel, which returns the log-sum-exp."""
+    b, h, t, d = q.shape
     kp, vp = prefix
     mask = shared.mask(q.dtype)
     if window:
@@ -272,12 +272,13 @@ def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if fused is None:  # (the kernel wants one head width for q, k and v: not differential's)
         fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
                  and v.shape[-1] == q.shape[-1])
-    parts = [_attend_with_lse(q, k, v, None, fused)]  # (B, Hq, 1, D), (B, Hq, 1)
+    parts = [_attend_with_lse(q, k, v, None, fused, scale)]  # (B, Hq, T, Dv), (B, Hq, T)
     if kp is not None:
-        grouped = q.reshape(kp.shape[0], shared.group, h, d).transpose(1, 2)  # (P, Hq, G, D)
-        o1, l1 = _attend_with_lse(grouped, kp, vp, mask, fused)
-        parts.append((o1.transpose(1, 2).reshape(b, h, 1, -1),  # values' width
-                      l1.transpose(1, 2).reshape(b, h, 1)))
+        p, g = kp.shape[0], shared.group
+        grouped = q.reshape(p, g, h, t, d).transpose(1, 2).reshape(p, h, g * t, d)
+        o1, l1 = _attend_with_lse(grouped, kp, vp, mask, fused, scale)  # (P, Hq, G * T, ...)
+        parts.append((o1.reshape(p, h, g, t, -1).transpose(1, 2).reshape(b, h, t, -1),
+                      l1.reshape(p, h, g, t).transpose(1, 2).reshape(b, h, t)))
     if sinks is None and len(parts) == 2:
         # softmax over both parts = their outputs weighted by their shares of the total mass
         (o2, l2), (o1, l1) = parts
@@ -288,16 +289,18 @@ def shared_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sum(o * (lse - total).exp()[..., None].to(o.dtype) for o, lse in parts)
 
 
-def _attend_with_lse(q, k, v, mask, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_with_lse(q, k, v, mask, fused: bool,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q (N, Hq, T, D) over k, v (N, Hk, S, D) and its log-sum-exp
     (N, Hq, T) fp32. Not fused: in matrix products (no public op returns the log-sum-exp)."""
     if fused:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v,
-                                                                          attn_mask=mask)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask
     lse = scores.logsumexp(-1)

@@ -41,7 +41,12 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from kiln.components.attention.context import AttentionContext, sdpa
-from kiln.components.attention.kv_cache import KVCache, cached_mask, cached_sdpa
+from kiln.components.attention.kv_cache import (
+    KVCache,
+    cached_mask,
+    cached_sdpa,
+    shared_prompt_sdpa,
+)
 from kiln.components.base import ComponentConfig, Sub, component
 from kiln.components.norms.rmsnorm import RMSNorm, RMSNormConfig
 from kiln.components.registry import register
@@ -201,11 +206,14 @@ class LatentAttention(nn.Module):
         scale = self.head_dim ** -0.5
         if self.cache_kind == "expanded":
             k, v = self.expand(c, k_rope)
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # (B, H, S, qk / v)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2),  # (B, H, S, qk / v)
+                                shareable=True)
             q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
-            return cached_sdpa(q, k, v, session, window=self.window).transpose(1, 2)
+            return cached_sdpa(q, k, v, session, window=self.window,
+                               prefix=cache.prefix()).transpose(1, 2)
         # the latent and the rotated shared key, one "head" (B, 1, T, kv_rank + rope)
-        (cached,) = cache.update(torch.cat([c, k_rope.squeeze(2)], dim=-1).unsqueeze(1))
+        (cached,) = cache.update(torch.cat([c, k_rope.squeeze(2)], dim=-1).unsqueeze(1),
+                                 shareable=True)
         w = cache.derived.get("wkv_b")  # once per generation: the weights do not change
         if w is None:
             w = cache.derived["wkv_b"] = self._up_weight()
@@ -217,6 +225,14 @@ class LatentAttention(nn.Module):
         # attention of H * T queries; SDPA's grouped form was 1.7x slower per token on CPU at
         # 1,024 tokens: scripts/mla_cache.py)
         b, h, t, _ = q.shape
+        prefix = cache.prefix()  # after a group's shared prompt: its latents (P, 1, L, r + rope)
+        if prefix is not None:  # (a decode step: T = 1, so the H query rows share a position)
+            lat = prefix[0]
+            mixed = shared_prompt_sdpa(q.reshape(b, 1, h * t, -1), cached,
+                                       cached[..., :self.kv_rank],
+                                       (lat, lat[..., :self.kv_rank]), session.shared,
+                                       self.window, scale=scale)
+            return torch.einsum("bhtr,hvr->bthv", mixed.view(b, h, t, -1), w_uv)
         mask = cached_mask(session, self.window)  # (B or 1, 1, T, S), or None
         if mask is not None:
             mask = mask.repeat(1, 1, h, 1)  # row h * T + i: head h's query i

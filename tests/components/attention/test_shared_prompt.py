@@ -1,8 +1,9 @@
 """A prompt shared by a group of rows (``CacheSession.share``): its keys and values are kept once
 per group and every decode step gives the logits the rows give with copied caches, for GQA,
 QK-norm, looped, sliding-window (the window inside the prompt, past it, beyond the row), sink,
-differential and Gated DeltaNet hybrid models and left-padded prompts; where it cannot share
-(latent attention, rows not in equal groups, short prompts) it says so and nothing changes."""
+differential, latent (its latent cache and its expanded one) and Gated DeltaNet hybrid models
+and left-padded prompts; where it cannot share (a module that caches keys it cannot share, rows
+not in equal groups, short prompts) it says so and nothing changes."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ SHARING = {"causal": MODELS["causal"],
            "causal_sinks_long_window": [*TINY, "--model.attention.sinks=true",
                                         "--model.attention.window=32"],
            "differential": MODELS["differential"],
-           "differential_window": MODELS["differential_window"]}
+           "differential_window": MODELS["differential_window"],
+           "latent": MLA, "latent_window": [*MLA, "--model.attention.window=5"],
+           "latent_expanded": [*MLA, "--model.attention.cache=expanded"]}
 
 
 def decode_groups(model, ids, valid, group, steps, share, **kw):
@@ -75,9 +78,13 @@ def test_shared_prompt_decodes_what_copied_rows_decode(monkeypatch, name, padded
     torch.testing.assert_close(shared, copied, rtol=1e-5, atol=1e-5)
 
 
-def test_modules_that_cannot_share_leave_the_session_to_select(monkeypatch):
+def test_a_module_that_cannot_share_leaves_the_session_to_select(monkeypatch):
+    """A plugin attention that caches keys with ``update`` but without ``shareable``."""
     monkeypatch.setattr(kv_cache, "SHARE_MIN_PREFIX", 1)
-    model = build(MLA)  # latent attention: its cache holds the latent, not split per group
+    update = kv_cache.KVCache.update
+    monkeypatch.setattr(kv_cache.KVCache, "update",
+                        lambda self, *new, shareable=False: update(self, *new))
+    model = build(MODELS["causal"])
     ids, valid = prompts_with_padding([9, 9], 9)
     _, did = decode_groups(model, ids, valid, 2, 2, share=True)
     assert not did
