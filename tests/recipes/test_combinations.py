@@ -326,6 +326,33 @@ def test_every_family_generates_the_same_with_and_without_the_kv_cache(family):
 
 
 @pytest.mark.parametrize("family", list(discovered()))
+def test_every_family_samples_the_same_from_a_shared_prompt(family, monkeypatch):
+    """An RL group's prompt kept once in the cache (``CacheSession.share``, forced here at any
+    length) samples the tokens copied cache rows sample, with the same log-probabilities:
+    windows, sinks, latent and differential attention, Gated DeltaNet states, looped cores."""
+    from kiln.components.attention import kv_cache
+    from kiln.components.models.generation import Sampling, generate
+
+    model = _family_model(family)
+    shared = []
+    share = kv_cache.CacheSession.share
+    monkeypatch.setattr(kv_cache.CacheSession, "share",
+                        lambda self, rows: shared.append(share(self, rows)) or shared[-1])
+    prompts = [[256, 5, 17, 33, 4, 8]] * 3 + [[256, 2, 9]] * 3  # left-padded groups of 3
+    runs = []
+    for threshold in (1, 1 << 30):
+        monkeypatch.setattr(kv_cache, "SHARE_MIN_PREFIX", threshold)
+        stats: list = []
+        runs.append((generate(model, prompts, max_new_tokens=6, sampling=Sampling(1.0),
+                              vocab_size=258, row_seeds=list(range(6)), stats=stats), stats))
+    assert shared == [True, False]
+    (ids, stats), (ids_copied, stats_copied) = runs
+    assert ids == ids_copied
+    torch.testing.assert_close(torch.tensor(stats), torch.tensor(stats_copied), rtol=0,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(discovered()))
 def test_every_family_with_a_hugging_face_layout_round_trips(tmp_path, family):
     """export -> import (``checkpoint.init_from``'s loader) gives the same tensors, bit for bit,
     for every family that has a Hugging Face layout (multi-token prediction modules excepted: the
