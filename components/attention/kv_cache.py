@@ -296,15 +296,16 @@ def _attend_with_lse(q, k, v, mask, fused: bool,
     if fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, attn_mask=mask, scale=scale)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    n, hq, t, d = q.shape
+    hk = k.shape[1]  # GQA: a key head's query heads fold into its rows (no copies of k, v)
+    rows = q.reshape(n, hk, hq // hk * t, d)
+    scale = d ** -0.5 if scale is None else scale
+    scores = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * scale  # (N, Hk, R, S)
     if mask is not None:
         scores = scores + mask
     lse = scores.logsumexp(-1)
-    return torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v), lse
+    out = torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v)
+    return out.reshape(n, hq, t, -1), lse.reshape(n, hq, t)
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
