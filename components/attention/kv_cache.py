@@ -214,7 +214,8 @@ class KVCache:
         ``shareable``: the module attends to a shared prompt through ``cached_sdpa``'s
         ``prefix``."""
         s = self.session
-        self.shareable = shareable and self.shareable is not False
+        if self.shareable is not False:  # one call that cannot share decides
+            self.shareable = shareable
         i = self.next_slot(lambda: tuple(t.new_empty(*t.shape[:2], s.max_len, t.shape[-1])
                                          for t in new))
         at = s.shared.length if self.prefixes else 0

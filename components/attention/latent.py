@@ -226,19 +226,19 @@ class LatentAttention(nn.Module):
         # 1,024 tokens: scripts/mla_cache.py)
         b, h, t, _ = q.shape
         prefix = cache.prefix()  # after a group's shared prompt: its latents (P, 1, L, r + rope)
+        rows = q.reshape(b, 1, h * t, -1)
         if prefix is not None:  # (a decode step: T = 1, so the H query rows share a position)
             lat = prefix[0]
-            mixed = shared_prompt_sdpa(q.reshape(b, 1, h * t, -1), cached,
-                                       cached[..., :self.kv_rank],
+            mixed = shared_prompt_sdpa(rows, cached, cached[..., :self.kv_rank],
                                        (lat, lat[..., :self.kv_rank]), session.shared,
                                        self.window, scale=scale)
-            return torch.einsum("bhtr,hvr->bthv", mixed.view(b, h, t, -1), w_uv)
-        mask = cached_mask(session, self.window)  # (B or 1, 1, T, S), or None
-        if mask is not None:
-            mask = mask.repeat(1, 1, h, 1)  # row h * T + i: head h's query i
-        mixed = F.scaled_dot_product_attention(
-            q.reshape(b, 1, h * t, -1), cached, cached[..., :self.kv_rank], attn_mask=mask,
-            scale=scale)  # (B, 1, H * T, r): each head's mixture of latents
+        else:
+            mask = cached_mask(session, self.window)  # (B or 1, 1, T, S), or None
+            if mask is not None:
+                mask = mask.repeat(1, 1, h, 1)  # row h * T + i: head h's query i
+            mixed = F.scaled_dot_product_attention(
+                rows, cached, cached[..., :self.kv_rank], attn_mask=mask,
+                scale=scale)  # (B, 1, H * T, r): each head's mixture of latents
         return torch.einsum("bhtr,hvr->bthv", mixed.view(b, h, t, -1), w_uv)
 
     def _up_weight(self) -> torch.Tensor:
