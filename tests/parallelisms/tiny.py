@@ -53,6 +53,28 @@ def loss_fn(model: nn.Module, seqs: torch.Tensor) -> torch.Tensor:
 
 
 def free_port() -> int:
+    """A port free now, for a test's MASTER_PORT or rendezvous endpoint. On Linux it is drawn
+    below the kernel's ephemeral range: a port the kernel handed out (bind to 0) and this
+    function released could be handed to another test's outgoing connection (gloo's, in a
+    parallel worker) before the test binds it, and both nodes of a rendezvous would then wait
+    on a stranger's socket (seen under 5 xdist workers). Only another such pick can take a port
+    from below the range, one chance in thousands."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[0])
+    except OSError:  # not Linux: the kernel's pick
+        first = 0
+    rng = random.Random()  # seeded from the OS, whatever the test seeded
+    for _ in range(100 if first > 11000 else 0):
+        port = rng.randrange(10000, first)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

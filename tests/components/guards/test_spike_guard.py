@@ -223,12 +223,9 @@ def _agreement_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_agree_when_only_one_sees_a_nan(tmp_path):
-    import socket
+    from tests.parallelisms.tiny import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    forked.spawn(_agreement_worker, args=(port, str(tmp_path)), nprocs=2)
+    forked.spawn(_agreement_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     expected = [(False, ""), (False, ""), (True, "nonfinite_grad_norm"), (False, "")]
     assert r0["skipped"] == r1["skipped"] == expected
