@@ -1,6 +1,7 @@
 """Bootstrap refits: the batched solver lands where scipy's L-BFGS lands on the same resample,
-draws are reproducible, and the intervals cover the true exponents at about their nominal rate
-(a slow test; scripts/scaling_coverage.py prints the full table)."""
+whatever other resamples share its batch, draws are reproducible, and the intervals cover the
+true exponents at about their nominal rate (a slow test; scripts/scaling_coverage.py prints the
+full table)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,27 @@ def test_batched_refits_equal_scipy_on_the_same_resamples():
         ours = solver.objective(row, logs[0][keep], logs[1][keep], logs[2][keep])[0]
         assert ours <= ref.fun * (1 + 1e-6)
         np.testing.assert_allclose(row, ref.x, rtol=1e-3, atol=1e-4)
+
+
+def test_a_refit_does_not_depend_on_the_rows_beside_it():
+    """Each resample leaves the batch when it has converged, so its answer and its iterations
+    are its own: refitted alone, in a batch, or beside a resample that needs every iteration
+    (one far from the start), it lands on the same parameters."""
+    n, d, loss = ladder(HOFFMANN, sigma=0.01, seed=5)
+    law = laws.fit("chinchilla", n, loss, d)
+    logs = np.log(n), np.log(d), np.log(loss)
+    counts = bootstrap._case_counts(np.random.default_rng(2), 12, *logs[:2])
+    logl = np.broadcast_to(logs[2], counts.shape)
+    theta0 = laws.theta_of(law)
+    together = solver.refit(theta0, *logs[:2], logl, counts)
+    for i in range(len(counts)):
+        alone = solver.refit(theta0, *logs[:2], logl[i:i + 1], counts[i:i + 1])
+        np.testing.assert_allclose(alone[0], together[i], rtol=1e-12, atol=1e-12)
+    # 30% noise: B runs onto its bound and the row still moves after 100 iterations
+    noisy = logs[2] + np.random.default_rng(0).normal(0, 0.3, len(n))
+    beside = solver.refit(theta0, *logs[:2], np.concatenate([logl[:3], noisy[None]]),
+                          np.concatenate([counts[:3], np.ones((1, len(n)))]))
+    np.testing.assert_allclose(beside[:3], together[:3], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("scheme", bootstrap.SCHEMES)
