@@ -36,7 +36,7 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core this process may use (xdist counts physical cores), and
     two more: tests wait on their subprocesses, gloo peers, file locks and timeouts, and the
     extra workers run other modules meanwhile (on 2 cores, one more worker took a full run's
-    idle time from 86 core-s to 8; a second one took it from 640-645 s to 527-601 s,
+    idle time from 86 core-s to 8; a second one took the run from 640-645 s to 527-601 s,
     docs/contributing.md)."""
     if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process is allowed
         cores = len(os.sched_getaffinity(0))
