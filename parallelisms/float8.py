@@ -1,7 +1,8 @@
 """float8 training via torchao: swap eligible ``nn.Linear`` layers for ``Float8Linear``.
 
 The filter keeps the numerically sensitive or tiny layers in high precision: the LM head, norms
-and embeddings (by name: ``ALWAYS_EXCLUDED`` plus ``float8_exclude``), layers with a dimension
+and embeddings (by name: ``ALWAYS_EXCLUDED`` plus ``float8_exclude``), subclasses of
+``nn.Linear`` (the MoE router, which computes in fp32), layers with a dimension
 below ``float8_min_dim`` (the casts cost more than the fp8 matmul saves) and layers whose
 dimensions are not multiples of 16 (a ``torch._scaled_mm`` kernel constraint on CUDA; kept on
 CPU too so a recipe converts the same layers everywhere).
@@ -43,7 +44,7 @@ def float8_filter(cfg: ParallelismConfig) -> Callable[[nn.Module, str], bool]:
     """``(module, fqn) -> convert?`` for torchao's ``module_filter_fn``."""
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
+        if type(module) is not nn.Linear:  # a subclass computes its own way (the fp32 router)
             return False
         name = clean_name(fqn)
         if any(fnmatchcase(name, pat) for pat in (*ALWAYS_EXCLUDED, *cfg.float8_exclude)):

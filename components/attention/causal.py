@@ -242,7 +242,9 @@ class CausalAttention(nn.Module):
         more than its arithmetic (dim 256, batch 1: three calls 5% slower per token than one).
         The stacked copy lives in the cache for one generation; it is made only for small
         matrices (at most ``_STACK_BYTES``; larger ones are bound by reading the weights, and
-        the copy would cost memory) of a single process (FSDP / TP hold shards)."""
+        the copy would cost memory) of a single process (FSDP / TP hold shards), and only of
+        plain layers: an adapter's forward hook or a float8 layer computes more than the weight,
+        so those layers are called as in training."""
         stacked = cache.derived.get("qkv")
         if stacked is None:
             stacked = cache.derived["qkv"] = self._stacked_qkv()
@@ -255,7 +257,7 @@ class CausalAttention(nn.Module):
     def _stacked_qkv(self):
         """(weight, bias) of wq, wk, wv stacked by rows, or False where not worth it."""
         if hasattr(self, "wqkv"):
-            group = self.n_heads // self.n_kv_heads
+            group, lins = self.n_heads // self.n_kv_heads, (self.wqkv,)
             parts = [split_fused_rows(self.wqkv.weight, group, self.head_dim)]
             if self.wqkv.bias is not None:
                 parts.append(split_fused_rows(self.wqkv.bias, group, self.head_dim))
@@ -264,12 +266,20 @@ class CausalAttention(nn.Module):
             parts = [[lin.weight for lin in lins]]
             if self.wq.bias is not None:
                 parts.append([lin.bias for lin in lins])
+        if not all(_plain(lin) for lin in lins):
+            return False
         weights = parts[0]
         size = sum(w.numel() * w.element_size() for w in weights)
         if distributed.is_initialized() or size > _STACK_BYTES:  # (DTensors need a process group)
             return False
         stacked = [torch.cat([p.detach() for p in ps]) for ps in parts]
         return stacked[0], stacked[1] if len(stacked) > 1 else None
+
+
+def _plain(lin: nn.Module) -> bool:
+    """Whether ``lin(x)`` is ``F.linear(x, lin.weight, lin.bias)``: an ``nn.Linear`` itself (a
+    float8 subclass casts) with no hooks (an adapter's forward hook adds its update)."""
+    return type(lin) is nn.Linear and not lin._forward_hooks and not lin._forward_pre_hooks
 
 
 # Decode-time stacking of q/k/v projections up to this size (all three matrices together).

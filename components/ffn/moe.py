@@ -121,6 +121,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class Router(nn.Linear):
+    """The router: an ``nn.Linear`` whose logits are computed in fp32 whatever the weight's and
+    the input's dtype (under autocast too). Called as a module, so an adapter's forward hook
+    on it (a LoRA target) adds its update, in the input's dtype, to the fp32 logits; float8
+    leaves it alone (``parallelisms/float8.py`` converts plain ``nn.Linear`` layers only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+
+
 @register("ffn", "moe")
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (+ optional shared expert), aux-loss-free bias balancing."""
@@ -138,7 +150,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.hidden_dim = expert_hidden_dim(cfg, dim)
         e, f = cfg.n_experts, self.hidden_dim
-        self.router = nn.Linear(dim, e, bias=cfg.router_bias)
+        self.router = Router(dim, e, bias=cfg.router_bias)
         if cfg.experts == "gpt_oss":  # transformers' GptOssExperts layout, columns interleaved
             self.w13 = nn.Parameter(torch.empty(e, dim, 2 * f))  # gate, up, gate, up, ...
             self.b13 = nn.Parameter(torch.empty(e, 2 * f))
@@ -195,10 +207,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> (chosen experts (N, k) long, gate weights (N, k) fp32, scores (N, E))."""
-        with torch.autocast(x.device.type, enabled=False):
-            bias = self.router.bias
-            logits = F.linear(x.float(), self.router.weight.float(),
-                              None if bias is None else bias.float())  # (N, E)
+        logits = self.router(x)  # (N, E) fp32
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         # The bias only picks the experts; the gates are the unbiased scores.
         choice = scores.detach() + self.expert_bias  # (N, E)
