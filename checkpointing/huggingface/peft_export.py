@@ -42,10 +42,13 @@ MLP_NAMES = ("gate", "gate_proj", "up_proj", "down_proj")
 WEIGHTS = "adapter_model.safetensors"
 
 
-def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(peft's tensors by name, the Hugging Face modules adapted). Each adapter names its own
-    tensors (``AdapterLayer.peft_tensors``); those whose rows follow the base weight's output
-    rows get the layout's permutation."""
+def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str], int]:
+    """(peft's tensors by name, the Hugging Face modules adapted, how many of those store their
+    weight transposed: GPT-2's ``Conv1D``). Each adapter names its own tensors
+    (``AdapterLayer.peft_tensors``); those whose rows follow the base weight's output rows get
+    the layout's permutation. A ``Conv1D``'s adapter tensors are those of an ``nn.Linear``
+    (peft's ``lora_A`` (rank, in), ``lora_B`` (out, rank)): only the config's
+    ``fan_in_fan_out`` tells peft to transpose their product when it merges."""
     found = adapter_layers(model)
     if not found:
         raise CheckpointError("--format peft: the model has no adapters ([adapter] table); "
@@ -60,7 +63,7 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         for p in pieces:
             extent[p.hf_name] = max(extent.get(p.hf_name, 0), p.start + p.rows)
     out: dict[str, torch.Tensor] = {}
-    modules = []
+    modules, transposed = [], 0
     for name, (_, _, layer) in found.items():
         got = parts.get(f"{clean_name(name)}.weight", [])
         if len(got) != 1:
@@ -69,17 +72,12 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
                 "or pieces (a fused wqkv; Qwen3-Next's query rows, interleaved with its gate's); "
                 "peft adapts one module at a time: export merged weights instead")
         part = got[0]
-        if part.transposed or part.start:
-            raise CheckpointError(
-                f"--format peft: {clean_name(name)} is {'part of ' if part.start else ''}"
-                f"{part.hf_name}, a GPT-2 Conv1D layer (peft adapts those with fan_in_fan_out "
-                "and one whole module at a time); export merged weights instead")
         if part.rows != extent[part.hf_name]:  # one piece of a tensor that holds others
             raise CheckpointError(
                 f"--format peft: {clean_name(name)} is {part.rows} of the {extent[part.hf_name]} "
-                f"rows of {part.hf_name} (Qwen3-Next's q_proj holds the output gate too, its "
-                "in_proj_qkvz q, k, v and z); peft adapts one whole module at a time: export "
-                "merged weights instead")
+                f"rows of {part.hf_name} (GPT-2's c_attn holds q, k and v, Qwen3-Next's q_proj "
+                "the output gate too, its in_proj_qkvz q, k, v and z); peft adapts one whole "
+                "module at a time: export merged weights instead")
         module = part.hf_name.removesuffix(".weight")
         if family in PEFT_RENAMES_MLP and module.rsplit(".", 1)[-1] in MLP_NAMES:
             raise CheckpointError(
@@ -92,7 +90,8 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
             out[f"base_model.model.{module}.{suffix}"] = (
                 to_hf(t, part.heads, part.rope_dim) if output_rows else t).contiguous()
         modules.append(module)
-    return out, modules
+        transposed += part.transposed
+    return out, modules, transposed
 
 
 def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, fields: dict[str, Any],
@@ -108,9 +107,11 @@ def export_peft(model: nn.Module, out_dir: str | Path, *, base: str, fields: dic
     if not fields:
         raise CheckpointError("--format peft: this adapter type has no peft form; export the "
                               "merged weights instead (--format hf)")
-    tensors, modules = peft_tensors(model)
+    tensors, modules, transposed = peft_tensors(model)
     config = {
-        "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False,
+        # peft sets the flag per module from its type (and warns where the config says
+        # otherwise): true where the adapted modules are GPT-2's Conv1D layers
+        "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": transposed > 0,
         "target_modules": "(" + "|".join(re.escape(m) for m in modules) + ")",
         "base_model_name_or_path": base, "inference_mode": True, "modules_to_save": None,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,

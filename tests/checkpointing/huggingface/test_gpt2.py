@@ -125,3 +125,43 @@ def test_what_gpt2_cannot_say_is_named(tmp_path):
     folder, _ = checkpoint(tmp_path / "gqa", "--model.attention.n_kv_heads=2", tiny=GPT2)
     assert export(folder, tmp_path / "gqa_out")["why_not_hf"].startswith(
         "GPT-2 layout: grouped-query heads")
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("lora", ["--model.tie_embeddings=false"]), ("dora", ["--model.tie_embeddings=true"])])
+def test_a_peft_export_on_gpt2s_conv1d_layers_loads_in_peft_with_kilns_logits(
+        tmp_path, kind, extra):
+    """Adapters on c_proj, c_fc and mlp.c_proj (Conv1D: weights stored transposed), and on the
+    untied lm_head (nn.Linear): peft loads the folder onto the export with kiln's logits. An
+    adapter on wq, a third of c_attn's columns, is refused naming c_attn."""
+    peft = pytest.importorskip("peft")
+    from kiln.checkpointing.huggingface.peft_export import export_peft
+    from kiln.components.base import default_config
+
+    folder, model = checkpoint(tmp_path, "--model.ffn.activation=gelu_tanh", *extra, tiny=GPT2)
+    export(folder, tmp_path / "hf")
+    targets = ["*.attention.wo", "*.feed_forward.*"]
+    adapter = default_config("adapter", kind, rank=2, alpha=4, targets=[
+        *targets, *(["output"] if "--model.tie_embeddings=false" in extra else [])]).build()
+    adapter.apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".B") or name.endswith("magnitude"):
+                p.add_(torch.randn_like(p) * 0.1)
+    summary = export_peft(model, tmp_path / "adapter", base=str(tmp_path / "hf"),
+                          fields=adapter.peft_config())
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] is True, (summary, config)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                             dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model.eval()(x), rtol=0, atol=1e-5)
+    on_q = default_config("adapter", kind, rank=2, targets=["*.attention.wq"]).build()
+    _, _, fresh = load_model(folder)
+    on_q.apply(fresh)
+    with pytest.raises(CheckpointError, match=r"layers.0.attention.wq is 32 of the 96 rows of "
+                       r"transformer.h.0.attn.c_attn.weight \(GPT-2's c_attn"):
+        export_peft(fresh, tmp_path / "refused", base=str(tmp_path / "hf"),
+                    fields=on_q.peft_config())
