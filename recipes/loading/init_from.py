@@ -26,9 +26,10 @@ class Started:
 
 
 def load_pretrained(model: nn.Module, recipe, *, is_main: bool,
-                    adapters_only: bool) -> Started:
+                    adapters_only: bool, resumed: bool = False) -> Started:
     """Load ``checkpoint.init_from`` into a run's (built, parallelized) model; every rank calls
-    it. ``adapters_only``: the run saves its adapters alone, so it records its base."""
+    it. ``adapters_only``: the run saves its adapters alone, so it records its base;
+    ``resumed``: the adapters came from a checkpoint, this is their frozen base read again."""
     source = Source.open(recipe, is_main=is_main)
     if source.kind == "hf":
         table = hf_config.model_table(source.config, source.spec,
@@ -41,7 +42,9 @@ def load_pretrained(model: nn.Module, recipe, *, is_main: bool,
         notes = source.model_differences(recipe)
     started = Started(lines=[f"kiln: note: init_from differs: {line}" for line in notes])
     n = source.load(model)
-    started.lines.append(f"kiln: initial weights from {source.spec} ({n} tensors)")
+    started.lines.append(
+        f"kiln: the adapters' frozen base from {source.spec} ({n} tensors)" if resumed
+        else f"kiln: initial weights from {source.spec} ({n} tensors)")
     if adapters_only:
         started.base_record = source.base_record()
     started.parent = source.parent()

@@ -253,7 +253,8 @@ class Trainer:
         from kiln.recipes.loading.weights import place
 
         started = load_pretrained(self.model, self.recipe, is_main=self.world.is_main,
-                                  adapters_only=self.saved_params is not None)
+                                  adapters_only=self.saved_params is not None,
+                                  resumed=bool(resumed))
         for line in started.lines:
             self.print(line)
         self.base_record, self.parent = started.base_record, started.parent or self.parent

@@ -161,8 +161,9 @@ def test_lora_from_init_from_checkpoints_the_adapters_and_resumes_exactly(base, 
     extra = [*LORA, f"--checkpoint.init_from={base}"]
     ref, _ = _run(tmp_path / "full", extra=extra)
     first, _ = _run(tmp_path / "cut", signal_at=4, extra=extra)
-    second, _ = _run(tmp_path / "cut", extra=extra)
+    second, resumed = _run(tmp_path / "cut", extra=extra)
     assert {**first.losses, **second.losses} == ref.losses
+    assert f"the adapters' frozen base from {base} (" in resumed.out.getvalue()
     _run(tmp_path / "cut", steps=9, extra=[*LORA, f"--checkpoint.init_from={base}/"])  # same
     import shutil
 
