@@ -76,8 +76,8 @@ class MoEConfig(ComponentConfig):
         False, description="the shared expert's output times sigmoid(w x), one gate per token "
         "(Qwen2-MoE / Qwen3-Next's shared_expert_gate)")
     bias_update_coeff: float = Field(
-        1e-3, ge=0, description="aux-loss-free balancing: bias step per optimizer step (0 = off)"
-    )
+        1e-3, ge=0, description="aux-loss-free balancing: bias step per optimizer step (0 = off; "
+        "an adapter run, whose router is frozen, leaves the bias as loaded)")
     aux_loss_coeff: float = Field(
         0.0, ge=0, description="sequence-wise balance loss weight alpha (0 = off)"
     )
@@ -294,10 +294,12 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def apply_load(self, load: torch.Tensor) -> None:
-        """Move the bias toward balance given this step's global loads (E,); reset counts."""
+        """Move the bias toward balance given this step's global loads (E,); reset counts. A
+        frozen router (an adapter run: the base is frozen, its routing bias part of it) keeps
+        its bias: the run's checkpoints and its peft export hold the adapters alone."""
         self.last_load.copy_(load)
         self.last_dropped.copy_(self.dropped)
-        coeff = self.cfg.bias_update_coeff
+        coeff = self.cfg.bias_update_coeff if self.router.weight.requires_grad else 0.0
         if coeff and load.sum() > 0:
             delta = coeff * torch.sign(load.mean() - load)
             self.expert_bias += delta - delta.mean()  # re-centred

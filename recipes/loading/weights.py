@@ -27,6 +27,7 @@ from kiln.checkpointing.resume import check_base, find_checkpoint, parent_record
 from kiln.components.adapter_contract import adapter_layers
 from kiln.components.errors import CheckpointError
 from kiln.components.models.block import padded_vocab
+from kiln.parallelisms.meta_init import materialize
 from kiln.recipes.config.files import load_recipe, to_dict
 from kiln.recipes.loading.hf_recipe import differences
 from kiln.recipes.runs import lineage
@@ -161,6 +162,10 @@ def load_model(checkpoint: Path, *, min_seq_len: int = 0, base: bool = True):
     if adapters_only and not base:  # the adapters alone: the base stays on the meta device
         for _, _, layer in adapter_layers(model).values():
             layer.to_empty(device="cpu")
+    elif adapters_only:  # initialised as the run was: what the base lacks keeps its init (the
+        # routing bias of a family without one, multi-token prediction modules)
+        with torch.random.fork_rng(devices=[]):
+            materialize(model, "cpu", recipe.training.seed)
     else:
         model = model.to_empty(device="cpu")
     if adapters_only:  # the base: from init_from
