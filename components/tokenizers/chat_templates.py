@@ -173,12 +173,16 @@ def from_folder(folder: Path) -> ChatTemplate:
     return ChatTemplate(source, str(config_file), specials)
 
 
-def from_text(source: str, name: str) -> ChatTemplate:
-    """A saved template (a run's ``chat_template.jinja``), under its name if it is a named one."""
+def from_text(source: str, name: str, tokenizer: Any = None) -> ChatTemplate:
+    """A saved template (a run's ``chat_template.jinja``), under its name if it is a named one,
+    else rendered with ``tokenizer``'s special tokens as the run rendered it (a template file
+    writes ``eos_token``, which the run folder has no tokenizer_config.json to say)."""
     for known, text in NAMED.items():
         if text == source:
             return ChatTemplate(text, known)
-    return ChatTemplate(source, name)
+    if tokenizer is None:
+        return ChatTemplate(source, name)
+    return _checked(ChatTemplate(source, name, tokenizer_specials(tokenizer)), tokenizer)
 
 
 def resolve(spec: str, tokenizer: Any) -> ChatTemplate:

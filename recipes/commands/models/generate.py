@@ -177,7 +177,8 @@ class _Chat:
         if args.template:
             self.template = templates.resolve(args.template, tokenizer)
         elif saved.is_file():
-            self.template = templates.from_text(saved.read_text(encoding="utf-8"), str(saved))
+            self.template = templates.from_text(saved.read_text(encoding="utf-8"), str(saved),
+                                                tokenizer)
         else:
             spec = recipe.data.template if recipe.data.type == "chat" else ""
             self.template = templates.resolve(spec, tokenizer)

@@ -92,6 +92,22 @@ def test_a_jinja_file_renders_with_the_tokenizers_special_tokens(hf_folders, tmp
     assert name != "two_generation" or text.startswith("<s>")
 
 
+def test_a_runs_saved_template_renders_with_the_tokenizers_special_tokens(hf_folders):
+    """``kiln generate RUN --chat`` reads RUN/chat_template.jinja (no tokenizer_config.json
+    beside it): rendered as the run rendered it, Mistral's eos_token included (it stopped with
+    'eos_token' is undefined)."""
+    ours, theirs = _pair(hf_folders["chatml_generation"])
+    source = (hf_folders["mistral"] / "tokenizer_config.json").read_text()
+    import json
+
+    source = json.loads(source)["chat_template"]
+    template = templates.from_text(source, "RUN/chat_template.jinja", ours)
+    for conv in _conversations("mistral"):
+        text, _ = template.render(conv)
+        assert text == theirs.apply_chat_template(conv, chat_template=source, tokenize=False)
+        assert "</s>" in text
+
+
 def test_a_jinja_file_needing_a_token_the_tokenizer_cannot_write_is_refused(tmp_path):
     file = tmp_path / "bos.jinja"
     file.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
