@@ -79,6 +79,11 @@ def peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str], 
                 "the output gate too, its in_proj_qkvz q, k, v and z); peft adapts one whole "
                 "module at a time: export merged weights instead")
         module = part.hf_name.removesuffix(".weight")
+        if clean_name(name).endswith("feed_forward.router"):
+            raise CheckpointError(
+                f"--format peft: {clean_name(name)} is {module}, transformers' router module "
+                "(a TopKRouter, not an nn.Linear), which peft cannot adapt; export merged "
+                "weights instead")
         if family in PEFT_RENAMES_MLP and module.rsplit(".", 1)[-1] in MLP_NAMES:
             raise CheckpointError(
                 f"--format peft: {clean_name(name)} is {module}; peft renames every "

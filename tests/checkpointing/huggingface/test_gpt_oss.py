@@ -72,3 +72,39 @@ def test_the_released_configs_extra_fields_import(tmp_path):
     x = ids(t=12)
     with torch.no_grad():
         _close(model(x), hf(x).logits)
+
+
+def test_a_peft_export_loads_in_peft_and_an_adapter_on_the_router_is_refused(tmp_path):
+    """LoRA on q/k/v/o (biased) and the untied head: peft loads the folder onto the Hugging
+    Face base with kiln's logits. gpt-oss's router is transformers' GptOssTopKRouter, not an
+    nn.Linear: peft refuses to load an adapter on it, so the export refuses to write one."""
+    peft = pytest.importorskip("peft")
+    from kiln.checkpointing.huggingface.peft_export import export_peft
+    from kiln.components.base import default_config
+    from kiln.components.errors import CheckpointError
+
+    _gpt_oss(tmp_path / "hf")
+    model = kiln_from_hf(tmp_path / "hf", 32)
+    adapter = default_config("adapter", "lora", rank=2, alpha=4,
+                             targets=["*.attention.*", "output"]).build()
+    adapter.apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    export_peft(model, tmp_path / "adapter", base=str(tmp_path / "hf"),
+                fields=adapter.peft_config())
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    x = ids(t=16)
+    with torch.no_grad():
+        _close(model(x), loaded(x).logits)
+    routed = kiln_from_hf(tmp_path / "hf", 32)
+    on_router = default_config("adapter", "lora", rank=2,
+                               targets=["*.feed_forward.router"]).build()
+    on_router.apply(routed)
+    with pytest.raises(CheckpointError, match=r"layers.0.feed_forward.router is "
+                       r"model.layers.0.mlp.router, transformers' router module"):
+        export_peft(routed, tmp_path / "refused", base=str(tmp_path / "hf"),
+                    fields=on_router.peft_config())
