@@ -11,6 +11,7 @@ from kiln.checkpointing.huggingface import export as export_lib
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.files import load_recipe, to_dict
 from kiln.recipes.loading.checkpoint_model import load_model
+from kiln.recipes.loading.weights import is_kiln_checkpoint
 from kiln.recipes.runs import lineage
 
 
@@ -57,8 +58,14 @@ def _export_adapters(checkpoint: Path, out_dir: Path, *, force: bool) -> dict[st
             "(adapter.allow_random_base, no checkpoint.init_from), so a peft adapter would "
             "name no base to load it on; export the merged weights instead (--format hf)")
     recipe, tokenizer, model = load_model(checkpoint, base=False)
-    summary = export_peft(model, out_dir, base=recipe.checkpoint.init_from,
+    base = recipe.checkpoint.init_from
+    summary = export_peft(model, out_dir, base=base,
                           fields=recipe.adapter.build().peft_config(), force=force)
+    if is_kiln_checkpoint(base):  # peft's base_model_name_or_path is for transformers
+        summary["base_note"] = (
+            f"the base, {base}, is a kiln checkpoint, which transformers cannot load: export it "
+            f"(kiln export {base} BASE_DIR) and load the adapter onto that folder, or export "
+            "this checkpoint merged (--format hf)")
     return _with_template(summary, checkpoint, recipe, tokenizer, out_dir)
 
 

@@ -38,6 +38,14 @@ def place(spec: str) -> str:
     return spec if spec.startswith("hf://") else str(Path(spec).expanduser().resolve())
 
 
+def is_kiln_checkpoint(spec: str) -> bool:
+    """Whether an ``init_from`` names a kiln checkpoint or run folder (else a Hugging Face
+    folder or Hub path)."""
+    local = Path(spec).expanduser()
+    return not spec.startswith("hf://") and not (local / "config.json").is_file() and (
+        (local / layout.MANIFEST).is_file() or (local / "checkpoints").is_dir())
+
+
 @dataclass
 class Source:
     """An ``init_from`` made local: its spec, its kind (``hf`` or ``kiln``), its folder (a
@@ -58,8 +66,7 @@ class Source:
             raise CheckpointError(
                 f"checkpoint.init_from = {spec!r}: no such folder; name a Hugging Face model "
                 "folder, hf://OWNER/NAME[@REVISION], or a kiln checkpoint or run folder")
-        if not spec.startswith("hf://") and not (local / "config.json").is_file() and (
-                (local / layout.MANIFEST).is_file() or (local / "checkpoints").is_dir()):
+        if is_kiln_checkpoint(spec):
             return cls(spec, "kiln", find_checkpoint(local, "checkpoint.init_from"), {})
         folder = hf_import.source_folder(spec, is_main=is_main, token_env=cfg.hub_token_env)
         return cls(spec, "hf", Path(folder), hf_import.read_config(Path(folder)))

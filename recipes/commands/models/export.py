@@ -38,6 +38,8 @@ def run(args) -> int:
         summary["layout"], "kiln")
     print(f"exported {folder} -> {args.out_dir} ({layout} layout, {summary['tensors']} "
           f"tensors): {', '.join(summary['files'])}")
+    if summary.get("base_note"):
+        print(f"note: {summary['base_note']}")
     if summary["layout"] == "kiln" and summary["why_not_hf"]:
         print(f"(no Hugging Face layout: {summary['why_not_hf']})")
     return 0

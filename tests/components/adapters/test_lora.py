@@ -252,6 +252,20 @@ def test_merge_keeps_the_function_and_removes_the_adapters(saved):
     torch.testing.assert_close(_kiln_logits(twin), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_peft_export_on_a_kiln_base_says_how_to_load_it(saved, tmp_path, capsys):
+    """The adapter's base_model_name_or_path is init_from; a kiln checkpoint there is not a
+    folder transformers loads, and the export says what to do (which then works)."""
+    base, lora, model = saved
+    recipe = load_recipe(lora, [f"--checkpoint.init_from={base}"])
+    folder = _save(tmp_path / "on_kiln", model, recipe)
+    assert main(["export", str(folder), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert f"note: the base, {base}, is a kiln checkpoint, which transformers cannot load: " \
+        f"export it (kiln export {base} BASE_DIR)" in capsys.readouterr().out
+    assert main(["export", str(base), str(tmp_path / "base_dir")]) == 0
+    assert_peft_equals_kiln(tmp_path / "base_dir", tmp_path / "adapter", model)
+    assert "base_note" not in export_checkpoint(lora, tmp_path / "on_hf", fmt="peft")
+
+
 def test_peft_export_of_adapters_on_a_random_base_is_refused(saved, tmp_path):
     _, lora, model = saved
     recipe = load_recipe(lora, ['--checkpoint.init_from=""', "--adapter.allow_random_base=true"])
