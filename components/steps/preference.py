@@ -75,6 +75,8 @@ class PreferenceStep(StepContract):
         self.cfg = cfg
         self.loss = cfg.loss.build()
         self.takes_pairs = "unpaired" if self.loss.unpaired else "paired"
+        # held-out preference accuracy: judged by `kiln compare` (KTO's examples have no pair)
+        self.scores = () if self.loss.unpaired else ("rewards/accuracies",)
         self.reference: torch.nn.Module | None = None  # a frozen copy
         self.adapters_off = None  # a context: the policy computes its base
         self.uses = "none"  # the reference this run uses

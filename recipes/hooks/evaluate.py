@@ -41,8 +41,11 @@ class EvalHook(Hook):
             s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
             loss = s / n if n > 0 else float("nan")
             bpb, values = bits_per_byte(loss, trainer.dataset), step_means(trainer, own)
-        own_line = "  ".join(f"{k[5:]} {v:.4f}" for k, v in values.items()
-                             if not k.startswith(("eval/loss/", "eval/bpb/")))
+        own_line = "  ".join(
+            f"{k[5:]} {v:.4f}" + (f" ± {values[k + '_stderr']:.4f}" if k + "_stderr" in values
+                                 else "")
+            for k, v in values.items() if not k.startswith(("eval/loss/", "eval/bpb/"))
+            and not k.endswith(("_stderr", "/examples", "/fingerprint")))
         # its noise: the standard error over the eval batches, and what was evaluated (runs
         # whose held-out sets differ do not compare: `kiln compare` checks the fingerprint)
         stderr = significance.ratio_stderr(batches[:, 0], batches[:, 1]) if len(batches) \
@@ -144,17 +147,31 @@ def evaluate_sums(trainer, token_budget: int, source: str | None = None) -> tupl
 
 def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """``eval/NAME``: each of the step's own held-out values (``StepContract.evaluate``)
-    averaged over the examples of all ranks (one all-reduce)."""
+    averaged over the examples of all ranks (one all-reduce). A value the step names in
+    ``scores`` (``GROUP/METRIC``) also gets ``eval/GROUP/METRIC_stderr`` (the mean's standard
+    error over the examples), ``eval/GROUP/examples`` and ``eval/GROUP/fingerprint``, the
+    fields of an in-loop task, so `kiln compare` judges it (unpaired: on the errors)."""
     if not own:
         return {}
     names = sorted(own)
-    sums = torch.stack([torch.cat(own[k]).double().sum() for k in names]
+    scored = [k for k in getattr(trainer.step_fn, "scores", ()) if k in own]
+    values = [torch.cat(own[k]).double() for k in names]
+    sums = torch.stack([v.sum() for v in values]
+                       + [torch.cat(own[k]).double().square().sum() for k in scored]
                        + [torch.tensor(float(sum(len(v) for v in own[names[0]])),
-                                       dtype=torch.float64, device=trainer.device)])
+                                       dtype=torch.float64, device=values[0].device)])
     dist_utils.all_reduce_(sums)
-    count = float(sums[-1])
-    return {f"eval/{k}": float(v) / count for k, v in zip(names, sums[:-1].tolist(),
-                                                          strict=True)}
+    total = sums.tolist()
+    count = total[-1]
+    out = {f"eval/{k}": v / count for k, v in zip(names, total, strict=False)}
+    for k, square in zip(scored, total[len(names):-1], strict=True):
+        mean = out[f"eval/{k}"]
+        var = max(square / count - mean * mean, 0.0) * count / max(count - 1, 1)
+        group = k.rpartition("/")[0]
+        out[f"eval/{k}_stderr"] = math.sqrt(var / count)
+        out[f"eval/{group}/examples"] = count
+        out[f"eval/{group}/fingerprint"] = eval_fingerprint(trainer)
+    return out
 
 
 @torch.no_grad()

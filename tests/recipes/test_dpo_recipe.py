@@ -64,6 +64,10 @@ def test_dpo_after_sft_and_its_kill_9_resume(sft_export, tmp_path):
     assert rec.losses[1] == pytest.approx(math.log(2) + rows[1]["nll_loss"], abs=1e-5)
     assert {"rewards/accuracies", "logps/chosen"} <= set(rows[1])
     assert {"eval/rewards/accuracies", "eval/restate/exact_match"} <= set(rows[6])
+    accuracy, n = rows[6]["eval/rewards/accuracies"], rows[6]["eval/rewards/examples"]
+    assert n >= 2 and rows[6]["eval/rewards/accuracies_stderr"] == pytest.approx(
+        math.sqrt(accuracy * (1 - accuracy) / (n - 1)))
+    assert rows[6]["eval/rewards/fingerprint"] == rows[6]["eval/fingerprint"]
     cut = tmp_path / "cut"
     done = forked.run([sys.executable, "-c", _KILLED, "5", str(CONFIGS / "dpo_debug.toml"),
                        *_args(sft_export, cut)], REPO, timeout=300)

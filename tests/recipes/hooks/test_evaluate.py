@@ -1,0 +1,34 @@
+"""The step's own held-out values (``StepContract.evaluate``): their means, and for the values
+a step names in ``scores`` the fields of an in-loop task (standard error, example count,
+fingerprint), which `kiln compare` then judges."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kiln.recipes.hooks.evaluate import step_means
+
+
+def _trainer(scores):
+    return SimpleNamespace(
+        step_fn=SimpleNamespace(scores=scores), device=torch.device("cpu"),
+        data_record={"fingerprints": ["abc"]}, recipe=SimpleNamespace(eval=SimpleNamespace(
+            tokens=1024)), plan=SimpleNamespace(seq_len=16, micro_batch=2), data_ranks=1)
+
+
+def test_a_scored_value_gets_its_standard_error_count_and_fingerprint():
+    hits = [torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0])]  # two micro-batches
+    own = {"rewards/accuracies": hits, "rewards/margins": [torch.ones(3), torch.zeros(2)]}
+    out = step_means(_trainer(("rewards/accuracies",)), own)
+    p, n = 0.8, 5
+    assert out["eval/rewards/accuracies"] == pytest.approx(p)
+    assert out["eval/rewards/margins"] == pytest.approx(0.6)
+    assert out["eval/rewards/accuracies_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)))
+    assert out["eval/rewards/examples"] == n and len(out["eval/rewards/fingerprint"]) == 16
+    assert "eval/rewards/margins_stderr" not in out  # not a score: no error bar, not judged
+    plain = step_means(_trainer(()), own)
+    assert set(plain) == {"eval/rewards/accuracies", "eval/rewards/margins"}
