@@ -257,7 +257,8 @@ def source_evals(run: Run) -> dict[str, float]:
 
 def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
     """Per downstream task: its headline metric and its (step, value) points, by step, from
-    the in-loop lines (``eval/<task>/<metric>``) and ``downstream_eval.jsonl``."""
+    the in-loop lines (``eval/<task>/<metric>``) and ``downstream_eval.jsonl``; a step's own
+    score (``StepContract.scores``, e.g. ``eval/rewards/accuracies``) counts as one."""
     types = {name: cfg.type for name, cfg in run.recipe.evals.items()}
     logged: dict[str, dict[str, dict[int, float]]] = {}  # task -> metric -> step -> value
     for rec in run.records:
@@ -281,7 +282,9 @@ def task_scores(run: Run) -> dict[str, tuple[str, list[tuple[int, float]]]]:
     out = {}
     for name, metrics in logged.items():
         scores = [m for m in metrics if not _auxiliary(m)]
-        if not scores:
+        # a task of the recipe or the downstream file, or a step's own score (it logs its
+        # examples); not a step's other held-out values (a preference step's eval/logps/...)
+        if not scores or (name not in types and "examples" not in metrics):
             continue
         metric = _headline(types.get(name, ""), scores)
         out[name] = (metric, sorted(metrics[metric].items()))

@@ -86,7 +86,8 @@ echo "$@" >> {cwd}/calls.txt
 for a in "$@"; do case "$a" in --run.folder=*) f="${{a#--run.folder=}}";; esac; done
 f="${{f%\\"}}"; f="${{f#\\"}}"
 mkdir -p "$f" && cp -r "{made}/$(basename "$f")/." "$f/"
-echo '{{"step": 30, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.4}}' >> "$f/metrics.jsonl"
+echo '{{"step": 30, "eval/mc/acc": 0.5, "eval/mc/acc_norm": 0.4, "eval/mc/examples": 8}}' \
+    >> "$f/metrics.jsonl"
 exit ${{FAIL:-0}}
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)

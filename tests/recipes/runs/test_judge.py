@@ -118,3 +118,24 @@ def test_the_table_wraps_within_120_columns_and_columns_can_be_chosen(tmp_path, 
     assert [h.strip() for h in head if h.strip()] == ["run", "eval loss", "mc acc (n=4)"]
     assert main(["compare", a, b, "--columns", "nope"]) == 2
     assert "--columns 'nope': no such column" in capsys.readouterr().err
+
+
+def test_a_steps_own_score_is_judged_and_its_other_held_out_values_are_not_columns(tmp_path):
+    """A preference step's eval/rewards/accuracies (with its examples, stderr and fingerprint)
+    is judged like a task; its eval/logps/* are values, not scores: no column, no verdict."""
+    runs = []
+    for name, accuracy in (("a", 0.55), ("b", 0.85)):
+        run = make_run(tmp_path / name, evals=())
+        line = {"step": 30, "eval/rewards/accuracies": accuracy,
+                "eval/rewards/accuracies_stderr": math.sqrt(accuracy * (1 - accuracy) / 199),
+                "eval/rewards/examples": 200, "eval/rewards/fingerprint": "abc",
+                "eval/rewards/margins": 0.1, "eval/logps/chosen": -60.0,
+                "eval/logps/rejected": -61.0}
+        with (run / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        runs.append(run)
+    head = report(runs, width=0).splitlines()[0]
+    assert "rewards accuracies (n=200)" in head and "logps" not in head
+    lines = verdicts(runs)
+    assert any(x.startswith("winner on rewards accuracies: b") for x in lines), lines
+    assert not any("logps" in x for x in lines)
