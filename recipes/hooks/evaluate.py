@@ -159,7 +159,7 @@ def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     sums = torch.stack([v.sum() for v in values]
                        + [torch.cat(own[k]).double().square().sum() for k in scored]
                        + [torch.tensor(float(sum(len(v) for v in own[names[0]])),
-                                       dtype=torch.float64, device=values[0].device)])
+                                       dtype=torch.float64, device=trainer.device)])
     dist_utils.all_reduce_(sums)
     total = sums.tolist()
     count = total[-1]
