@@ -24,7 +24,7 @@ from kiln.components.protocols import complete_dataset, complete_step
 from kiln.parallelisms.layout.check import raise_problems, training_problems
 from kiln.parallelisms.layout.mesh import Layout, layout
 from kiln.recipes.hooks.evaluate import eval_sources, split_loader
-from kiln.recipes.loading.weights import Source
+from kiln.recipes.loading.weights import Source, is_kiln_checkpoint
 from kiln.recipes.preflight import batch_plan
 
 
@@ -115,8 +115,17 @@ def add_adapter(recipe, model: nn.Module) -> tuple[AdapterContract, str]:
         raise RecipeError("checkpoint.export_at_end with [adapter]: export the run's last "
                           "checkpoint instead (`kiln export CHECKPOINT OUT_DIR` merges the "
                           "adapters, --format peft writes them alone)")
+    base = recipe.checkpoint.init_from
+    on_hf = base and (base.startswith("hf://") or Path(base).expanduser().is_dir()) \
+        and not is_kiln_checkpoint(base)
+    if getattr(recipe.model, "mtp_depth", 0) and on_hf:
+        raise RecipeError(
+            f"model.mtp_depth = {recipe.model.mtp_depth} with [adapter] on a Hugging Face base "
+            f"({base}): its checkpoint holds no multi-token prediction weights, so those modules "
+            "would stay frozen at their random initialisation and their loss would train the "
+            "adapters toward them; set model.mtp_depth = 0, or fine-tune all weights")
     built = adapter.build()
-    built.check_base(recipe.checkpoint.init_from)
+    built.check_base(base)
     return built, built.apply(model)
 
 

@@ -94,3 +94,21 @@ def test_a_good_recipe_is_ok_in_validate_and_trains(capsys, tmp_path):
     (v_status, v_out), (t_status, t_err) = _both(capsys, CONFIGS / "debug.toml", args)
     assert v_status == 0 and t_status == 0, (v_out, t_err)
     assert ": ok" in v_out and "trainable parameters: " in v_out
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_under_adapters_on_a_hugging_face_base_is_refused(capsys,
+                                                                                 tmp_path):
+    """The base holds no MTP weights: the frozen modules would stay random and train the
+    adapters toward them. Both commands refuse it with the same line."""
+    pytest.importorskip("transformers")
+    from kiln.recipes.loading.hf_recipe import import_recipe
+    from tests.checkpointing.huggingface.hf_tiny import save_tiny
+
+    save_tiny(tmp_path / "hf")
+    import_recipe(str(tmp_path / "hf"), tmp_path / "hf.toml", seq_len=128)
+    args = ["--data.type=chat", "--data.template=chatml", *CHAT, *LORA, "--model.mtp_depth=1",
+            "--training.steps=1", f"--run.folder={tmp_path / 'run'}"]
+    (v_status, v_out), (t_status, t_err) = _both(capsys, tmp_path / "hf.toml", args)
+    assert t_status != 0 and "model.mtp_depth = 1 with [adapter] on a Hugging Face base" in t_err
+    assert v_status == t_status and t_err.split("error: ", 1)[1].strip()[:60] in v_out, v_out
