@@ -73,3 +73,27 @@ def export_loads_back(model, out: Path, x: torch.Tensor) -> dict:
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, model(x), rtol=0, atol=1e-5)
     return summary
+
+
+def peft_export_loads(model, hf_folder: Path, out: Path, targets: list[str], x: torch.Tensor,
+                      **from_pretrained) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA (rank 2) on ``targets`` of ``model`` with a random ``B``, exported with
+    ``--format peft`` into ``out``; (peft's logits on the Hugging Face base at ``hf_folder``,
+    the kiln model's) on ``x``, for the caller's tolerance."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from kiln.checkpointing.huggingface.peft_export import export_peft
+    from kiln.components.base import default_config
+
+    adapter = default_config("adapter", "lora", rank=2, alpha=4, targets=targets).build()
+    adapter.apply(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    export_peft(model, out, base=str(hf_folder), fields=adapter.peft_config())
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32,
+                                                             **from_pretrained)
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        return loaded(x).logits, model(x)

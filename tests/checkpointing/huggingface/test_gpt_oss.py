@@ -10,7 +10,7 @@ import torch
 
 from kiln.checkpointing.huggingface import export
 from kiln.checkpointing.huggingface.layout import hf_incompatibility
-from tests.checkpointing.huggingface.hf_tiny import ids, kiln_from_hf
+from tests.checkpointing.huggingface.hf_tiny import ids, kiln_from_hf, peft_export_loads
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,28 +78,15 @@ def test_a_peft_export_loads_in_peft_and_an_adapter_on_the_router_is_refused(tmp
     """LoRA on q/k/v/o (biased) and the untied head: peft loads the folder onto the Hugging
     Face base with kiln's logits. gpt-oss's router is transformers' GptOssTopKRouter, not an
     nn.Linear: peft refuses to load an adapter on it, so the export refuses to write one."""
-    peft = pytest.importorskip("peft")
     from kiln.checkpointing.huggingface.peft_export import export_peft
     from kiln.components.base import default_config
     from kiln.components.errors import CheckpointError
 
     _gpt_oss(tmp_path / "hf")
-    model = kiln_from_hf(tmp_path / "hf", 32)
-    adapter = default_config("adapter", "lora", rank=2, alpha=4,
-                             targets=["*.attention.*", "output"]).build()
-    adapter.apply(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora.B"):
-                p.copy_(torch.randn_like(p) * 0.1)
-    export_peft(model, tmp_path / "adapter", base=str(tmp_path / "hf"),
-                fields=adapter.peft_config())
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
-    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    x = ids(t=16)
-    with torch.no_grad():
-        _close(model(x), loaded(x).logits)
+    theirs, ours = peft_export_loads(kiln_from_hf(tmp_path / "hf", 32), tmp_path / "hf",
+                                     tmp_path / "adapter", ["*.attention.*", "output"],
+                                     ids(t=16), attn_implementation="eager")
+    _close(ours, theirs)
     routed = kiln_from_hf(tmp_path / "hf", 32)
     on_router = default_config("adapter", "lora", rank=2,
                                targets=["*.feed_forward.router"]).build()

@@ -15,7 +15,13 @@ from safetensors.torch import load_file, save_file
 from kiln.checkpointing.huggingface import export
 from kiln.checkpointing.huggingface.layout import hf_incompatibility
 from kiln.components.errors import CheckpointError
-from tests.checkpointing.huggingface.hf_tiny import export_loads_back, ids, kiln_from_hf, kiln_model
+from tests.checkpointing.huggingface.hf_tiny import (
+    export_loads_back,
+    ids,
+    kiln_from_hf,
+    kiln_model,
+    peft_export_loads,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,27 +181,14 @@ def test_a_peft_export_loads_in_peft_with_kilns_logits_and_mlp_targets_are_refus
     """LoRA on both attention kinds' output projections (o_proj, out_proj) and the head: peft
     loads the adapter folder onto the Hugging Face base with kiln's logits. On a shared expert's
     projection the export refuses: peft would put it on the routed experts' fused weights."""
-    peft = pytest.importorskip("peft")
     from kiln.checkpointing.huggingface.peft_export import export_peft
     from kiln.components.base import default_config
 
     _qwen3_next(tmp_path / "hf")
-    model = kiln_from_hf(tmp_path / "hf", 32)
-    adapter = default_config("adapter", "lora", rank=2, alpha=4,
-                             targets=["*.attention.wo", "output"]).build()
-    adapter.apply(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora.B"):
-                p.copy_(torch.randn_like(p) * 0.1)
-    export_peft(model, tmp_path / "adapter", base=str(tmp_path / "hf"),
-                fields=adapter.peft_config())
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
-                                                             dtype=torch.float32)
-    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    x = ids(t=12)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(x).logits, model(x), rtol=0, atol=1e-5)
+    theirs, ours = peft_export_loads(kiln_from_hf(tmp_path / "hf", 32), tmp_path / "hf",
+                                     tmp_path / "adapter", ["*.attention.wo", "output"],
+                                     ids(t=12))
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     shared = kiln_from_hf(tmp_path / "hf", 32)
     on_shared = default_config("adapter", "lora", rank=2, targets=["*.feed_forward.shared.w1"]
                                ).build()
