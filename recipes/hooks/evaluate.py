@@ -12,6 +12,7 @@ import torch
 from kiln.components import distributed as dist_utils
 from kiln.components.models.lm_head import IGNORE_INDEX
 from kiln.components.protocols import Hook
+from kiln.components.tasks.common import STDERR
 from kiln.recipes.runs import significance, unit_scores
 
 
@@ -155,21 +156,23 @@ def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
         return {}
     names = sorted(own)
     scored = [k for k in getattr(trainer.step_fn, "scores", ()) if k in own]
-    values = [torch.cat(own[k]).double() for k in names]
-    sums = torch.stack([v.sum() for v in values]
-                       + [torch.cat(own[k]).double().square().sum() for k in scored]
-                       + [torch.tensor(float(sum(len(v) for v in own[names[0]])),
+    values = {k: torch.cat(own[k]).double() for k in names}
+    sums = torch.stack([values[k].sum() for k in names]
+                       + [values[k].square().sum() for k in scored]
+                       + [torch.tensor(float(len(values[names[0]])),
                                        dtype=torch.float64, device=trainer.device)])
     dist_utils.all_reduce_(sums)
     total = sums.tolist()
-    count = total[-1]
-    out = {f"eval/{k}": v / count for k, v in zip(names, total, strict=False)}
+    n = total[-1]
+    out = {f"eval/{k}": v / n for k, v in zip(names, total[:len(names)], strict=True)}
     for k, square in zip(scored, total[len(names):-1], strict=True):
+        # tasks.common.mean_stderr's estimate (sample deviation / sqrt(n), NaN below two
+        # examples), from the all-reduced sums instead of every rank's values
         mean = out[f"eval/{k}"]
-        var = max(square / count - mean * mean, 0.0) * count / max(count - 1, 1)
+        var = max(square - n * mean * mean, 0.0) / (n - 1) if n > 1 else math.nan
         group = k.rpartition("/")[0]
-        out[f"eval/{k}_stderr"] = math.sqrt(var / count)
-        out[f"eval/{group}/examples"] = count
+        out[f"eval/{k}{STDERR}"] = math.sqrt(var / n)
+        out[f"eval/{group}/examples"] = n
         out[f"eval/{group}/fingerprint"] = eval_fingerprint(trainer)
     return out
 
