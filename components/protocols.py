@@ -263,6 +263,13 @@ class DatasetContract:
         checkpoint, a resume on other data is refused."""
         return {}
 
+    def eval_fingerprints(self) -> dict[str, str]:
+        """What the held-out split is, by recipe key: equal for two runs scored on the same
+        examples in the same order (``kiln compare`` judges only those against each other).
+        Default: ``fingerprints()``; a dataset whose train order follows training.seed but
+        whose held-out split does not says so here."""
+        return self.fingerprints()
+
     def stage_steps(self) -> list[int | None]:
         """Where each stage begins in this run (a mixture's ``data.stages``)."""
         return []

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from pydantic import Field
 
 from kiln.components import devices
@@ -156,6 +157,18 @@ class BalancedShards(DatasetContract):
     def meta(self) -> dict[str, Any]:
         return {"domains": self.cfg.domains, "source": self.source.where,
                 "eval_shards": dict(self.eval_shard)}
+
+    def eval_fingerprints(self) -> dict[str, str]:
+        """The held-out rows themselves (each domain's first ``eval_rows`` rows of its eval
+        shard), hashed: runs on other shards are not judged against each other."""
+        if not self.cfg.eval_rows:
+            return {}
+        if not self.eval_shard:
+            self.prepare()
+        rows = xxhash.xxh3_64()
+        for d in self.cfg.domains:
+            rows.update(self.shard(self.eval_shard[d]).read(np.arange(self.cfg.eval_rows)))
+        return {"data": rows.hexdigest()}
 
     def rows(self, split: str) -> ShardRows:
         """``split``'s rows by number: how a ``mixture`` reads it as a source (``shard_rows``)."""

@@ -28,7 +28,9 @@ from kiln.components.data.prepare.packed_layout import (
     open_layout,
     write_layout,
 )
+from kiln.components.data.prepare.packed_layout import eval_fingerprint as layout_eval_fingerprint
 from kiln.components.data.prepare.packed_layout import fingerprint as layout_fingerprint
+from kiln.components.data.prepare.splits import SPLIT_SEED
 from kiln.components.errors import DataError
 from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
@@ -92,6 +94,8 @@ class PackedDocuments(DatasetContract):
         c = self.cfg
         parts = [self._source().description, self.tokenizer.fingerprint(), c.max_bytes,
                  self.seed, c.num_epochs, c.eval_fraction, "bytes"]  # layouts with byte counts
+        if self.seed != SPLIT_SEED:  # the held-out draw left the seed: other entries than before
+            parts.append(["split_seed", SPLIT_SEED])
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     @property
@@ -128,6 +132,7 @@ class PackedDocuments(DatasetContract):
             folder, corpus.documents(), self.tokenizer, seq_len=self.seq_len,
             num_epochs=self.cfg.num_epochs, seed=self.seed, eval_fraction=self.cfg.eval_fraction,
             source=corpus.description, extra={"max_bytes": self.cfg.max_bytes},
+            split_seed=SPLIT_SEED,
         )
 
     @property
@@ -146,6 +151,11 @@ class PackedDocuments(DatasetContract):
         """The data a run's cursor points into (``packed_layout.fingerprint``), saved with
         every checkpoint: a resume on other data is refused."""
         return {"data": layout_fingerprint(self.meta)}
+
+    def eval_fingerprints(self) -> dict[str, str]:
+        """The held-out documents (``packed_layout.eval_fingerprint``): the same for every
+        ``training.seed``."""
+        return {"data": layout_eval_fingerprint(self.meta)}
 
     @property
     def tokens_per_epoch(self) -> int:

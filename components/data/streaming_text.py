@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from pydantic import Field, NonNegativeInt
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -228,6 +229,13 @@ class StreamingText(DatasetContract):
                                                      [self.tokenizer.eos_id]]) for a in ids])
             self._eval = tokens, len(tokens) / max(sum(len(t.encode()) for t in texts), 1)
         return self._eval
+
+    def eval_fingerprints(self) -> dict[str, str]:
+        """The held-out tokens (the first ``eval_docs`` documents), hashed: runs on other
+        inputs are not judged against each other."""
+        if not self.cfg.eval_docs:
+            return {}
+        return {"data": xxhash.xxh3_64_hexdigest(np.ascontiguousarray(self._eval_split()[0]))}
 
     def tokens_per_byte(self, split: str = "eval") -> float | None:
         """Tokens per UTF-8 byte of the eval documents (for bits per byte)."""

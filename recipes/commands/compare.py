@@ -14,7 +14,7 @@ from typing import Any
 
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.diff import ABSENT, differing, short_names
-from kiln.recipes.runs import judge, significance
+from kiln.recipes.runs import judge, seed_groups, significance
 from kiln.recipes.runs.read import Run, open_runs, summary
 
 # Result columns in table order: summary key -> header. A mixture's per-source eval losses
@@ -172,10 +172,11 @@ def _sample_sizes(columns: list[str], rows: list[dict[str, Any]]) -> dict[str, s
 
 
 def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = False, *,
-           judged: list[judge.Judgment] = (), width: int = 0) -> str:
+           judged: list[judge.Judgment] = (), width: int = 0, legend: str = "") -> str:
     """The table; ``judged`` columns get their standard errors and marks (``*`` best, ``~``
-    within noise of it) and a legend below; ``width`` > 0 wraps the columns into blocks of
-    at most that many characters, each starting with the run's name."""
+    within noise of it) and a legend below (``legend``, or the runs' one); ``width`` > 0
+    wraps the columns into blocks of at most that many characters, each starting with the
+    run's name."""
     marks = {j.column: j for j in judged}
     sizes = _sample_sizes(columns, rows)
     heads = [h + (f" ({sizes[c]})" if c in sizes else "") + ("!" if c in marks and marks[c].note
@@ -192,11 +193,11 @@ def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = Fals
                             for block in _blocks(widths, width))
     notes = [j.note for j in judged if j.note]
     if any(m in "".join(r) for r in body for m in "*~"):
-        notes.insert(0, f"±: standard error (eval loss over its eval batches, a task over its "
-                     f"examples). *: the column's best run; ~: within noise of it (p >= "
-                     f"{significance.ALPHA}: a paired t-test where both runs scored the same "
-                     "examples, else a z-test on the standard errors); unmarked: worse beyond "
-                     "noise.")
+        notes.insert(0, legend or (
+            "±: standard error (eval loss over its eval batches, a task over its examples). *: "
+            f"the column's best run; ~: within noise of it (p >= {significance.ALPHA}: a paired "
+            "t-test where both runs scored the same examples, else a z-test on the standard "
+            "errors); unmarked: worse beyond noise."))
     if not markdown:  # (the notes wrap like the table)
         notes = [textwrap.fill(n, width=width or 100, subsequent_indent="  ") for n in notes]
     return "\n".join([text, *notes])
@@ -258,14 +259,47 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
                            for j in judged if not j.note}
         return json.dumps([{c: r.get(c) for c in columns} | r for r in rows], indent=2,
                           default=str)
-    return render(columns, rows, markdown, judged=judged, width=0 if markdown else width)
+    width = 0 if markdown else width
+    text = render(columns, rows, markdown, judged=judged, width=width)
+    groups = seed_groups.points([r.recipe for r in runs])
+    if not groups or not judged:
+        return text
+    return f"{text}\n\n{_points_table(groups, rows, judged, markdown, width)}"
+
+
+POINTS_LEGEND = (
+    "±: standard error of the mean over the point's seeds. *: the column's best point; ~: "
+    f"within noise of it (p >= {significance.ALPHA}: a t-test over the seeds, paired by seed "
+    "where both points ran the same seeds, else Welch's); unmarked: worse beyond noise.")
+
+
+def _points_table(groups: list[seed_groups.Point], rows: list[dict[str, Any]],
+                  judged: list[judge.Judgment], markdown: bool, width: int) -> str:
+    """Runs that differ only in their seed, as points: the mean of each judged column over a
+    point's seeds (``recipes/runs/seed_groups.py``)."""
+    point_rows = seed_groups.point_rows(groups, rows, judged)
+    marks = [judge.Judgment(j.column, j.label, j.best, j.verdicts, lower=j.lower)
+             for j in seed_groups.judge_points(groups, rows, judged)]  # (notes said above)
+    for r in point_rows:
+        r["point"] = r.pop("run")
+    columns = ["point", "seeds", *(j.column for j in judged)]
+    title = "Across seeds (each point: the runs that differ only in training.seed):"
+    return f"{title}\n" + render(columns, point_rows, markdown, judged=marks, width=width,
+                                 legend=POINTS_LEGEND)
 
 
 def verdicts(paths: list[str]) -> list[str]:
-    """The sweep summary's lines: per judged column, its winner, or that there is none."""
+    """The sweep summary's lines: per judged column, its winner, or that there is none; of the
+    points over their seeds where the runs repeat settings with other seeds."""
     runs = open_runs(paths)
     _, rows = table(runs)
-    return [judge.sentence(j, [r["run"] for r in rows]) for j in judge.judge(runs, rows)]
+    judged = judge.judge(runs, rows)
+    groups = seed_groups.points([r.recipe for r in runs])
+    if groups:
+        labels = [g.label for g in groups]
+        return [f"across seeds, {judge.sentence(j, labels, 'point')}"
+                for j in seed_groups.judge_points(groups, rows, judged)]
+    return [judge.sentence(j, [r["run"] for r in rows]) for j in judged]
 
 
 def run(args) -> int:

@@ -72,9 +72,9 @@ class EvalHook(Hook):
 
 
 def eval_fingerprint(trainer) -> str:
-    """What the held-out loss is taken over: the data (each source's fingerprint), the token
-    budget and how it is batched."""
-    what = [trainer.data_record["fingerprints"], trainer.recipe.eval.tokens,
+    """What the held-out loss is taken over: the held-out split (each source's, the same for
+    every training.seed), the token budget and how it is batched."""
+    what = [trainer.dataset.eval_fingerprints(), trainer.recipe.eval.tokens,
             trainer.plan.seq_len, trainer.plan.micro_batch * trainer.data_ranks]
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 

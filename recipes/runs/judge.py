@@ -29,6 +29,7 @@ class Judgment:
     best: int | None = None  # row index
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # row -> its test against best
     note: str = ""  # why the column is not judged (held-out sets differ), or ""
+    lower: bool = True  # lower values are better (a loss), else higher (an accuracy)
 
     def mark(self, i: int) -> str:
         """"*" for the best, "~" within noise of it, "" beyond noise or not judged (no
@@ -74,7 +75,7 @@ def judge(runs: list[Run], rows: list[dict[str, Any]]) -> list[Judgment]:
 
 
 def _judge(column: str, label: str, entries: list[_Entry], *, lower: bool) -> Judgment:
-    judgment = Judgment(column, label)
+    judgment = Judgment(column, label, lower=lower)
     if len(entries) < 2:
         return judgment
     prints = {e.fingerprint for e in entries if e.fingerprint is not None}
@@ -114,16 +115,17 @@ def _task_units(run: Run, name: str, info: dict[str, Any]) -> np.ndarray | None:
     return values[:, columns.index(info["metric"]) if info["metric"] in columns else 0]
 
 
-def sentence(judgment: Judgment, labels: list[str]) -> str:
-    """One line: which run wins the column, or that none does beyond noise (the sweep's)."""
+def sentence(judgment: Judgment, labels: list[str], noun: str = "run") -> str:
+    """One line: which run (``noun``) wins the column, or that none does beyond noise (the
+    sweep's)."""
     if judgment.note:
         return f"no verdict on {judgment.note}"
     if judgment.best is None:
-        return f"no verdict on {judgment.label}: fewer than two runs have it"
+        return f"no verdict on {judgment.label}: fewer than two {noun}s have it"
     best = labels[judgment.best]
     if not judgment.verdicts:
-        return (f"no verdict on {judgment.label}: {best} has the best value, but the runs "
-                "logged no standard errors to judge it by")
+        return (f"no verdict on {judgment.label}: {best} has the best value, but the {noun}s "
+                "have no standard errors to judge it by")
     close = {i: v for i, v in judgment.verdicts.items() if not v.significant}
     if close:
         who = ", ".join(f"{labels[i]} ({significance.p_text(v.p)}, {v.how})"
@@ -131,5 +133,5 @@ def sentence(judgment: Judgment, labels: list[str]) -> str:
         return (f"no winner on {judgment.label}: {best} has the best value, but the "
                 f"difference to {who} is within noise (p >= {significance.ALPHA})")
     worst = max(judgment.verdicts.values(), key=lambda v: v.p)
-    return (f"winner on {judgment.label}: {best}, better than every other run beyond noise "
+    return (f"winner on {judgment.label}: {best}, better than every other {noun} beyond noise "
             f"(the closest: {significance.p_text(worst.p)}, {worst.how})")

@@ -29,20 +29,37 @@ class Verdict:
         return self.p < ALPHA
 
 
-def paired(a: np.ndarray, b: np.ndarray) -> Verdict | None:
-    """Paired t-test of per-example scores ``a`` and ``b`` (n,); None if they cannot pair."""
+def paired(a: np.ndarray, b: np.ndarray, unit: str = "") -> Verdict | None:
+    """Paired t-test of per-example scores ``a`` and ``b`` (n,); None if they cannot pair.
+    ``unit`` names what is paired when it is not examples ("seeds")."""
     from scipy import stats
 
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
         return None
+    how = f"paired t{' by ' + unit.rstrip('s') if unit else ''}, n={len(a)}"
     d = a - b
     if not np.any(d):  # identical scores: no evidence of any difference
-        return Verdict(1.0, f"paired t, n={len(a)}")
+        return Verdict(1.0, how)
     if np.all(d == d[0]):  # a constant shift: no spread, the difference is certain
-        return Verdict(0.0, f"paired t, n={len(a)}")
+        return Verdict(0.0, how)
     p = float(stats.ttest_rel(a, b).pvalue)
-    return Verdict(p if math.isfinite(p) else 1.0, f"paired t, n={len(a)}")
+    return Verdict(p if math.isfinite(p) else 1.0, how)
+
+
+def welch(a: np.ndarray, b: np.ndarray) -> Verdict | None:
+    """Welch's two-sample t-test (unequal variances) of two runs' sets of scores over seeds;
+    None below two values a side."""
+    from scipy import stats
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    how = f"Welch t over seeds, n={len(a)}/{len(b)}"
+    if np.var(a) == 0 and np.var(b) == 0:
+        return Verdict(1.0 if a[0] == b[0] else 0.0, how)
+    p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return Verdict(p if math.isfinite(p) else 1.0, how)
 
 
 def unpaired(a: float, se_a: float, b: float, se_b: float) -> Verdict | None:

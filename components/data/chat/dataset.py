@@ -27,6 +27,7 @@ from kiln.components.data.chat import builtin, conversations, masks, packing
 from kiln.components.data.chat.chat_loader import SPLIT_FILES, ChatLoader
 from kiln.components.data.packed_documents import cache_root
 from kiln.components.data.prepare.packed_layout import file_lock
+from kiln.components.data.prepare.splits import SPLIT_SEED
 from kiln.components.errors import DataError
 from kiln.components.protocols import DatasetContract
 from kiln.components.registry import register
@@ -111,7 +112,7 @@ class ChatDataset(DatasetContract):
         c = self.cfg
         return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
                 self.template.source, self.template.specials, self.tokenizer.fingerprint(),
-                self.seq_len, c.train_on, c.pack, c.overlong, c.eval_fraction, self.seed]
+                self.seq_len, c.train_on, c.pack, c.overlong, c.eval_fraction, SPLIT_SEED]
 
     def prepare(self, *, create: bool = False) -> Path:
         folder = self.folder
@@ -129,7 +130,7 @@ class ChatDataset(DatasetContract):
     def _rows(self):
         if not self.cfg.path:
             return ((f"built-in chat set: row {i}", r)
-                    for i, r in enumerate(builtin.conversations(self.cfg.builtin_rows, self.seed)))
+                    for i, r in enumerate(builtin.conversations(self.cfg.builtin_rows, SPLIT_SEED)))
         return conversations.read_rows(self.cfg.path, split=self.cfg.split,
                                        cache_dir=self.cfg.cache_dir)
 
@@ -156,8 +157,9 @@ class ChatDataset(DatasetContract):
                                      "empty_assistant_turns": empty})
 
     def _split_of(self, n: int) -> dict[str, np.ndarray]:
-        """The examples of each split: ``eval_fraction`` of them held out, in a seeded order."""
-        order = np.random.default_rng([self.seed, 0xC4A7]).permutation(n)
+        """The examples of each split: ``eval_fraction`` of them held out, in a seeded order
+        (``SPLIT_SEED``: the same for every training.seed, which orders the train rows)."""
+        order = np.random.default_rng([SPLIT_SEED, 0xC4A7]).permutation(n)
         n_eval = int(round(n * self.cfg.eval_fraction))
         return {"eval": order[:n_eval], "train": order[n_eval:]}
 

@@ -134,11 +134,17 @@ class Mixture(DatasetContract):
 
     def fingerprints(self) -> dict[str, str]:
         """Each source's data (``data.sources.NAME``), for the resume check."""
+        return self._by_source(lambda child: child.fingerprints())
+
+    def eval_fingerprints(self) -> dict[str, str]:
+        """Each source's held-out split (``data.sources.NAME``)."""
+        return self._by_source(lambda child: child.eval_fingerprints())
+
+    def _by_source(self, of) -> dict[str, str]:
         out = {}
         for name in self.names:
-            child = self.children[name].fingerprints()
             out.update({f"data.sources.{name}{key.removeprefix('data')}": value
-                        for key, value in child.items()})
+                        for key, value in of(self.children[name]).items()})
         return out
 
     @property

@@ -25,6 +25,7 @@ from kiln.components.data.chat.conversations import read_rows
 from kiln.components.data.chat.dataset import ChatDataset, RowsConfig
 from kiln.components.data.preference import builtin, encode
 from kiln.components.data.preference.pairs import Pair, is_unpaired, to_pair, to_unpaired
+from kiln.components.data.prepare.splits import SPLIT_SEED
 from kiln.components.errors import DataError
 from kiln.components.registry import register
 
@@ -109,12 +110,12 @@ class PreferenceDataset(ChatDataset):
         c = self.cfg
         return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
                 self.template.source, self.template.specials, self.tokenizer.fingerprint(),
-                self.seq_len, c.overlong, c.eval_fraction, self.seed]
+                self.seq_len, c.overlong, c.eval_fraction, SPLIT_SEED]
 
     def _rows(self):
         if not self.cfg.path:
             return ((f"built-in preference set: row {i}", r)
-                    for i, r in enumerate(builtin.pairs(self.cfg.builtin_rows, self.seed)))
+                    for i, r in enumerate(builtin.pairs(self.cfg.builtin_rows, SPLIT_SEED)))
         return read_rows(self.cfg.path, split=self.cfg.split, cache_dir=self.cfg.cache_dir)
 
     def _build(self, folder) -> None:

@@ -1,7 +1,8 @@
 """The packed-document dataset folder (layout version 1): writing, opening and validating it.
 
     metadata.json          layout version, vocab, counts (tokens, documents, UTF-8 bytes per
-                           split), the largest token id (max_id), seed, tokenizer fingerprint
+                           split), the largest token id (max_id), seed (the epochs' order),
+                           split_seed (the held-out draw), tokenizer fingerprint
                            and source, source (written last)
     tokens.bin             every document as [BOS] + ids + [EOS], back to back (uint16/uint32)
     doc_offsets.npy        int64 (num_docs + 1,): start of each document, then total_tokens
@@ -79,10 +80,11 @@ def document_tokens(ids: np.ndarray, lengths: np.ndarray, bos: int, eos: int) ->
 def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer, *,
                  seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
                  source: str, extra: dict[str, Any] | None = None,
-                 batch_docs: int = 256) -> Path:
+                 batch_docs: int = 256, split_seed: int | None = None) -> Path:
     """Tokenize ``texts`` (one document each, ``batch_docs`` per ``encode_batch``) in this
     process into a new layout folder at ``folder``; ``prepare.py`` is the parallel, resumable
-    builder for large corpora.
+    builder for large corpora. ``seed`` orders the epochs; ``split_seed`` (default: ``seed``)
+    draws the held-out documents.
 
     If another process finished the same folder first, its copy is kept and ours discarded.
     """
@@ -109,7 +111,8 @@ def write_layout(folder: str | Path, texts: Iterable[str], tokenizer: Tokenizer,
         finish_layout(tmp, np.concatenate(lengths) if lengths else np.empty(0, np.int64),
                       np.concatenate(nbytes) if nbytes else np.empty(0, np.int64),
                       tokenizer_meta(tokenizer), seq_len=seq_len, num_epochs=num_epochs,
-                      seed=seed, eval_fraction=eval_fraction, source=source, extra=extra or {})
+                      seed=seed, eval_fraction=eval_fraction, source=source, extra=extra or {},
+                      split_seed=split_seed)
         try:
             os.rename(tmp, folder)
         except OSError:
@@ -146,15 +149,17 @@ def _save(path: Path, array: np.ndarray) -> None:
 def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: dict[str, Any],
                   *, seq_len: int, num_epochs: int, seed: int, eval_fraction: float,
                   source: str, extra: dict[str, Any], separator: str = "bos_eos",
-                  eval_split: str = "random", eval_docs: int = 0) -> dict[str, Any]:
+                  eval_split: str = "random", eval_docs: int = 0,
+                  split_seed: int | None = None) -> dict[str, Any]:
     """Write offsets, the epoch orders, the eval split and metadata.json (last) beside a
     complete tokens.bin; ``lengths`` are per document with its BOS / EOS (``separator``),
     ``nbytes`` its text's UTF-8 bytes (for bits per byte); ``eval_split`` and ``eval_docs``:
-    ``splits.split``."""
+    ``splits.split``; ``split_seed`` (default: ``seed``) draws a random split."""
     if len(lengths) < 1:
         raise DataError(f"the source ({source}) gave no documents; check the source and max_bytes")
+    split_seed = seed if split_seed is None else split_seed
     cut = splits.split(lengths, nbytes, eval_split=eval_split, eval_fraction=eval_fraction,
-                       seed=seed, eval_docs=eval_docs)
+                       seed=split_seed, eval_docs=eval_docs)
     lengths, nbytes, train, held_out = cut.lengths, cut.nbytes, cut.train, cut.eval
     num_docs = len(lengths)
     dtype = token_dtype(tok_meta["vocab_size"])
@@ -175,7 +180,8 @@ def finish_layout(tmp: Path, lengths: np.ndarray, nbytes: np.ndarray, tok_meta: 
         # what a run's data fingerprint is made of (a resume refuses changed data)
         "tokens_xxh3": xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens).view(np.uint8)),
         "seq_len": seq_len,
-        "num_epochs": num_epochs, "seed": seed, "eval_fraction": eval_fraction,
+        "num_epochs": num_epochs, "seed": seed, "split_seed": split_seed,
+        "eval_fraction": eval_fraction,
         "source": source, "separator": separator, "eval_split": eval_split,
         "cut_doc": cut.cut,
         "splits": {name: {"docs": len(ids), "tokens": int(lengths[ids].sum()),
@@ -264,8 +270,23 @@ def fingerprint(meta: dict[str, Any]) -> str:
     recorded: their counts instead."""
     keys = ("tokens_xxh3", "total_tokens", "num_docs", "seed", "num_epochs", "eval_fraction",
             "tokenizer", "vocab_size")
-    text = json.dumps({k: meta.get(k) for k in keys}, sort_keys=True)
-    return xxhash.xxh3_64_hexdigest(text.encode())
+    what = {k: meta.get(k) for k in keys}
+    if meta.get("split_seed", meta.get("seed")) != meta.get("seed"):
+        what["split_seed"] = meta["split_seed"]  # (absent otherwise: older folders keep theirs)
+    return xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
+
+
+def eval_fingerprint(meta: dict[str, Any]) -> str:
+    """What the held-out documents are, and in which order: equal for two folders of the same
+    tokens and split whatever orders their train epochs (``seed``), so runs of several training
+    seeds are scored on the same data (``kiln compare``)."""
+    keys = ("tokens_xxh3", "total_tokens", "num_docs", "eval_fraction", "eval_split", "cut_doc",
+            "tokenizer", "vocab_size")
+    what = {k: meta.get(k) for k in keys}
+    what["eval"] = meta.get("splits", {}).get("eval")
+    if meta.get("eval_split", "random") == "random":
+        what["split_seed"] = meta.get("split_seed", meta.get("seed"))
+    return xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
 
 
 def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> PackedLayout:

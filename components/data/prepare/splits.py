@@ -24,6 +24,11 @@ from kiln.components.errors import DataError
 
 SEPARATORS = {"bos_eos": (True, True), "eos": (False, True), "none": (False, False)}
 EVAL_SPLITS = ("random", "tail", "files")
+# The seed of the held-out draw of a dataset kiln builds by itself (the cached `packed_documents`
+# source, chat, preference and prompt rows, their built-in sets): fixed, not training.seed, so
+# every seed of a recipe is scored on the same held-out examples (seed replicates compare, as in
+# `kiln sweep --seeds`); training.seed still orders the training data.
+SPLIT_SEED = 0
 
 
 def framing(separator: str) -> tuple[bool, bool]:

@@ -26,6 +26,7 @@ from kiln.components.data.chat import packing
 from kiln.components.data.chat.chat_loader import ChatLoader, ChatRows
 from kiln.components.data.chat.conversations import check, prompt_messages, read_rows
 from kiln.components.data.chat.dataset import ChatDataset, RowsConfig
+from kiln.components.data.prepare.splits import SPLIT_SEED
 from kiln.components.data.prompts import builtin
 from kiln.components.errors import DataError
 from kiln.components.registry import register
@@ -93,12 +94,12 @@ class PromptDataset(ChatDataset):
         c = self.cfg
         return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
                 self.template.source, self.template.specials, self.tokenizer.fingerprint(),
-                self.seq_len, c.overlong, c.eval_fraction, self.seed]
+                self.seq_len, c.overlong, c.eval_fraction, SPLIT_SEED]
 
     def _rows(self):
         if not self.cfg.path:
             return ((f"built-in prompt set: row {i}", r)
-                    for i, r in enumerate(builtin.prompts(self.cfg.builtin_rows, self.seed)))
+                    for i, r in enumerate(builtin.prompts(self.cfg.builtin_rows, SPLIT_SEED)))
         return read_rows(self.cfg.path, split=self.cfg.split, cache_dir=self.cfg.cache_dir)
 
     def _encode(self, where: str, row: dict) -> tuple[list[int], str]:

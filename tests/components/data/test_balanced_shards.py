@@ -92,6 +92,17 @@ def test_eval_rows_are_held_out(root):
     assert [t for b in ev for t in tags(b)] == got  # one fresh pass per iteration
 
 
+def test_the_eval_fingerprint_is_the_held_out_rows(root, tmp_path):
+    base = dataset(root).eval_fingerprints()
+    assert dataset(root).eval_fingerprints() == base and base
+    assert dataset(root, eval_rows=5).eval_fingerprints() != base
+    write_shard(tmp_path / "moved", 0, 1)  # each domain's first shard is another one
+    for d in (1, 2):
+        write_shard(tmp_path / "moved", d, 0)
+    assert dataset(tmp_path / "moved").eval_fingerprints() != base
+    assert dataset(root, eval_rows=0).eval_fingerprints() == {}
+
+
 def test_one_pass_covers_every_train_row_once(root):
     ds = dataset(root, shuffle=False)
     train = ds.loader("train", micro_batch=6, global_batch=6)

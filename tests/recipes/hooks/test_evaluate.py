@@ -16,7 +16,8 @@ from kiln.recipes.hooks.evaluate import step_means
 def _trainer(scores):
     return SimpleNamespace(
         step_fn=SimpleNamespace(scores=scores), device=torch.device("cpu"),
-        data_record={"fingerprints": ["abc"]}, recipe=SimpleNamespace(eval=SimpleNamespace(
+        dataset=SimpleNamespace(eval_fingerprints=lambda: {"data": "abc"}),
+        recipe=SimpleNamespace(eval=SimpleNamespace(
             tokens=1024)), plan=SimpleNamespace(seq_len=16, micro_batch=2), data_ranks=1)
 
 
