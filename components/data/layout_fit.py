@@ -33,8 +33,12 @@ def too_small(meta: dict[str, Any], split: str, *, seq_len: int, global_batch: i
     micro = global_batch // world_size
     rows, keys = (f"{micro} x {world_size}", "training.micro_batch x data-parallel ranks") \
         if world_size > 1 else (str(micro), "training.micro_batch")
-    fraction = suggest_eval_fraction(int(meta["total_tokens"]), need)
     now = meta.get("eval_fraction", "?")
+    random = meta.get("eval_split", "random") == "random"
+    fraction = suggest_eval_fraction(int(meta["total_tokens"]), need,
+                                     num_docs=int(meta.get("num_docs", 0)) if random else 0,
+                                     eval_docs=int(info["docs"]),
+                                     now=now if isinstance(now, (int, float)) else None)
     if fraction is None:
         hold = f"the corpus ({int(meta['total_tokens']):,} tokens) is too small to hold out that"
         hold += " much: "
@@ -49,8 +53,18 @@ def too_small(meta: dict[str, Any], split: str, *, seq_len: int, global_batch: i
             "off (eval.interval = 0 and eval.at_end = false)")
 
 
-def suggest_eval_fraction(total_tokens: int, need: int) -> float | None:
+def suggest_eval_fraction(total_tokens: int, need: int, *, num_docs: int = 0,
+                          eval_docs: int = 0, now: float | None = None) -> float | None:
     """A share of documents to hold out that should give ``need`` eval tokens (a quarter more,
-    for documents of uneven length); None when that is half the corpus or more."""
-    share = math.ceil(need / max(total_tokens, 1) * 1.25 * 100) / 100
+    for documents of uneven length), above the current share ``now``; with ``num_docs`` (a
+    random split of whole documents) at least one document more than the ``eval_docs`` held out
+    now, since a split of a few documents can fall short of the average by chance. None when
+    that is half the corpus or more."""
+    share = need / max(total_tokens, 1) * 1.25
+    if num_docs:
+        share = max(share, (eval_docs + 1) / num_docs)
+    share = math.ceil(round(share * 100, 6)) / 100
+    if now is not None and share <= now:
+        share = math.floor(round(now * 100, 6)) / 100 + 0.01
+    share = round(share, 2)
     return share if share < 0.5 else None

@@ -241,3 +241,20 @@ def test_an_eval_split_too_small_for_one_batch_says_what_to_change(tmp_path, mak
     msg = str(err.value)
     assert "32 x 2 x 8 + 1 = 513 tokens (training.micro_batch x data-parallel ranks" in msg
     assert "`kiln data prepare ... --eval-fraction 0.2" in msg and "data.eval_fraction" not in msg
+
+
+def test_the_suggested_eval_fraction_holds_out_more_than_now():
+    """A random split of a few documents can be short by chance: one 99-token document at 2%
+    of 50 (the average document holds 6,000 tokens). The suggestion is above the current share
+    and holds out at least one document more, not the 1% the average alone would give."""
+    from kiln.components.data.layout_fit import suggest_eval_fraction, too_small
+
+    meta = {"total_tokens": 300_000, "num_docs": 50, "eval_fraction": 0.02,
+            "splits": {"eval": {"tokens": 99, "docs": 1}}}
+    msg = too_small(meta, "eval", seq_len=256, global_batch=4, world_size=1, prepared=False)
+    assert "(data.eval_fraction = 0.04; now 0.02)" in msg
+    assert suggest_eval_fraction(300_000, 1025) == 0.01  # the average alone
+    tail = {**meta, "eval_split": "tail", "eval_fraction": 0.001}  # tokens, not documents
+    assert "(data.eval_fraction = 0.01; now 0.001)" in too_small(
+        tail, "eval", seq_len=256, global_batch=4, world_size=1, prepared=False)
+    assert suggest_eval_fraction(10_000, 1025, now=0.2) == 0.21
