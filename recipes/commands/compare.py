@@ -261,6 +261,9 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
                           default=str)
     width = 0 if markdown else width
     text = render(columns, rows, markdown, judged=judged, width=width)
+    for note in judge.unfinished(rows):
+        text += "\n" + (note if markdown else textwrap.fill(note, width=width or 100,
+                                                             subsequent_indent="  "))
     groups = seed_groups.points([r.recipe for r in runs])
     if not groups or not judged:
         return text

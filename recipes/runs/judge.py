@@ -115,6 +115,14 @@ def _task_units(run: Run, name: str, info: dict[str, Any]) -> np.ndarray | None:
     return values[:, columns.index(info["metric"]) if info["metric"] in columns else 0]
 
 
+def unfinished(rows: list[dict[str, Any]]) -> list[str]:
+    """A note per run that has not reached its last step (in progress, stopped or failed):
+    its figures, judged ones included, are from an earlier step than the others' may be."""
+    return [f"{r['run']}: not finished (logged up to step {r['steps']:,} of "
+            f"{r['total_steps']:,}), so its figures are not its final ones" for r in rows
+            if r.get("total_steps") is not None and r.get("steps", 0) < r["total_steps"]]
+
+
 def sentence(judgment: Judgment, labels: list[str], noun: str = "run") -> str:
     """One line: which run (``noun``) wins the column, or that none does beyond noise (the
     sweep's)."""

@@ -243,7 +243,20 @@ def summary(run: Run) -> dict[str, Any]:
         out.setdefault("task_metrics", {})[name] = metric
     out["task_info"] = task_details(run)
     out["eval_info"] = eval_details(run)
+    out["total_steps"] = total_steps(run)
     return out
+
+
+def total_steps(run: Run) -> int | None:
+    """Where the run ends: its last session's ``total_steps`` (``MetricsWriter``), else the
+    recipe's ``training.steps``; None when neither says (a budget in tokens or epochs, logged
+    before the marker carried it)."""
+    for rec in reversed(run.records):
+        marker = rec.get("session")
+        if isinstance(marker, dict) and isinstance(marker.get("total_steps"), int):
+            return marker["total_steps"]
+    steps = getattr(getattr(run.recipe, "training", None), "steps", 0)
+    return steps if isinstance(steps, int) and steps > 0 else None
 
 
 def source_evals(run: Run) -> dict[str, float]:

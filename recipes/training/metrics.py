@@ -31,7 +31,7 @@ class MetricsWriter:
         self._wb_cfg = wandb if enabled else None
         self._wb_meta = (run_name, config or {})
         self._wb = None
-        self._session: int | None = None  # the step a session started from, until logged
+        self._session: dict | None = None  # the marker of a session that began, until logged
         if self._wb_cfg is not None and importlib.util.find_spec("wandb") is None:
             raise RecipeError("run.wandb is set but the wandb package is not installed: "
                               "pip install wandb (or remove [run.wandb])")
@@ -70,13 +70,16 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(self._tb_dir))
         return self._tb
 
-    def begin_session(self, step: int) -> None:
+    def begin_session(self, step: int, total_steps: int | None = None) -> None:
         """Training (re)starts from ``step``: the next line carries ``session: {"from_step":
-        step}``, so a reader drops what an earlier session logged after that step
-        (``recipes/runs/read.py``). Nothing is written to metrics.jsonl until then: a run that
+        step, "total_steps": N}``, so a reader drops what an earlier session logged after that
+        step (``recipes/runs/read.py``) and knows where the run ends (``kiln compare`` notes a
+        run that has not got there). Nothing is written to metrics.jsonl until then: a run that
         fails before its first step leaves no line. W&B starts here, before the step rather than
         at its first log line, so that a login it lacks stops the run before any work."""
-        self._session = step
+        self._session = {"from_step": step}
+        if total_steps is not None:
+            self._session["total_steps"] = total_steps
         self._wandb()
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -85,7 +88,7 @@ class MetricsWriter:
         clean = {k: _plain(v) for k, v in values.items()}
         line = {"step": step, **clean, "time": round(time.time(), 3)}
         if self._session is not None:
-            line["session"] = {"from_step": self._session}
+            line["session"] = self._session
             self._session = None
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")

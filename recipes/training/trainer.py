@@ -325,7 +325,7 @@ class Trainer:
                            "--run.folder to start over)")
                 return self.progress
             self._start_from_pretrained()
-            self.metrics.begin_session(self.progress.step)  # after the resume set the step
+            self.metrics.begin_session(self.progress.step, self.total_steps)  # after resume
             batches = iter(self.train_loader)
             self.model.train()
             started = False

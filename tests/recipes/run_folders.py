@@ -16,6 +16,8 @@ def make_run(folder: Path, overrides: tuple[str, ...] = (), *, losses=(3.0, 2.5,
     """A run of debug.toml with ``overrides``: a training line every ``interval`` steps with
     these losses, evaluation lines at the end, optionally ``experts.jsonl`` lines."""
     folder.mkdir(parents=True, exist_ok=True)
+    if not any(o.startswith("--training.steps=") for o in overrides):  # a finished run
+        overrides = (f"--training.steps={len(losses) * interval}", *overrides)
     recipe = load_recipe(CONFIGS / "debug.toml",
                          [*overrides, f"--run.folder={json.dumps(str(folder))}"])
     write_recipe(recipe, folder / "recipe.toml")

@@ -194,10 +194,10 @@ def test_compare_shows_one_column_per_task_from_either_source(tmp_path, capsys):
 def test_compare_with_different_evals_tables_stays_one_line_per_run(tmp_path, capsys):
     """Different [evals] tables: one evals column naming what differs (escaped, no raw
     newlines), not a column per sub-key; training.steps is not a second 'steps' column."""
-    a = make_run(tmp_path / "a", ("--training.steps=100", *MC))
-    b = make_run(tmp_path / "b", ("--training.steps=200", *MC, *EM,
+    a = make_run(tmp_path / "a", ("--training.steps=30", *MC))
+    b = make_run(tmp_path / "b", ("--training.steps=40", *MC, *EM,
                                   "--evals.mc.fewshot_separator=\"\\n##\\n\"",
-                                  "--evals.mc.num_fewshot=2"))
+                                  "--evals.mc.num_fewshot=2"), losses=(3.0, 2.5, 2.0, 1.8))
     assert main(["compare", str(a), str(b), "--width", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3

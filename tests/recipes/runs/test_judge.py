@@ -139,3 +139,19 @@ def test_a_steps_own_score_is_judged_and_its_other_held_out_values_are_not_colum
     lines = verdicts(runs)
     assert any(x.startswith("winner on rewards accuracies: b") for x in lines), lines
     assert not any("logps" in x for x in lines)
+
+
+def test_a_run_short_of_its_last_step_is_noted(tmp_path):
+    """The last session's total_steps says where a run ends (a budget in tokens too); without
+    the marker, the recipe's training.steps."""
+    done = make_run(tmp_path / "done", ("--training.steps=30",))
+    cut = make_run(tmp_path / "cut", ("--training.steps=30",), losses=(3.0, 2.6))
+    grown = make_run(tmp_path / "grown", ("--training.steps=30",))
+    with (grown / "metrics.jsonl").open("a") as f:  # resumed with a longer budget, stopped
+        f.write(json.dumps({"step": 30, "loss": 1.9, "session": {"from_step": 30,
+                                                                 "total_steps": 60}}) + "\n")
+    table = report([str(done), str(cut), str(grown)], width=0)
+    assert "cut: not finished (logged up to step 20 of 30), so its figures are not its final" \
+        in table
+    assert "grown: not finished (logged up to step 30 of 60)" in table
+    assert "done: not finished" not in table

@@ -87,7 +87,8 @@ def test_each_session_marks_its_first_line_with_the_step_it_started_from(tmp_pat
     writer.begin_session(0)
     writer.log(1, {"loss": 3.0})
     writer.log(2, {"loss": 2.0})
-    writer.begin_session(1)  # resumed from the step-1 checkpoint
+    writer.begin_session(1, total_steps=4)  # resumed from the step-1 checkpoint, 4 steps now
     writer.log(2, {"loss": 2.1})
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x.get("session") for x in lines] == [{"from_step": 0}, None, {"from_step": 1}]
+    assert [x.get("session") for x in lines] == [{"from_step": 0}, None,
+                                                 {"from_step": 1, "total_steps": 4}]
