@@ -1,5 +1,6 @@
 """`kiln plot RUN... [--metrics loss,eval/loss,lr,grad_norm] [--x step|tokens|time] [--smooth N]
-[--join] --out FILE.png`: overlay runs' curves (legend: what differs between their recipes); a
+[--join] [--each-seed] --out FILE.png`: overlay runs' curves (legend: what differs between their
+recipes; runs that differ only in their seed as one mean line in a band); a
 run started from another run's checkpoint at its true offset (``--join``: one line with its
 parent); mixture stage switches marked; MoE runs add an expert-load heatmap. Needs matplotlib
 (the `plot` extra)."""
@@ -25,6 +26,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--join", action="store_true",
                         help="draw a run started from another run's checkpoint (an anneal, a "
                         "fine-tune; its parent.json) and that parent as one line")
+    parser.add_argument("--each-seed", action="store_true",
+                        help="a line per run even where runs differ only in training.seed "
+                        "(default: such runs are one line, their mean, in a band from their "
+                        "lowest to their highest value)")
     parser.add_argument("--out", required=True, help="the PNG file to write")
 
 
@@ -36,6 +41,6 @@ def run(args) -> int:
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] or None
     runs = open_runs(args.runs)
     path = draw(runs, args.out, metrics=metrics, x=args.x, smooth_n=args.smooth,
-                experts=not args.no_experts, join=args.join)
+                experts=not args.no_experts, join=args.join, each_seed=args.each_seed)
     print(f"kiln plot: wrote {path} ({len(runs)} run{'s' * (len(runs) > 1)})")
     return 0

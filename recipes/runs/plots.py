@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, short_names
-from kiln.recipes.runs import lineage
+from kiln.recipes.runs import lineage, seed_groups
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
 
 # train/loss, eval/loss/* and data/share: a mixture's per-source curves (drawn where logged)
@@ -127,6 +127,39 @@ def plot_series(ax, xs: list[float], ys: list[float], label: str) -> None:
         ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
 
 
+def plot_band(ax, xs: list[float], mean: list[float], low: list[float], high: list[float],
+              label: str) -> None:
+    """A seed point's mean line with a shaded band from its lowest to its highest run (an
+    error bar where there is one x)."""
+    if len(xs) == 1:
+        ax.errorbar(xs, mean, yerr=[[mean[0] - low[0]], [high[0] - mean[0]]], label=label,
+                    marker="o", markersize=7, linestyle="none", capsize=4)
+        ax.annotate(f"{mean[0]:.4g}", (xs[0], mean[0]), textcoords="offset points",
+                    xytext=(6, 4), fontsize="small")
+        return
+    (line,) = ax.plot(xs, mean, label=label, marker="." if len(xs) < 30 else None)
+    ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
+def point_series(runs: list[Run], members: list[int], key: str, x: str, smooth_n: int = 1,
+                 offsets: list[float] | None = None) -> tuple[list[float], ...]:
+    """(xs, mean, low, high) of ``key`` over a seed point's runs at the steps all of them
+    logged: the mean, lowest and highest value at each; x is the runs' mean x there (tokens
+    and steps agree between seeds, the time does not)."""
+    per = []
+    for i in members:
+        steps, ys = series(runs[i], key, "step")
+        xs = series(runs[i], key, x)[0] if x != "step" else steps
+        off = offsets[i] if offsets else 0.0
+        per.append({s: (v + off, y) for s, v, y in zip(steps, xs, smooth(ys, smooth_n),
+                                                       strict=True)})
+    common = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    values = [[p[s][1] for p in per] for s in common]
+    return ([sum(p[s][0] for p in per) / len(per) for s in common],
+            [sum(v) / len(v) for v in values], [min(v) for v in values],
+            [max(v) for v in values])
+
+
 def smooth(ys: list[float], n: int) -> list[float]:
     """Trailing moving average over ``n`` points (``n`` <= 1: unchanged)."""
     if n <= 1:
@@ -162,15 +195,18 @@ X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "training time (s)"
 
 def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
          x: str = "step", smooth_n: int = 1, experts: bool = True, title: str = "",
-         join: bool = False) -> Path:
+         join: bool = False, each_seed: bool = False) -> Path:
     """Write one PNG: a panel per metric (every run a line), then an expert-load heatmap per
     MoE run. A run started from another run's weights is drawn at its true offset
-    (``lineage``); ``join`` draws it and its parent as one line. Atomic: the file is whole or
+    (``lineage``); ``join`` draws it and its parent as one line. Runs that differ only in
+    their seed (``seed_groups.points``) are one line, their mean, in a band from their lowest
+    to their highest value, unless ``each_seed`` (or ``join``). Atomic: the file is whole or
     absent."""
     plt = require_matplotlib()
     keys = resolve_metrics(runs, metrics)
     labels = legend_labels(runs)
     groups = lineage.lines(runs) if join else [[i] for i in range(len(runs))]
+    points = [] if join or each_seed else seed_groups.points([r.recipe for r in runs])
     offsets = [lineage.offset(run, x, runs) for run in runs]
     heat = [(run, *expert_loads(run)) for run in runs] if experts else []
     heat = [h for h in heat if h[1]]
@@ -182,7 +218,14 @@ def draw(runs: list[Run], out: str | Path, *, metrics: list[str] | None = None,
     for i, (head, members) in enumerate(panels):
         ax = fig.add_subplot(grid[i // cols, i % cols])
         for key in members:
-            for group in groups:
+            for p in points:
+                xs, mean, low, high = point_series(runs, p.members, key, x, smooth_n, offsets)
+                if xs:
+                    line = f"{p.label} ({len(p.members)} seeds)"
+                    if key != head:
+                        line = f"{line}: {key[len(head) + 1:]}"
+                    plot_band(ax, xs, mean, low, high, line)
+            for group in [] if points else groups:
                 lab = " → ".join(labels[i] for i in group)
                 xs, ys, joins = [], [], []
                 for i in group:  # parents first: one line through the model's life

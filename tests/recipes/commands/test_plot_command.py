@@ -150,3 +150,49 @@ def test_the_plot_at_the_end_is_drawn_after_the_final_evaluation(monkeypatch):
     kinds = [type(h).__name__ for h in by_priority(standard_hooks(recipe))]
     assert kinds.index("PlotHook") > max(kinds.index("EvalHook"),
                                          kinds.index("DownstreamEvalHook"))
+
+
+def _seeded(tmp_path, lr, seed, losses):
+    return make_run(tmp_path / f"lr={lr},seed={seed}", (f"--optimizer.lr={lr}",
+                                                         f"--training.seed={seed}",
+                                                         "--training.steps=30"), losses=losses)
+
+
+def test_runs_that_differ_only_in_their_seed_are_one_mean_line_in_a_band(tmp_path,
+                                                                         monkeypatch):
+    from kiln.recipes.runs import plots
+
+    runs = [_seeded(tmp_path, 1e-3, 0, (3.0, 2.0, 1.0)), _seeded(tmp_path, 1e-3, 1, (4.0, 2.5)),
+            _seeded(tmp_path, 3e-3, 0, (3.0, 2.0, 1.5)),
+            _seeded(tmp_path, 3e-3, 1, (3.2, 2.2, 1.7))]
+    opened = open_runs([str(r) for r in runs])
+    xs, mean, low, high = plots.point_series(opened, [0, 1], "loss", "step")
+    assert xs == [10, 20] and mean == [3.5, 2.25] and low == [3.0, 2.0] and high == [4.0, 2.5]
+    tokens = plots.point_series(opened, [0, 1], "loss", "tokens")[0]
+    assert tokens == [2048 * 10, 2048 * 20]  # the steps both seeds logged, on the tokens axis
+    drawn = []
+    monkeypatch.setattr(plots, "plot_band", lambda ax, xs, mean, low, high, label:
+                        drawn.append((label, xs)) or ax.plot(xs, mean, label=label))
+    monkeypatch.setattr(plots, "save", lambda fig, out: out)
+    plots.draw(opened, tmp_path / "p.png", metrics=["loss"])
+    assert drawn == [("lr=0.001 (2 seeds)", [10, 20]), ("lr=0.003 (2 seeds)", [10, 20, 30])]
+    drawn.clear()
+    plots.draw(opened, tmp_path / "p.png", metrics=["loss"], each_seed=True)
+    assert drawn == []  # a line per run instead
+
+
+def test_a_band_is_shaded_in_its_lines_colour_and_a_lone_point_gets_an_error_bar():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from kiln.recipes.runs.plots import plot_band
+
+    fig, ax = plt.subplots()
+    plot_band(ax, [1.0, 2.0], [3.0, 2.0], [2.5, 1.5], [3.5, 2.5], "lr=0.001 (2 seeds)")
+    (line,) = ax.lines
+    (band,) = ax.collections
+    assert line.get_label() == "lr=0.001 (2 seeds)"
+    assert tuple(band.get_facecolor()[0][:3]) == pytest.approx(
+        plt.matplotlib.colors.to_rgb(line.get_color()))
+    plot_band(ax, [5.0], [2.0], [1.5], [2.75], "one evaluation")
+    bars = ax.containers[-1]
+    assert bars.get_label() == "one evaluation" and [t.get_text() for t in ax.texts] == ["2"]
+    plt.close(fig)
