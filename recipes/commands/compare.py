@@ -253,10 +253,18 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
         judged = judge.judge(runs, rows)
     if as_json:
         for i, r in enumerate(rows):
-            r["judged"] = {j.column: {"mark": j.mark(i), **({"p": j.verdicts[i].p, "test":
-                                                            j.verdicts[i].how}
-                                                           if i in j.verdicts else {})}
-                           for j in judged if not j.note}
+            r["judged"] = _marks(judged, i)
+        groups = seed_groups.points([r.recipe for r in runs])
+        if groups and judged:  # each run names its point, with the point's figures and marks
+            point_rows = seed_groups.point_rows(groups, rows, judged)
+            by_point = seed_groups.judge_points(groups, rows, judged)
+            for g, (k, point) in zip(groups, enumerate(point_rows), strict=True):
+                summary = {"label": g.label, "seeds": g.seeds,
+                           **{j.column: point.get(j.column) for j in judged},
+                           "stderr": {j.column: _point_stderr(point, j.column) for j in judged},
+                           "judged": _marks(by_point, k)}
+                for i in g.members:
+                    rows[i]["point"] = summary
         return json.dumps([{c: r.get(c) for c in columns} | r for r in rows], indent=2,
                           default=str)
     width = 0 if markdown else width
@@ -268,6 +276,19 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
     if not groups or not judged:
         return text
     return f"{text}\n\n{_points_table(groups, rows, judged, markdown, width)}"
+
+
+def _marks(judged: list[judge.Judgment], i: int) -> dict[str, dict[str, Any]]:
+    """Row ``i``'s mark in each judged column, with its test against the best (--json)."""
+    return {j.column: {"mark": j.mark(i), **({"p": j.verdicts[i].p, "test": j.verdicts[i].how}
+                                             if i in j.verdicts else {})}
+            for j in judged if not j.note}
+
+
+def _point_stderr(point: dict[str, Any], column: str) -> float | None:
+    if column == "eval_loss":
+        return point["eval_info"]["stderr"]
+    return point["task_info"][column[len("task/"):]]["stderr"]
 
 
 POINTS_LEGEND = (

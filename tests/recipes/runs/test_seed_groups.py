@@ -46,6 +46,14 @@ def test_a_setting_better_under_every_seed_wins_paired_by_seed(tmp_path):
     assert row["lr=0.001"][2].startswith(f"{np.mean(worse):.4f}±")
     assert not row["lr=0.001"][2].endswith(("*", "~"))  # beyond noise
     assert "a t-test over the seeds, paired by seed" in " ".join(table.split())
+    rows = json.loads(report(runs, as_json=True))
+    point = rows[4]["point"]  # lr=3e-3, seed 1
+    assert point["label"] == "lr=0.003" and point["seeds"] == [0, 1, 2]
+    assert point["eval_loss"] == pytest.approx(np.mean(better))
+    assert point["stderr"]["eval_loss"] == pytest.approx(se)
+    assert point["judged"] == {"eval_loss": {"mark": "*"}}
+    other = rows[0]["point"]["judged"]["eval_loss"]
+    assert other["mark"] == "" and other["test"] == "paired t by seed, n=3"
 
 
 def test_points_of_other_seeds_take_welchs_test_and_spread_keeps_them_within_noise(tmp_path):
