@@ -33,6 +33,7 @@ class EvalHook(Hook):
 
     def evaluate(self, trainer) -> float:
         names = list(trainer.dataset.source_names)
+        units: dict[str, tuple[np.ndarray, list[str]]] = {}
         if names:
             loss, bpb, values, batches = evaluate_sources(trainer, names,
                                                           trainer.recipe.eval.tokens)
@@ -42,6 +43,7 @@ class EvalHook(Hook):
             s, n = batches.sum(axis=0) if len(batches) else (0.0, 0.0)
             loss = s / n if n > 0 else float("nan")
             bpb, values = bits_per_byte(loss, trainer.dataset), step_means(trainer, own)
+            units = step_units(trainer, own)  # every rank: a collective
         own_line = "  ".join(
             f"{k[5:]} {v:.4f}" + (f" ± {values[k + '_stderr']:.4f}" if k + "_stderr" in values
                                  else "")
@@ -60,6 +62,8 @@ class EvalHook(Hook):
         if trainer.world.is_main:
             unit_scores.save(trainer.run_dir, unit_scores.LOSS, trainer.progress.step, batches,
                              ["loss_sum", "tokens"], task=False)
+            for group, (scores, columns) in units.items():  # kiln compare pairs on these
+                unit_scores.save(trainer.run_dir, group, trainer.progress.step, scores, columns)
             tail = f"  bpb {bpb:.4f}" if bpb is not None else ""
             per = "".join(f"  {k[10:]} {v:.4f}" for k, v in values.items()
                           if k.startswith("eval/loss/"))
@@ -151,7 +155,7 @@ def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     averaged over the examples of all ranks (one all-reduce). A value the step names in
     ``scores`` (``GROUP/METRIC``) also gets ``eval/GROUP/METRIC_stderr`` (the mean's standard
     error over the examples), ``eval/GROUP/examples`` and ``eval/GROUP/fingerprint``, the
-    fields of an in-loop task, so `kiln compare` judges it (unpaired: on the errors)."""
+    fields of an in-loop task, so `kiln compare` judges it (paired on ``step_units``)."""
     if not own:
         return {}
     names = sorted(own)
@@ -174,6 +178,31 @@ def step_means(trainer, own: dict[str, list[torch.Tensor]]) -> dict[str, float]:
         out[f"eval/{k}{STDERR}"] = math.sqrt(var / n)
         out[f"eval/{group}/examples"] = n
         out[f"eval/{group}/fingerprint"] = eval_fingerprint(trainer)
+    return out
+
+
+def step_units(trainer, own: dict[str, list[torch.Tensor]]
+               ) -> dict[str, tuple[np.ndarray, list[str]]]:
+    """Per group of the step's scored values (``StepContract.scores``: ``rewards/accuracies``):
+    every held-out example's values, (examples, metrics), in the eval stream's order, which is
+    the same for 1 and N processes (global batch ``i`` holds rank 0's micro-batch ``i``, then
+    rank 1's, ...). Saved beside the run (``unit_scores``) so that `kiln compare` pairs two runs
+    example by example. Every rank takes part (one gather of the values)."""
+    scored = [k for k in getattr(trainer.step_fn, "scores", ()) if k in own]
+    if not scored:
+        return {}
+    local = {k: [t.double().cpu().tolist() for t in own[k]] for k in scored}
+    everyone = dist_utils.all_gather_object((trainer.data_rank, local))
+    # tensor-parallel peers hold the same data rank's values: one copy of each
+    ranks = dict(sorted(everyone, key=lambda entry: entry[0]))
+    out: dict[str, tuple[np.ndarray, list[str]]] = {}
+    for k in scored:
+        if len({len(r[k]) for r in ranks.values()}) != 1:  # not one stream: leave them unpaired
+            return {}
+        group, _, metric = k.rpartition("/")
+        stream = [v for i in range(len(local[k])) for r in ranks.values() for v in r[k][i]]
+        scores, columns = out.get(group, (np.zeros((len(stream), 0)), []))
+        out[group] = (np.column_stack([scores, stream]), [*columns, metric])
     return out
 
 

@@ -62,6 +62,12 @@ def test_dpo_starts_at_log_2_and_logs_trls_metrics(dpo):
     assert [x["step"] for x in held_out] == [2, 4]
     assert all(0 <= x["eval/rewards/accuracies"] <= 1 for x in held_out)
     assert {f"eval/{m}" for m in METRICS} <= set(held_out[0])
+    # every held-out pair's outcome is kept, so kiln compare pairs two runs pair by pair
+    from kiln.recipes.runs import unit_scores
+
+    values, columns = unit_scores.load(folder, "rewards", 4)
+    assert columns == ["accuracies"] and len(values) == held_out[-1]["eval/rewards/examples"]
+    assert values[:, 0].mean() == pytest.approx(held_out[-1]["eval/rewards/accuracies"])
 
 
 def test_mfu_counts_the_tokens_the_forwards_ran(dpo):
