@@ -259,12 +259,12 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
             point_rows = seed_groups.point_rows(groups, rows, judged)
             by_point = seed_groups.judge_points(groups, rows, judged)
             for g, (k, point) in zip(groups, enumerate(point_rows), strict=True):
-                summary = {"label": g.label, "seeds": g.seeds,
-                           **{j.column: point.get(j.column) for j in judged},
-                           "stderr": {j.column: _point_stderr(point, j.column) for j in judged},
-                           "judged": _marks(by_point, k)}
+                info = {"label": g.label, "seeds": g.seeds,
+                        **{j.column: point.get(j.column) for j in judged},
+                        "stderr": {j.column: _point_stderr(point, j.column) for j in judged},
+                        "judged": _marks(by_point, k)}
                 for i in g.members:
-                    rows[i]["point"] = summary
+                    rows[i]["point"] = info
         return json.dumps([{c: r.get(c) for c in columns} | r for r in rows], indent=2,
                           default=str)
     width = 0 if markdown else width
