@@ -108,7 +108,9 @@ class ChatDataset(DatasetContract):
         return self._folder
 
     def _key_parts(self) -> list[Any]:
-        """Everything that changes the prepared rows (the cache entry's key)."""
+        """Everything that changes the prepared rows (the cache entry's key). ``SPLIT_SEED``
+        stands where training.seed stood before the split left it (entries of seed 0 keep
+        their keys); the preference and prompt datasets' keys do the same."""
         c = self.cfg
         return [FORMAT, self._files_key(), c.split, sorted(c.fields.items()),
                 self.template.source, self.template.specials, self.tokenizer.fingerprint(),
