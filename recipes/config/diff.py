@@ -129,3 +129,11 @@ def short_names(keys: list[str]) -> dict[str, str]:
                 break
         out[key] = tail
     return out
+
+
+def settings_label(diffs: dict[str, list[Any]], i: int) -> str:
+    """Recipe ``i``'s values of the ``differing`` keys, by their short names: ``lr=0.001,
+    steps=60`` ("" when nothing differs); how plot legends and seed points name a run."""
+    short = short_names(list(diffs))
+    return ", ".join(f"{short[k]}={f'{v[i]:g}' if isinstance(v[i], float) else v[i]}"
+                     for k, v in diffs.items())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kiln.components.errors import KilnError, RecipeError
 from kiln.components.registry import did_you_mean
-from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.config.diff import differing, settings_label
 from kiln.recipes.runs import lineage, seed_groups
 from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
 
@@ -54,18 +54,12 @@ def legend_labels(runs: list[Run]) -> list[str]:
     """Per run, the recipe values that tell it apart (``lr=0.001, steps=60``); its name when
     nothing differs or when two runs would read the same."""
     diffs = differing([r.recipe for r in runs]) if len(runs) > 1 else {}
-    short = short_names(list(diffs))
-    labels = [", ".join(f"{short[k]}={_value(v[i])}" for k, v in diffs.items()) or r.label
-              for i, r in enumerate(runs)]
+    labels = [settings_label(diffs, i) or r.label for i, r in enumerate(runs)]
     # runs that differ in many keys: their names (a legend line must fit beside a panel)
     labels = [lab if len(lab) <= LEGEND_CHARS else r.label
               for r, lab in zip(runs, labels, strict=True)]
     return [f"{r.label}: {lab}" if labels.count(lab) > 1 and lab != r.label else lab
             for r, lab in zip(runs, labels, strict=True)]
-
-
-def _value(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:

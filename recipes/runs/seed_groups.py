@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.recipes.config.diff import differing, short_names
+from kiln.recipes.config.diff import differing, settings_label
 from kiln.recipes.runs import significance
 from kiln.recipes.runs.judge import Judgment
 from kiln.recipes.runs.significance import Verdict
@@ -44,7 +44,6 @@ def points(recipes: list[Any]) -> list[Point]:
     if SEED not in diffs:
         return []
     others = {k: v for k, v in diffs.items() if k != SEED}
-    short = short_names(list(others))
     groups: dict[str, list[int]] = {}
     for i in range(len(recipes)):
         key = json.dumps([v[i] for v in others.values()], default=str, sort_keys=True)
@@ -53,14 +52,9 @@ def points(recipes: list[Any]) -> list[Point]:
         return []
     out = []
     for members in groups.values():
-        first = members[0]
-        label = ", ".join(f"{short[k]}={_text(v[first])}" for k, v in others.items())
-        out.append(Point(label or "all runs", members, [diffs[SEED][i] for i in members]))
+        out.append(Point(settings_label(others, members[0]) or "all runs", members,
+                         [diffs[SEED][i] for i in members]))
     return out
-
-
-def _text(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def value_of(row: dict[str, Any], column: str) -> float | None:
@@ -76,7 +70,7 @@ def point_rows(groups: list[Point], rows: list[dict[str, Any]],
     column's mean over the point's seeds, with that mean's standard error."""
     out = []
     for g in groups:
-        row: dict[str, Any] = {"run": g.label, "seeds": ",".join(map(_text, g.seeds)),
+        row: dict[str, Any] = {"run": g.label, "seeds": ",".join(map(str, g.seeds)),
                                "task_info": {}, "task_metrics": {}}
         for j in judged:
             values = _values(g, rows, j.column)
