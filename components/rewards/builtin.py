@@ -25,7 +25,10 @@ from pydantic import Field, field_validator
 from kiln.components.base import ComponentConfig, regex
 from kiln.components.registry import register
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# A number as written in prose: thousands grouped by commas ("1,034") or plain digits, an
+# optional fraction, or a bare fraction (".5"). A comma not followed by three digits ends the
+# number, so a list "1,2,3" reads as three numbers, not 123.
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)|-?\.\d+")
 
 
 @dataclass(frozen=True)

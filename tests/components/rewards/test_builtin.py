@@ -33,6 +33,11 @@ def test_numeric_within_a_tolerance_and_commas():
     r = _reward("numeric", tolerance=0.01)
     assert r([_c("about 3.141", answer="3.14"), _c("1,034", answer="1034"),
               _c("3.2", answer="3.14"), _c("none", answer="1")]) == [1.0, 1.0, 0.0, 0.0]
+    # a bare fraction is the number it reads as, and only thousands groups join across commas
+    r = _reward("numeric")
+    assert r([_c("so x = .5", answer="0.5"), _c("it is -.25", answer="-0.25"),
+              _c("the list 1,2,3", answer="3"), _c("1,034.5 m", answer="1034.5"),
+              _c("12,34", answer="34")]) == [1.0] * 5
     with pytest.raises(ValueError, match="'answer' is not a number"):
         r([_c("1", answer="many")])
 
