@@ -10,7 +10,8 @@ completions from their text and the prompt's fields; none executes the model's t
 
 A plugin adds its own with ``@register("reward", "NAME")``: a class built from its config,
 called ``reward(completions: list[Completion]) -> list[float]``, with ``fields`` (the prompt
-fields it reads, checked against the data before step 1).
+fields it reads, checked against the data before step 1) and, optionally, ``check(fields)``
+(raises ``ValueError`` for a prompt it cannot score; run on every prompt before step 1).
 """
 
 from __future__ import annotations
@@ -137,13 +138,18 @@ class NumericReward(Extracting):
 
     Config = NumericConfig
 
+    def check(self, fields: dict[str, Any]) -> None:
+        """Refuse a prompt whose gold answer is not a number (run on every prompt before step
+        1, so a bad row stops the run at its start, not at the step that samples it)."""
+        if _number(str(fields[self.cfg.field])) is None:
+            raise ValueError(f"the prompt's {self.cfg.field!r} is not a number: "
+                             f"{fields[self.cfg.field]!r}")
+
     def __call__(self, completions: list[Completion]) -> list[float]:
         out = []
         for c in completions:
+            self.check(c.fields)
             got, gold = _number(self.answer(c.text)), _number(str(c.fields[self.cfg.field]))
-            if gold is None:
-                raise ValueError(f"the prompt's {self.cfg.field!r} is not a number: "
-                                 f"{c.fields[self.cfg.field]!r}")
             out.append(float(got is not None and abs(got - gold) <= self.cfg.tolerance))
         return out
 

@@ -141,6 +141,17 @@ class GRPOStep(StepContract):
                 raise DataError(f"rewards.{name} reads the prompts' field {missing[0]!r}, which "
                                 f"not every prompt has (fields: {', '.join(sorted(have)) or 'none'}"
                                 "); set its field, or map the data's with data.fields")
+        checks = {n: r.check for n, r in self.rewards.items() if hasattr(r, "check")}
+        for split in ("train", "eval") if checks else ():
+            rows = list(range(dataset.prompt_count(split)))
+            for row, fields in zip(rows, dataset.prompt_fields(split, rows), strict=True):
+                for name, check in checks.items():
+                    try:
+                        check(fields)
+                    except ValueError as exc:
+                        raise DataError(f"rewards.{name} cannot score {split} prompt {row}: "
+                                        f"{exc}; fix that row, or choose another reward "
+                                        "type") from None
         room = dataset.seq_len + 1 - self.rollout.max_new_tokens
         if dataset.longest_prompt > room:
             raise DataError(
