@@ -292,6 +292,10 @@ def eval_fingerprint(meta: dict[str, Any]) -> str:
 def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> PackedLayout:
     """Open and validate ``folder``; with ``tokenizer``, also check it matches the data."""
     folder = Path(folder)
+    if folder.is_file():
+        raise DataError(f"dataset folder {folder} is a file, not a prepared dataset folder; "
+                        f"build one from it with `kiln data prepare --input {folder} --out "
+                        "FOLDER` and point the path at FOLDER")
     if not folder.is_dir():
         raise DataError(f"dataset folder {folder} does not exist; build it from your text with "
                         f"`kiln data prepare --input FILE_OR_FOLDER... --out {folder}`")

@@ -107,6 +107,9 @@ def test_corrupt_folder_is_a_data_error(tmp_path, name):
 def test_missing_folder(tmp_path):
     with pytest.raises(DataError, match=r"kiln data prepare .*--input .*--out"):
         open_layout(tmp_path / "nope")
+    (tmp_path / "text.jsonl").write_text('{"text": "a"}\n')  # the text itself, not a folder
+    with pytest.raises(DataError, match=r"text.jsonl is a file.*--input .*text.jsonl --out"):
+        open_layout(tmp_path / "text.jsonl")
 
 
 def _plant(folder, value=300):
