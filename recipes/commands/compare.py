@@ -308,8 +308,9 @@ def _points_table(groups: list[seed_groups.Point], rows: list[dict[str, Any]],
         r["point"] = r.pop("run")
     columns = ["point", "seeds", *(j.column for j in judged)]
     title = "Across seeds (each point: the runs that differ only in training.seed):"
+    caution = seed_groups.few_seeds(groups)
     return f"{title}\n" + render(columns, point_rows, markdown, judged=marks, width=width,
-                                 legend=POINTS_LEGEND)
+                                 legend=POINTS_LEGEND) + (f"\n{caution}" if caution else "")
 
 
 def verdicts(paths: list[str]) -> list[str]:

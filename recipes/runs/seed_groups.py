@@ -115,6 +115,17 @@ def judge_points(groups: list[Point], rows: list[dict[str, Any]],
     return out
 
 
+def few_seeds(groups: list[Point]) -> str | None:
+    """A caution where a point has only two seeds: a t-test over two seeds has one degree of
+    freedom, so it calls only differences far beyond the seeds' spread."""
+    fewest = min(len(g.seeds) for g in groups)
+    if fewest > 2:
+        return None
+    return ("note: a point with 2 seeds gives its t-test 1 degree of freedom, so only "
+            "differences far beyond the spread between seeds are called; run 3 seeds or more "
+            "(kiln sweep --seeds 3) before reading 'within noise' as 'the same'")
+
+
 def _values(g: Point, rows: list[dict[str, Any]], column: str) -> list[float]:
     return [v for i in g.members if (v := value_of(rows[i], column)) is not None
             and math.isfinite(v)]

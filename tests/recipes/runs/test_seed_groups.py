@@ -33,7 +33,8 @@ def test_a_setting_better_under_every_seed_wins_paired_by_seed(tmp_path):
     better = [3.05, 3.24, 2.98]
     runs = [_run(tmp_path, 1e-3, s, v) for s, v in enumerate(worse)]
     runs += [_run(tmp_path, 3e-3, s, v) for s, v in enumerate(better)]
-    (line,) = verdicts(runs)
+    (line,) = verdicts(runs)  # three seeds a point: no caution
+    assert "degree of freedom" not in report(runs, width=0)
     p = stats.ttest_rel(worse, better).pvalue
     assert line == (f"across seeds, winner on eval loss: lr=0.003, better than every other point "
                     f"beyond noise (the closest: {significance.p_text(p)}, paired t by seed, "
@@ -65,6 +66,11 @@ def test_points_of_other_seeds_take_welchs_test_and_spread_keeps_them_within_noi
     p = stats.ttest_ind(a, b, equal_var=False).pvalue
     assert line.startswith("across seeds, no winner on eval loss: lr=0.001 has the best value")
     assert f"lr=0.003 ({significance.p_text(p)}, Welch t over seeds, n=2/2)" in line
+    # two seeds a point: a t-test with one degree of freedom, said under the table (which the
+    # sweep prints above its verdict)
+    caution = report(runs, width=0).rstrip().splitlines()[-1]
+    assert caution.startswith("note: a point with 2 seeds gives its t-test 1 degree of freedom")
+    assert "kiln sweep --seeds 3" in caution
 
 
 def test_runs_scored_on_other_data_get_no_verdict_across_seeds_either(tmp_path):
