@@ -172,9 +172,11 @@ def _sample_sizes(columns: list[str], rows: list[dict[str, Any]]) -> dict[str, s
 
 
 def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = False, *,
-           judged: list[judge.Judgment] = (), width: int = 0, legend: str = "") -> str:
+           judged: list[judge.Judgment] = (), width: int = 0, legend: str = "",
+           caution: str = "") -> str:
     """The table; ``judged`` columns get their standard errors and marks (``*`` best, ``~``
-    within noise of it) and a legend below (``legend``, or the runs' one); ``width`` > 0
+    within noise of it) and a legend below (``legend``, or the runs' one), then the columns'
+    notes and ``caution``; ``width`` > 0
     wraps the columns into blocks of at most that many characters, each starting with the
     run's name."""
     marks = {j.column: j for j in judged}
@@ -191,7 +193,7 @@ def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = Fals
         widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(heads)]
         text = "\n\n".join(_block(block, heads, body, widths, columns)
                             for block in _blocks(widths, width))
-    notes = [j.note for j in judged if j.note]
+    notes = [j.note for j in judged if j.note] + ([caution] if caution else [])
     if any(m in "".join(r) for r in body for m in "*~"):
         notes.insert(0, legend or (
             "±: standard error (eval loss over its eval batches, a task over its examples). *: "
@@ -308,9 +310,8 @@ def _points_table(groups: list[seed_groups.Point], rows: list[dict[str, Any]],
         r["point"] = r.pop("run")
     columns = ["point", "seeds", *(j.column for j in judged)]
     title = "Across seeds (each point: the runs that differ only in training.seed):"
-    caution = seed_groups.few_seeds(groups)
     return f"{title}\n" + render(columns, point_rows, markdown, judged=marks, width=width,
-                                 legend=POINTS_LEGEND) + (f"\n{caution}" if caution else "")
+                                 legend=POINTS_LEGEND, caution=seed_groups.few_seeds(groups))
 
 
 def verdicts(paths: list[str]) -> list[str]:

@@ -68,9 +68,11 @@ def test_points_of_other_seeds_take_welchs_test_and_spread_keeps_them_within_noi
     assert f"lr=0.003 ({significance.p_text(p)}, Welch t over seeds, n=2/2)" in line
     # two seeds a point: a t-test with one degree of freedom, said under the table (which the
     # sweep prints above its verdict)
-    caution = report(runs, width=0).rstrip().splitlines()[-1]
-    assert caution.startswith("note: a point with 2 seeds gives its t-test 1 degree of freedom")
+    table = report(runs, width=80)
+    caution = " ".join(table.split("note: ")[-1].split())
+    assert caution.startswith("a point with 2 seeds gives its t-test 1 degree of freedom")
     assert "kiln sweep --seeds 3" in caution
+    assert max(len(line) for line in table.splitlines()) <= 80  # wrapped like the legend
 
 
 def test_runs_scored_on_other_data_get_no_verdict_across_seeds_either(tmp_path):
