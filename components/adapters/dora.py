@@ -63,8 +63,9 @@ class DoRALayer(LowRankLayer):
     def adapt(self, base: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ratio = self._ratio(base.weight).to(out.dtype)
         xd, dropping = self._dropped(x)
-        if dropping:  # the base term on the dropped input too, as peft computes it
-            plain = F.linear(xd, base.weight)
+        if dropping:  # the base term on the dropped input too, as peft computes it, in the
+            # dtype of the layer's output (a router's logits are fp32 whatever its input's)
+            plain = F.linear(xd.to(out.dtype), base.weight.to(out.dtype))
         else:
             plain = out if base.bias is None else out - base.bias
         update = (xd @ self.A.t() @ self.B.t()) * self.scale

@@ -191,3 +191,26 @@ def test_switched_off_dora_computes_the_base(dora):
     plain = base.model.build(vocab_size=padded_vocab(base.model, 258), seq_len=16)
     torch.testing.assert_close(off, _kiln_logits(plain))
     assert not torch.allclose(on, off, atol=1e-3)
+
+
+def test_dropped_base_term_on_a_router_is_computed_in_its_fp32():
+    """A bf16 router computes fp32 logits; with adapter dropout DoRA recomputes the base term on
+    the dropped input, and does it in the logits' fp32 (as the router does), not in bf16."""
+    from kiln.components.ffn.moe import Router
+
+    torch.manual_seed(0)
+    router = Router(64, 8, bias=False).to(torch.bfloat16)
+    layer = DoRA(DoRAConfig(type="dora", rank=4, dropout=0.5)).layer(router)
+    with torch.no_grad():
+        layer.B.normal_()
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    out = router(x)
+    assert out.dtype == torch.float32
+    torch.manual_seed(1)
+    got = layer.train().adapt(router, x, out)
+    torch.manual_seed(1)
+    xd = layer.dropout(x)
+    ratio = layer._ratio(router.weight).float()
+    update = (xd @ layer.A.t() @ layer.B.t()) * layer.scale
+    want = out + (ratio - 1) * (xd.float() @ router.weight.float().t()) + ratio * update
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
