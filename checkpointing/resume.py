@@ -279,8 +279,9 @@ def check_data(folder: Path, record: dict | None, *, policy: str, pin=None,
         names = ", ".join(changed)
         if policy != "continue":
             raise CheckpointError(
-                f"{folder}: {names} changed since this checkpoint (files edited, truncated or "
-                "deleted: the data was rebuilt), so its data cursor would point into other data; "
+                f"{folder}: {names} changed since this checkpoint (its files were edited, "
+                "truncated or deleted, or the recipe or kiln now builds or splits it otherwise), "
+                "so its data cursor would point into other data; "
                 "restore the data, rerun with --checkpoint.on_data_change=continue to go on from "
                 "the saved cursor on the new data, or with --checkpoint.resume=off to start afresh")
         lines.append(f"kiln: warning: {names} changed since {folder.name}; continuing from the "
