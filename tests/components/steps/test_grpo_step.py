@@ -185,6 +185,21 @@ def test_bad_data_for_the_step_is_refused_by_train_and_validate(tmp_path, extra,
     _refused(tmp_path, extra, PROMPTS, message, DataError)
 
 
+@pytest.mark.parametrize("held_out", ["0", "0.1"])
+def test_a_numeric_reward_on_numbers_passes_every_prompt_of_both_splits(tmp_path, monkeypatch,
+                                                                        held_out):
+    from kiln.components.rewards.builtin import NumericReward
+    from kiln.recipes.commands.validate import describe
+
+    seen = []
+    check = NumericReward.check
+    monkeypatch.setattr(NumericReward, "check", lambda self, f: seen.append(f) or check(self, f))
+    recipe = _recipe(tmp_path / "run", "--rewards.n.type=numeric", "--rewards.n.field=a",
+                     f"--data.eval_fraction={held_out}")
+    assert "fields: a, answer" in describe(recipe)
+    assert len(seen) == 64  # data.builtin_rows: the training and the held-out prompts
+
+
 def _refused(tmp_path, extra, data, message, error):
     from kiln.recipes.commands.validate import describe
 
