@@ -123,6 +123,8 @@ class ExactMatchReward(Extracting):
 
     def __call__(self, completions: list[Completion]) -> list[float]:
         def norm(s: str) -> str:
+            if self.cfg.extract == "last_number":  # read without its thousands commas: the
+                s = s.replace(",", "")  # gold too ("1,034" equals the answer 1034)
             return s.strip().lower() if self.cfg.ignore_case else s.strip()
 
         out = []

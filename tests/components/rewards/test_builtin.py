@@ -23,6 +23,9 @@ def test_exact_match_with_a_regex_the_last_number_or_the_whole_text():
              _c("no idea", answer="1034")]
     assert _reward("exact_match", regex=r"= (-?\d+)")(texts) == [1.0, 0.0, 0.0]
     assert _reward("exact_match", extract="last_number")(texts) == [1.0, 0.0, 0.0]
+    # the number read drops its thousands commas, and so does the gold it is compared with
+    assert _reward("exact_match", extract="last_number")(
+        [_c("so 1,034.", answer="1,034"), _c("so 1034", answer="1,034")]) == [1.0, 1.0]
     assert _reward("exact_match", extract="all", field="x", ignore_case=True)(
         [_c(" Yes ", x="yes"), _c("yes.", x="yes")]) == [1.0, 0.0]
     last = _reward("exact_match", regex=r"(\d+)", occurrence="last", field="v")
