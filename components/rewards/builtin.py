@@ -140,18 +140,20 @@ class NumericReward(Extracting):
 
     Config = NumericConfig
 
-    def check(self, fields: dict[str, Any]) -> None:
-        """Refuse a prompt whose gold answer is not a number (run on every prompt before step
-        1, so a bad row stops the run at its start, not at the step that samples it)."""
-        if _number(str(fields[self.cfg.field])) is None:
+    def check(self, fields: dict[str, Any]) -> float:
+        """The prompt's gold number; a prompt whose gold is not a number is refused (run on
+        every prompt before step 1, so a bad row stops the run at its start, not at the step
+        that samples it)."""
+        gold = _number(str(fields[self.cfg.field]))
+        if gold is None:
             raise ValueError(f"the prompt's {self.cfg.field!r} is not a number: "
                              f"{fields[self.cfg.field]!r}")
+        return gold
 
     def __call__(self, completions: list[Completion]) -> list[float]:
         out = []
         for c in completions:
-            self.check(c.fields)
-            got, gold = _number(self.answer(c.text)), _number(str(c.fields[self.cfg.field]))
+            got, gold = _number(self.answer(c.text)), self.check(c.fields)
             out.append(float(got is not None and abs(got - gold) <= self.cfg.tolerance))
         return out
 

@@ -176,9 +176,8 @@ def render(columns: list[str], rows: list[dict[str, Any]], markdown: bool = Fals
            caution: str = "") -> str:
     """The table; ``judged`` columns get their standard errors and marks (``*`` best, ``~``
     within noise of it) and a legend below (``legend``, or the runs' one), then the columns'
-    notes and ``caution``; ``width`` > 0
-    wraps the columns into blocks of at most that many characters, each starting with the
-    run's name."""
+    notes and ``caution``; ``width`` > 0 wraps the columns into blocks of at most that many
+    characters, each starting with the run's name."""
     marks = {j.column: j for j in judged}
     sizes = _sample_sizes(columns, rows)
     heads = [h + (f" ({sizes[c]})" if c in sizes else "") + ("!" if c in marks and marks[c].note
