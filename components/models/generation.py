@@ -42,12 +42,11 @@ class Sampling:
             raise ValueError("sampling: temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
 
 
-def sample(logits: torch.Tensor, s: Sampling,
-           generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V); ``generator``: one for the batch, or one per
-    row."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
+def filtered(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """fp32 logits (B, V) divided by the temperature (> 0), then cut to the ``top_k`` largest
+    (ties at the k-th kept), then to the fewest most likely tokens whose probability reaches
+    ``top_p``: the order and rules of ``transformers``' temperature, top-k and top-p warpers.
+    Cut tokens are ``-inf``."""
     logits = logits.float() / s.temperature
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -58,7 +57,16 @@ def sample(logits: torch.Tensor, s: Sampling,
         # drop a token when the more likely ones already reach top_p (the first always stays)
         drop = probs.cumsum(-1) - probs >= s.top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling,
+           generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V); ``generator``: one for the batch, or one per
+    row."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = filtered(logits, s).softmax(-1)
     if isinstance(generator, torch.Generator):
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     # Per row (written here: multinomial draws a batch from one stream): the first token whose

@@ -69,6 +69,31 @@ def test_sampling_options():
         Sampling(top_p=0.0)
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (0.7, 0, 0.9), (1.3, 5, 1.0), (1.0, 8, 0.5), (0.5, 3, 0.95), (1.0, 0, 0.3), (2.0, 40, 0.99)])
+def test_the_filtered_distribution_equals_transformers_warpers(temperature, top_k, top_p):
+    """The tokens kiln samples from, and their probabilities, are those of transformers'
+    temperature, top-k and top-p warpers in transformers' order (repeated logits included:
+    ties at the k-th value are kept on both sides)."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    from kiln.components.models.generation import filtered
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[0, :10] = logits[0, 0]  # ties
+    warpers = [lp.TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(lp.TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(lp.TopPLogitsWarper(top_p))
+    theirs = logits.clone()
+    for w in warpers:
+        theirs = w(None, theirs)
+    ours = filtered(logits, Sampling(temperature, top_k=top_k, top_p=top_p))
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
+
+
 def test_kiln_generate_streams_one_prompt_and_batches_several(tmp_path, capsys):
     folder, _ = checkpoint(tmp_path)
     _, tokenizer, model = load_model(folder, min_seq_len=40)
