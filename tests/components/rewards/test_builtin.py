@@ -52,6 +52,17 @@ def test_format_and_length():
     assert length([_c("", tokens=n) for n in (6, 8, 10, 12)]) == [0.0, -0.5, -1.0, -1.0]
 
 
+@pytest.mark.parametrize("max_tokens, buffer", [(10, 4), (16, 16), (7, 1)])
+def test_the_length_reward_equals_trls_soft_overlong_punishment(max_tokens, buffer):
+    rewards = pytest.importorskip("trl.rewards")
+    lengths = list(range(1, 2 * max_tokens))
+    theirs = rewards.get_soft_overlong_punishment(max_tokens, buffer)(
+        completion_ids=[[0] * n for n in lengths])
+    ours = _reward("length", max_tokens=max_tokens, buffer=buffer)(
+        [_c("", tokens=n) for n in lengths])
+    assert ours == pytest.approx(theirs)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValidationError, match="is not a regular expression"):
         default_config("reward", "format", regex="(")
