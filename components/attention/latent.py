@@ -92,11 +92,10 @@ class LatentAttentionConfig(ComponentConfig):
     def shape_problem(self, dim: int) -> str | None:
         """Why these widths cannot be built (the model configs ask while reading the recipe)."""
         check = getattr(self.position, "head_dim_problem", None)
-        problem = check(self.rope_head_dim) if check is not None else None
-        if problem is not None:
-            return problem.replace("the head width", "attention.rope_head_dim").replace(
-                "change dim, attention.n_heads or attention.head_dim", "make it even")
-        return None
+        if check is None:
+            return None
+        return check(self.rope_head_dim, width="attention.rope_head_dim",
+                     keys="attention.rope_head_dim")
 
 
 @register("attention", "latent")

@@ -63,14 +63,15 @@ class RoPEConfig(ComponentConfig):
                              f"({self.low_freq_factor})")
         return self
 
-    def head_dim_problem(self, head_dim: int) -> str | None:
-        """Why a head of width ``head_dim`` cannot be rotated (None: it can)."""
+    def head_dim_problem(self, head_dim: int, *, width: str = "the head width",
+                         keys: str = "dim, attention.n_heads, attention.head_dim") -> str | None:
+        """Why a head of width ``head_dim`` cannot be rotated (None: it can); ``width`` names
+        that width and ``keys`` the recipe keys that set it, for the message."""
         rotated = self.rotated_dims(head_dim)
         if rotated % 2 or not rotated:
             part = "" if self.fraction == 1.0 else f" times position.fraction ({self.fraction})"
-            return (f"rope rotates pairs of dimensions, so the head width ({head_dim}){part} "
-                    f"must be even and not zero (it is {rotated}): change dim, attention.n_heads, "
-                    "attention.head_dim or position.fraction")
+            return (f"rope rotates pairs of dimensions, so {width} ({head_dim}){part} must be "
+                    f"even and not zero (it is {rotated}): change {keys} or position.fraction")
         return None
 
     def rotated_dims(self, head_dim: int) -> int:

@@ -178,7 +178,8 @@ def test_it_trains_and_counts_its_flops():
 
 
 def test_bad_shapes_and_parallelisms_are_one_clear_line():
-    with pytest.raises(RecipeError, match="attention.rope_head_dim .*must be even"):
+    with pytest.raises(RecipeError, match=r"attention.rope_head_dim \(5\) must be even and not "
+                       r"zero \(it is 5\): change attention.rope_head_dim or position.fraction"):
         load_recipe(CONFIGS / "debug.toml", [*MLA, "--model.attention.rope_head_dim=5"])
     with pytest.raises(RecipeError, match="sinks"):
         load_recipe(CONFIGS / "debug.toml", [*MLA, "--model.attention.sinks=true"])
