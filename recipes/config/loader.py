@@ -136,6 +136,11 @@ def parse_override(arg: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         bare = text.replace("_", "").replace("-", "").replace(".", "").replace("/", "")
+        if text.startswith(("[", "{")):  # the shell took the quotes off the items
+            raise RecipeError(
+                f"bad override {arg!r}: {text!r} is not a TOML value (a list's strings need "
+                "quotes, which the shell removes unless the whole value is in single quotes: "
+                f"--{key}='[\"a\", \"b\"]')") from None
         if not text or not bare.isalnum():
             raise RecipeError(
                 f"bad override {arg!r}: {text!r} is not a TOML value (quote strings: "

@@ -27,6 +27,13 @@ def test_bad_override_syntax(arg):
         parse_override(arg)
 
 
+def test_a_list_whose_quotes_the_shell_removed_gets_the_quoting_to_use():
+    with pytest.raises(RecipeError, match=r"a list's strings need quotes.*"
+                       r"--model.layer_types='\[\"a\", \"b\"\]'"):
+        parse_override("--model.layer_types=[linear,full]")  # the shell ate the quotes
+    assert parse_override('--model.layer_types=["linear","full"]')[1] == ["linear", "full"]
+
+
 def test_extends_chain_deep_merges_and_child_wins(write):
     write("base.toml", """
         [training]
