@@ -35,9 +35,24 @@ def run_harness(argv: list[str]) -> int:
         cli_evaluate()
     except SystemExit as exc:  # argparse's --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except ValueError as exc:
+        if not _raised_by_harness(exc):  # kiln's model raises its own error types
+            raise
+        hint = ("; `kiln harness ls tasks` lists the harness's tasks, and --tasks also takes a "
+                "task YAML file" if "Tasks not found" in str(exc) else "")
+        raise RecipeError(f"lm-evaluation-harness: {exc}{hint}") from None
     finally:
         sys.argv = saved
     return 0
+
+
+def _raised_by_harness(exc: BaseException) -> bool:
+    """The harness's own refusal of its arguments (an unknown task, a bad --model_args), which
+    it reports as a bare ValueError: its innermost frame is in lm_eval's code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "lm_eval" in tb.tb_frame.f_globals.get("__name__", "")
 
 
 def kiln_help(model_args: dict[str, str]) -> str:

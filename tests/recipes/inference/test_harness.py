@@ -247,3 +247,9 @@ def test_kiln_harness_command_prints_the_results_table(setup, capsys, monkeypatc
     assert main(["harness", "--model", "kiln", "--model_args", f"path={folder},btach_size=2",
                  "--tasks", str(tasks / "mc.yaml")]) == 2
     assert "unknown argument(s) btach_size for the kiln model" in capsys.readouterr().err
+    # the harness's own refusal of a task name is one line too, not its ValueError traceback
+    assert main(["harness", "--model", "kiln", "--model_args", f"path={folder}", "--tasks",
+                 "no_such_task"]) == 2
+    err = capsys.readouterr().err
+    assert "lm-evaluation-harness: Tasks not found: no_such_task; `kiln harness ls tasks`" in err
+    assert "Traceback" not in err
