@@ -38,8 +38,8 @@ def run_harness(argv: list[str]) -> int:
     except ValueError as exc:
         if not _raised_by_harness(exc):  # kiln's model raises its own error types
             raise
-        hint = ("; `kiln harness ls tasks` lists the harness's tasks, and --tasks also takes a "
-                "task YAML file" if "Tasks not found" in str(exc) else "")
+        hint = ("; `kiln harness ls tasks` lists the harness's tasks, and a task YAML file's "
+                "path works in place of a name" if "Tasks not found" in str(exc) else "")
         raise RecipeError(f"lm-evaluation-harness: {exc}{hint}") from None
     finally:
         sys.argv = saved
