@@ -16,7 +16,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("runs", nargs="+", help="run folders (runs/<name>)")
     parser.add_argument("--metrics", default="", help="comma-separated metric names; a name "
                         "also selects its sub-keys (lr -> lr/main, ...); default: "
-                        f"{','.join(DEFAULT_METRICS)} (those logged)")
+                        f"{','.join(DEFAULT_METRICS)} and each in-loop task's score (those "
+                        "logged)")
     parser.add_argument("--x", choices=list(X_LABELS), default="step",
                         help="x axis: step, tokens seen, or training time in seconds")
     parser.add_argument("--smooth", type=int, default=1, metavar="N",

@@ -16,11 +16,12 @@ from kiln.components.errors import KilnError, RecipeError
 from kiln.components.registry import did_you_mean
 from kiln.recipes.config.diff import differing, settings_label
 from kiln.recipes.runs import lineage, seed_groups
-from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series
+from kiln.recipes.runs.read import EXPERTS_FILE, Run, pick, read_jsonl, series, task_scores
 
-# train/loss, eval/loss/* and data/share: a mixture's per-source curves (drawn where logged)
+# train/loss, eval/loss/* and data/share: a mixture's per-source curves; reward: an RL run's
+# (drawn where logged); each in-loop task's headline score follows (``default_metrics``)
 DEFAULT_METRICS = ("loss", "eval/loss", "train/loss", "eval/loss/*", "data/share", "lr",
-                   "grad_norm")
+                   "grad_norm", "reward")
 LEGEND_CHARS = 60
 PER_SOURCE = ("train/loss", "eval/loss", "eval/bpb", "data/share", "data/tokens")
 # Diagnostics panels (RUN/plots/diagnostics.png): title -> (key prefix, key suffix); a line per
@@ -62,11 +63,20 @@ def legend_labels(runs: list[Run]) -> list[str]:
             for r, lab in zip(runs, labels, strict=True)]
 
 
+def default_metrics(runs: list[Run]) -> list[str]:
+    """``DEFAULT_METRICS``, then the headline score of every task the runs scored in the
+    loop (``eval/<task>/<metric>``: what a fine-tuned or RL run is judged by)."""
+    tasks = [f"eval/{name}/{metric}" for run in runs
+             for name, (metric, _) in task_scores(run).items()]
+    return [*DEFAULT_METRICS, *dict.fromkeys(tasks)]
+
+
 def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
     """The metric keys to draw. Names the user gave must each match a key some run logged;
-    the default names are drawn where present. A key whose series equal another's in every
-    run (``lr/main/no_decay`` beside ``lr/main`` under one schedule) is not drawn twice."""
-    wanted = list(names) if names else list(DEFAULT_METRICS)
+    the default names are drawn where present. A sub-key whose series equal another's of the
+    same name in every run (``lr/main/no_decay`` beside ``lr/main`` under one schedule) is not
+    drawn twice."""
+    wanted = list(names) if names else default_metrics(runs)
     logged = sorted({k for run in runs for k in run.metric_keys()})
     keys: list[str] = []
     for name in wanted:
@@ -78,8 +88,10 @@ def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
     if not keys:
         raise RecipeError(f"none of {', '.join(wanted)} was logged; " + logged_keys(logged))
     drawn: list[str] = []
-    for key in keys:
-        if not any(all(series(r, key) == series(r, k) for r in runs) for k in drawn):
+    for key in keys:  # only a sub-key of one name repeats it (not a loss of 0 and a reward of 0)
+        family = key.split("/")[0]
+        if not any(k.split("/")[0] == family and all(series(r, key) == series(r, k)
+                                                      for r in runs) for k in drawn):
             drawn.append(key)
     return drawn
 
