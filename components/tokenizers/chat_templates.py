@@ -197,6 +197,9 @@ def resolve(spec: str, tokenizer: Any) -> ChatTemplate:
         if path.is_file():  # rendered with the tokenizer's special tokens, as transformers does
             return _checked(ChatTemplate(_read(path), str(path), tokenizer_specials(tokenizer)),
                             tokenizer)
+        if path.suffix == ".jinja" or "/" in spec:  # meant as a path
+            raise DataError(f"data.template = {spec!r}: no such file or folder (a .jinja "
+                            "file, or a folder holding the tokenizer's chat template)")
         raise DataError(f"data.template = {spec!r}: not a named template "
                         f"({', '.join(NAMED)}), a .jinja file or a folder")
     file = getattr(tokenizer, "file", None)

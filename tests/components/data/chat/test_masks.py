@@ -115,6 +115,14 @@ def test_a_jinja_file_needing_a_token_the_tokenizer_cannot_write_is_refused(tmp_
         templates.resolve(str(file), ByteTokenizer())
 
 
+def test_a_missing_template_file_is_named_as_missing_and_an_unknown_name_lists_the_names(
+        tmp_path):
+    with pytest.raises(DataError, match=r"nope.jinja'?: no such file or folder"):
+        templates.resolve(str(tmp_path / "nope.jinja"), ByteTokenizer())
+    with pytest.raises(DataError, match=r"'chatm': not a named template \(chatml"):
+        templates.resolve("chatm", ByteTokenizer())
+
+
 def test_a_template_file_that_is_not_utf8_is_one_line(tmp_path):
     file = tmp_path / "latin1.jinja"
     file.write_bytes("{{ 'café' }}".encode("latin-1"))
