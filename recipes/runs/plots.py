@@ -78,20 +78,19 @@ def resolve_metrics(runs: list[Run], names: list[str] | None) -> list[str]:
     drawn twice."""
     wanted = list(names) if names else default_metrics(runs)
     logged = sorted({k for run in runs for k in run.metric_keys()})
-    keys: list[str] = []
+    name_of: dict[str, str] = {}  # key -> the name that selected it
     for name in wanted:
         found = sorted({k for run in runs for k in pick(run, [name])})
         if not found and names:
             raise RecipeError(f"--metrics: no run logged {name!r}{did_you_mean(name, logged)}; "
                               + logged_keys(logged))
-        keys += [k for k in found if k not in keys]
-    if not keys:
+        name_of.update({k: name for k in found if k not in name_of})
+    if not name_of:
         raise RecipeError(f"none of {', '.join(wanted)} was logged; " + logged_keys(logged))
     drawn: list[str] = []
-    for key in keys:  # only a sub-key of one name repeats it (not a loss of 0 and a reward of 0)
-        family = key.split("/")[0]
-        if not any(k.split("/")[0] == family and all(series(r, key) == series(r, k)
-                                                      for r in runs) for k in drawn):
+    for key, name in name_of.items():  # only keys of one name repeat each other: not a loss
+        if not any(name_of[k] == name and all(series(r, key) == series(r, k) for r in runs)
+                   for k in drawn):  # of 0 and a reward of 0
             drawn.append(key)
     return drawn
 

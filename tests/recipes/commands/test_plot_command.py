@@ -44,16 +44,17 @@ def test_metric_names_select_sub_keys_and_unknown_ones_are_refused(tmp_path):
 
 def test_by_default_an_rl_run_draws_its_reward_and_a_tuned_run_its_task_scores(tmp_path):
     """reward and each in-loop task's headline score are default panels where logged; a curve
-    that happens to equal another metric's (a reward and a loss both 0) is still drawn: only a
-    sub-key of one name repeating it (lr/main/no_decay beside lr/main) is left out."""
+    that happens to equal another metric's (a reward and a loss both 0, an eval loss and a task
+    score both 0.25) is still drawn: only a key repeating another of the same name
+    (lr/main/no_decay beside lr/main) is left out."""
     run = make_run(tmp_path / "a", ("--evals.em.type=exact_match", "--evals.em.path=x.jsonl",
                                     "--eval.interval=0", "--eval.at_end=false"),
-                   losses=(0.0, 0.0), evals=(), extra={"reward": 0.0})
+                   losses=(0.0, 0.0), evals=(0.25,), extra={"reward": 0.0})
     with (run / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 20, "eval/em/exact_match": 0.25,
                             "eval/em/exact_match_stderr": 0.1, "eval/em/examples": 8}) + "\n")
     assert resolve_metrics([open_run(run)], None) == [
-        "loss", "lr/main", "grad_norm", "reward", "eval/em/exact_match"]
+        "loss", "eval/loss", "lr/main", "grad_norm", "reward", "eval/em/exact_match"]
 
 
 def test_smooth_is_a_trailing_mean():
