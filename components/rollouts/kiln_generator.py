@@ -47,7 +47,8 @@ class KilnRolloutConfig(ComponentConfig):
 class Sample:
     """One completion: its new ids (EOS kept), text cut at the first stop string, the token
     count the text came from, whether it ran out of ``max_new_tokens``, and per token the
-    sampling log-probability and entropy."""
+    log-probability and entropy under the temperature's whole distribution (before ``top_p`` /
+    ``top_k``, as the training forward computes them)."""
 
     ids: list[int]
     text: str
@@ -74,6 +75,12 @@ class KilnRollout:
     @property
     def max_new_tokens(self) -> int:
         return self.cfg.max_new_tokens
+
+    @property
+    def truncation(self) -> str:
+        """How sampling cuts the temperature's distribution ("" when it does not)."""
+        cuts = [f"top_p = {self.cfg.top_p:g}"] if self.cfg.top_p < 1 else []
+        return ", ".join(cuts + ([f"top_k = {self.cfg.top_k}"] if self.cfg.top_k else []))
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], *,

@@ -58,6 +58,7 @@ def test_logs_trls_metrics_and_the_rollouts(grpo):
     assert 1 <= m["completions/mean_length"] <= 8
     # the generator's log-probabilities are the training forward's (fp32, same weights)
     assert all(record.metrics[s]["rollout/logp_diff"] < 1e-5 for s in record.metrics)
+    assert "samples with" not in log  # whole-distribution sampling has nothing to say
     lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     assert all(set(x) >= METRICS for x in lines if "loss" in x)
     logged = sorted(p.name for p in (folder / "rollouts").iterdir())
@@ -214,3 +215,13 @@ def _refused(tmp_path, extra, data, message, error):
 def test_group_size_one_is_refused_naming_the_key(tmp_path):
     with pytest.raises(RecipeError, match="group_size"):
         _recipe(tmp_path / "run", "--training.step.group_size=1")
+
+
+def test_truncated_sampling_is_said_and_trained_on_the_whole_distribution(tmp_path):
+    """top_p / top_k cut what the rollout draws from; the update's log-probabilities (and
+    logp_diff) are the whole temperature-scaled distribution's, as TRL's, and the log says so."""
+    record, _, log = _run(tmp_path / "run", "--training.step.rollout.top_p=0.9",
+                          "--training.step.rollout.top_k=5", steps=1)
+    assert "step: grpo samples with top_p = 0.9, top_k = 5; the ratio, KL, entropy and " \
+           "rollout/logp_diff use the whole distribution" in log
+    assert record.metrics[1]["rollout/logp_diff"] < 1e-5
