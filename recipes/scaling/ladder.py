@@ -94,6 +94,12 @@ def plan(recipe: str, overrides: list[str], widths: list[int], ladder_dir: Path,
     if depth not in DEPTHS:
         raise RecipeError(f"--depth {depth!r}: one of {', '.join(DEPTHS)}")
     base = load_recipe(recipe, overrides)
+    if base.checkpoint.init_from:  # one model of one width; every size would fail to load it
+        raise RecipeError(
+            f"checkpoint.init_from = {base.checkpoint.init_from!r}: a ladder trains every size "
+            "from its own random start, and a pretrained model has one width; ladder the "
+            "pretraining recipe, or add '--checkpoint.init_from=\"\"' to train these sizes "
+            "from scratch")
     per_step = base.training.global_batch * base.training.seq_len
     points = []
     for width in sorted(widths):

@@ -40,6 +40,15 @@ def run(args) -> int:
     if base.model.type != "transformer":
         raise RecipeError(f"model.type = {base.model.type!r}: µP is implemented for the "
                           "transformer family (dense, differential attention, MoE)")
+    unused = [what for what, used in (
+        (f"checkpoint.init_from = {base.checkpoint.init_from!r}", base.checkpoint.init_from),
+        (f"training.step.type = {base.training.step.type!r}",
+         base.training.step.type not in ("standard", "segmented_bptt")),
+        ("[adapter]", base.adapter is not None)) if used]
+    if unused:
+        print(f"kiln mup check: note: {', '.join(unused)} not used: the check trains the "
+              "recipe's model and optimizers from random weights on next-token loss over "
+              "random tokens", file=sys.stderr)
     results = [cc.measure(args.recipe, list(args.overrides), widths, steps=args.steps,
                           batch=args.batch, seq_len=args.seq_len, parametrization=p)
                for p in ("mup", "standard")]

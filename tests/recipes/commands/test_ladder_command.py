@@ -78,6 +78,18 @@ def test_sizes_the_rule_cannot_make(tmp_path, capsys, sizes, message):
         plan(str(CONFIGS / "nova_debug.toml"), [], [96], tmp_path)
 
 
+def test_a_recipe_from_a_pretrained_model_is_refused_before_any_size(tmp_path, capsys):
+    """dpo_debug starts from an SFT export: one width, which no other size can load."""
+    out = tmp_path / "lad"
+    assert main(["ladder", str(CONFIGS / "dpo_debug.toml"), "--sizes", "32,64", "--out",
+                 str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.init_from = 'runs/sft_debug-export': a ladder trains every size" in err
+    assert "--checkpoint.init_from=\"\"" in err and not out.exists()
+    assert plan(str(CONFIGS / "dpo_debug.toml"), ['--checkpoint.init_from=""'], [32],
+                tmp_path)  # from scratch it plans
+
+
 def test_plan_writes_recipes_show_and_diff_read(tmp_path, capsys):
     out = tmp_path / "lad"
     assert main(["ladder", DEBUG, "--sizes", "64,128", "--plan", "--out", str(out)]) == 0

@@ -53,5 +53,11 @@ def test_the_command_prints_the_table_draws_and_names_growing_layers(tmp_path, c
     assert main([*args, "--factor", "0.1"]) == 1  # everything "grows" past a factor of 0.1
     err = capsys.readouterr().err
     assert "kiln mup check: logits grows x" in err and "not µP" in err
+    assert "note:" not in err  # a pretraining recipe uses everything it names
+    assert main([*args, "--checkpoint.init_from=runs/base", "--training.step.type=preference",
+                 "--data.type=preference"]) == 0
+    assert "kiln mup check: note: checkpoint.init_from = 'runs/base', training.step.type = " \
+           "'preference' not used: the check trains the recipe's model and optimizers from " \
+           "random weights" in capsys.readouterr().err
     assert main(["mup", "check", str(CONFIGS / "looped_moe_debug.toml")]) == 2
     assert "µP is implemented for the transformer family" in capsys.readouterr().err
