@@ -147,6 +147,9 @@ class StepContract:
     token_weighted: bool = False  # can weight micro-batches by their trained tokens (chat data)
     takes_pairs: str = ""  # "paired" / "unpaired" (preference data), "prompts" (RL)
     varying_width: bool = False  # trims or packs its rows: a micro-batch's token count varies
+    # its loss includes the model's multi-token prediction losses (``ctx.forward_loss`` does;
+    # steps that score ``ctx.token_logprobs`` leave the MTP modules as they are, and say so)
+    trains_mtp: bool = True
     # values of ``evaluate`` that are per-example scores ("rewards/accuracies"): each gets its
     # standard error, example count and fingerprint, so `kiln compare` judges it like a task
     scores: tuple[str, ...] = ()
@@ -173,7 +176,7 @@ def complete_step(step: Any) -> Any:
     """Give a step that does not inherit ``StepContract`` its defaults; return it."""
     if not isinstance(step, StepContract):
         _complete(step, StepContract)
-        for name in ("token_weighted", "takes_pairs", "varying_width", "scores"):
+        for name in ("token_weighted", "takes_pairs", "varying_width", "trains_mtp", "scores"):
             if not hasattr(step, name):
                 object.__setattr__(step, name, getattr(StepContract, name))
     return step

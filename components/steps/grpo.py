@@ -84,6 +84,7 @@ class GRPOStep(StepContract):
     Config = GRPOStepConfig
     takes_pairs = "prompts"
     varying_width = True  # prompts and completions, cut and packed as they come
+    trains_mtp = False  # scores the main head's log-probabilities
 
     def __init__(self, cfg: GRPOStepConfig) -> None:
         self.cfg = cfg

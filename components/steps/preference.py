@@ -70,6 +70,7 @@ class PreferenceStep(StepContract):
 
     Config = PreferenceStepConfig
     varying_width = True  # rows cut after their last label, prompts packed once
+    trains_mtp = False  # scores the main head's log-probabilities
 
     def __init__(self, cfg: PreferenceStepConfig) -> None:
         self.cfg = cfg

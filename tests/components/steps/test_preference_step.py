@@ -297,3 +297,17 @@ def test_kto_on_unpaired_examples_logs_trls_kto_metrics_and_refuses_pairs(tmp_pa
                         data=unpaired[:-1]), out=io.StringIO())
     with pytest.raises(RecipeError, match="holds paired examples and .* 'kto' takes unpaired"):
         Trainer(_recipe(tmp_path / "kto2", "--training.step.loss.type=kto"), out=io.StringIO())
+
+
+def test_multi_token_prediction_modules_are_said_to_keep_their_weights(tmp_path):
+    """The preference loss scores the main head: a model's MTP modules get no gradient (the
+    log says so) while the rest trains."""
+    record, trainer, log = _run(tmp_path / "run", "--model.mtp_depth=1", steps=1)
+    assert "step: preference trains the main head only; the multi-token prediction modules " \
+           "keep their weights" in log
+    named = dict(trainer.model.named_parameters())
+    assert all(named[n].grad is None for n in named if n.startswith("mtp."))
+    assert any(named[n].grad is not None for n in named if not n.startswith("mtp."))
+    _, _, plain = _run(tmp_path / "plain", "--model.mtp_depth=1", steps=1,
+                       data=("--data.type=packed_documents",))
+    assert "main head only" not in plain  # the standard step trains them

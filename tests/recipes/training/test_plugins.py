@@ -139,6 +139,23 @@ def test_complete_dataset_gives_a_plugin_dataset_the_contracts_defaults():
     assert own.token_weighted and own.describe() == "mine" and own.check_run(1, 1) == []
 
 
+def test_complete_step_gives_a_plugin_step_the_contracts_defaults():
+    from kiln.components.protocols import complete_step
+
+    class Bare:
+        def __call__(self, ctx, micro_batches):
+            return None
+
+    step = complete_step(Bare())
+    assert step.trains_mtp is True and step.takes_pairs == "" and step.scores == ()
+    assert step.token_weighted is False and step.varying_width is False
+
+    class Scoring(Bare):
+        trains_mtp = False
+
+    assert complete_step(Scoring()).trains_mtp is False
+
+
 def test_a_model_keeps_its_own_optional_methods():
     import torch
 
