@@ -294,8 +294,9 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
             return {}
         return {"active per token (MoE top-k)": self.num_params(active_only=True)}
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * N_matmul + 12 * sum_layers(H * Dh) * T.
+    def flops_per_token(self, seq_len: int, mtp: bool = True) -> float:
+        """Training FLOPs per token: 6 * N_matmul + 12 * sum_layers(H * Dh) * T; ``mtp``: with
+        the multi-token prediction modules (a step that scores the main head runs the trunk).
 
         N_matmul is every parameter but the embedding lookup table (a tied matrix still counts,
         as the output matmul), counting only the active experts of MoE layers (k of E routed
@@ -309,9 +310,11 @@ class Transformer(MoEModelMixin, ModelContract, RetiedOnEmpty):
         n = self.num_params(exclude_embeddings=not self.tied, active_only=True)
         if self.tied and self.pos_embeddings is not None:  # a lookup table: no matmul
             n -= self.pos_embeddings.weight.numel()
-        blocks = [*self.blocks(), *(k.block for k in self.mtp or [])]
-        if self.mtp is not None:  # each depth runs the shared head again
-            n += len(self.mtp) * self.output.weight.numel()
+        depths = list(self.mtp or []) if mtp else []
+        blocks = [*self.blocks(), *(k.block for k in depths)]
+        n += len(depths) * self.output.weight.numel()  # each depth runs the shared head again
+        if self.mtp is not None and not mtp:  # the modules' own active parameters
+            n -= sum(p.numel() for p in self.mtp.parameters()) - idle_expert_params(self.mtp)
         return float(6 * n + sum(_attention_flops(b.attention, seq_len) for b in blocks))
 
 

@@ -86,14 +86,14 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
     lines += [f"  {k}: {v:,}" for k, v in model.param_summary().items()]
     lines.append(f"non-embedding parameters: {model.num_params(exclude_embeddings=True):,}")
     lines.append(checks.trainable_line(model))
-    lines.append(f"training FLOPs/token: {model.flops_per_token(tr.seq_len):.4g}")
+    step = checks.build_step(recipe)
+    lines.append(f"training FLOPs/token: {checks.flops_per_token(model, step, tr.seq_len):.4g}")
     steps = run_data.total_steps if run_data else (tr.steps or 1)
     opts = OptimizerSet(model, recipe.optimizer_tables(), steps)
     lines.append("optimizers:\n" + opts.table())
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
-    step = checks.build_step(recipe)
     checks.check_step_data(recipe, run_data.dataset if run_data else None, step, shape)
     if run_data is not None and run_data.dataset.pairs:
         lines.append(run_data.dataset.describe())

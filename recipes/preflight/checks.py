@@ -134,6 +134,14 @@ def build_step(recipe):
     return complete_step(recipe.training.step.build())
 
 
+def flops_per_token(model, step_fn, seq_len: int) -> float:
+    """The model's training FLOPs per token (MFU's): its multi-token prediction modules count
+    only where the step runs them (``StepContract.trains_mtp``)."""
+    if getattr(model, "mtp", None) is not None and not step_fn.trains_mtp:
+        return float(model.flops_per_token(seq_len, mtp=False))
+    return float(model.flops_per_token(seq_len))
+
+
 def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
     """The step takes the data's batches: preference pairs need a step that takes pairs, and
     such a step needs pairs; then the step's own checks (``StepContract.check_recipe``).

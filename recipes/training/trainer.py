@@ -94,13 +94,13 @@ class Trainer:
             if recipe.checkpoint.init_from:
                 self.saved_params = self.adapter.owns
         phase("model build")
-        self.flops_per_token = float(self.model.flops_per_token(tr.seq_len))  # whole model
+        self.step_fn = checks.build_step(recipe)
+        self.flops_per_token = checks.flops_per_token(self.model, self.step_fn, tr.seq_len)
         self.num_params = self.model.num_params()  # (before a pipeline split)
         self.parallel_summary = self._parallelize()
         phase("parallelize")
         self.optimizers = OptimizerSet(self.model, recipe.optimizer_tables(), self.total_steps)
         self.guards = {name: cfg.build(run_dir=self.run_dir) for name, cfg in recipe.guards.items()}
-        self.step_fn = checks.build_step(recipe)
         checks.check_step_data(recipe, self.dataset, self.step_fn, self.mesh_layout)
         if self.dataset.pairs and (line := self.dataset.describe()):
             self.print(line)  # (masked chat data says it with its token weighting)

@@ -62,6 +62,17 @@ def test_each_depth_predicts_k_plus_one_ahead_from_the_embeddings_k_ahead():
     assert model.pop_aux_loss() is None  # evaluation runs the trunk alone
 
 
+@pytest.mark.parametrize("ffn", [(), ("--model.ffn.type=moe", "--model.ffn.n_experts=4",
+                                       "--model.ffn.top_k=2")], ids=["dense", "moe"])
+def test_flops_with_the_trunk_alone_are_the_model_without_the_modules(ffn):
+    """What MFU counts under a step that scores the main head (preference, GRPO)."""
+    with_mtp = _model(*ffn)
+    recipe = load_recipe(CONFIGS / "debug.toml", [*TINY, *ffn])
+    plain = recipe.model.build(vocab_size=258, seq_len=16)
+    trunk = with_mtp.flops_per_token(16, mtp=False)
+    assert trunk == plain.flops_per_token(16) < with_mtp.flops_per_token(16)
+
+
 def test_a_target_in_another_document_is_not_trained():
     model = _model().train()
     ids = torch.randint(0, 258, (1, 10), generator=torch.Generator().manual_seed(1))

@@ -308,6 +308,10 @@ def test_multi_token_prediction_modules_are_said_to_keep_their_weights(tmp_path)
     named = dict(trainer.model.named_parameters())
     assert all(named[n].grad is None for n in named if n.startswith("mtp."))
     assert any(named[n].grad is not None for n in named if not n.startswith("mtp."))
-    _, _, plain = _run(tmp_path / "plain", "--model.mtp_depth=1", steps=1,
+    model = trainer.model  # MFU counts the trunk that ran
+    assert trainer.flops_per_token == model.flops_per_token(128, mtp=False) \
+        < model.flops_per_token(128)
+    _, standard, plain = _run(tmp_path / "plain", "--model.mtp_depth=1", steps=1,
                        data=("--data.type=packed_documents",))
     assert "main head only" not in plain  # the standard step trains them
+    assert standard.flops_per_token == standard.model.flops_per_token(128)
