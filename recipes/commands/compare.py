@@ -15,7 +15,7 @@ from typing import Any
 from kiln.components.errors import RecipeError
 from kiln.recipes.config.diff import ABSENT, differing, short_names
 from kiln.recipes.runs import judge, seed_groups, significance
-from kiln.recipes.runs.read import Run, open_runs, summary
+from kiln.recipes.runs.read import RECENT, Run, open_runs, summary
 
 # Result columns in table order: summary key -> header. A mixture's per-source eval losses
 # (``source/<name>``, headed ``<name> eval``), then task columns (``task/<name>``, headed
@@ -23,6 +23,7 @@ from kiln.recipes.runs.read import Run, open_runs, summary
 RESULTS = {
     "steps": "steps", "final_loss": "final loss", "best_loss": "best loss",
     "eval_loss": "eval loss", "best_eval_loss": "best eval", "eval_bpb": "eval bpb",
+    "reward": f"reward (last {RECENT})",
     "tokens_per_second": "tok/s", "mfu": "MFU", "wall_clock_s": "wall-clock",
 }
 ALWAYS = ("steps", "final_loss", "best_loss")  # shown even when no run has them

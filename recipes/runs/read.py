@@ -218,10 +218,16 @@ def pick(run: Run, names: list[str]) -> list[str]:
     return out
 
 
+# An RL run's reward is one batch's (noisy, and the policy moves): its figure is the mean of the
+# last RECENT logged values (fewer when it logged fewer)
+RECENT = 10
+
+
 def summary(run: Run) -> dict[str, Any]:
     """Final and best figures of a run (None where it logged nothing of the kind)."""
     train = [r for r in run.records if _number(r.get("loss")) is not None]
     losses = [float(r["loss"]) for r in train if math.isfinite(float(r["loss"]))]
+    rewards = [v for r in train if (v := _number(r.get("reward"))) is not None][-RECENT:]
     evals = [r for r in run.records if _number(r.get("eval/loss")) is not None]
     eval_losses = [float(r["eval/loss"]) for r in evals]
     out: dict[str, Any] = {
@@ -232,6 +238,7 @@ def summary(run: Run) -> dict[str, Any]:
         "eval_loss": eval_losses[-1] if eval_losses else None,
         "best_eval_loss": min(eval_losses) if eval_losses else None,
         "eval_bpb": _last(run, "eval/bpb"),
+        "reward": sum(rewards) / len(rewards) if rewards else None,
         "tokens_per_second": _median([r.get("tokens_per_second") for r in train[1:] or train]),
         "mfu": _median([r.get("mfu") for r in train[1:] or train]),
         "wall_clock_s": sum(float(r.get("interval_s", 0.0)) for r in train) or _span(run),

@@ -51,6 +51,25 @@ def test_compare_table_text_markdown_json_and_sort(tmp_path, capsys):
     assert "no such column; columns: run, steps" in capsys.readouterr().err
 
 
+def test_an_rl_runs_reward_is_the_mean_of_its_last_ten_logged_values(tmp_path, capsys):
+    """A GRPO run's loss says little; its reward (one batch's each step) is averaged."""
+    runs = []
+    for name, base in (("low", 0.0), ("high", 0.5)):
+        folder = make_run(tmp_path / name, losses=(0.0,) * 12, evals=())
+        lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        for i, line in enumerate(lines):
+            line["reward"] = base + i / 100  # rises over 12 lines
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        runs.append(str(folder))
+    assert summary(open_run(runs[0]))["reward"] == pytest.approx(sum(range(2, 12)) / 1000)
+    assert main(["compare", *runs, "--sort=-reward"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "reward (last 10)" in out[0] and out[1].startswith("high")
+    assert "0.5650" in out[1] and "0.0650" in out[2]
+    plain = make_run(tmp_path / "plain")
+    assert main(["compare", str(plain)]) == 0 and "reward" not in capsys.readouterr().out
+
+
 def test_not_a_run_no_metrics_and_missing_folder(tmp_path, capsys):
     (tmp_path / "holder" / "inner").mkdir(parents=True)
     make_run(tmp_path / "holder" / "inner")
