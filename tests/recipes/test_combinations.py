@@ -1,7 +1,8 @@
 """Every combination trains: each model family kiln ships x activation checkpointing x step x
-float8 x evaluating before the first step builds a tiny model and takes 2 optimizer steps, finite
-and deterministic. Options that each work alone must also work together (issue 10: MoE under
-activation checkpointing crashed on step 1 while both had passing tests of their own).
+float8 (with evaluating before the first step crossed pairwise, ``cases``) builds a tiny model
+and takes 2 optimizer steps, finite and deterministic. Options that each work alone must also
+work together (issue 10: MoE under activation checkpointing crashed on step 1 while both had
+passing tests of their own).
 
 The families cover every registered model, attention, feed-forward, norm and position component;
 one that no family names joins on the dense transformer (``discovered``): no edit here needed.
