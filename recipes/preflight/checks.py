@@ -78,6 +78,14 @@ def open_data(recipe, tokenizer, plan: batch_plan.BatchPlan, *, rank: int, ranks
     total = batch_plan.total_steps(tr, plan, getattr(loader, "steps_per_epoch", None))
     data = RunData(dataset, loader, total)
     data.lines += dataset.check_run(total, plan.global_batch)  # e.g. a mixture's stages
+    attention = getattr(recipe.model, "attention", None)
+    if recipe.data.type == "chat" and getattr(recipe.data, "pack", False) \
+            and attention is not None and not getattr(attention, "document_mask", False):
+        data.lines.append(
+            "chat data: note: data.pack = true puts several conversations in a row and, without "
+            "model.attention.document_mask, each attends to those before it; set document_mask "
+            "= true and positions = \"per_document\" (as sft_debug.toml does) to keep each to "
+            "itself")
     if recipe.eval.at_end or 0 < recipe.eval.interval <= total:
         for source in eval_sources(dataset):  # each fits one batch, or fails now
             getattr(split_loader(dataset, plan.micro_batch, rank, ranks, source), "close",

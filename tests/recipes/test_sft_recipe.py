@@ -13,6 +13,7 @@ import torch
 
 from kiln.components.errors import CheckpointError, RecipeError
 from kiln.components.protocols import Hook
+from kiln.recipes.cli import main
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests import forked
@@ -256,6 +257,24 @@ def test_masked_data_with_a_step_that_cannot_weight_tokens_is_refused(tmp_path):
         "--training.seq_len=96", f"--run.folder={tmp_path / 'x'}"])
     with pytest.raises(RecipeError, match="token-weighted.*segmented_bptt"):
         Trainer(recipe, out=io.StringIO())
+
+
+@pytest.mark.parametrize("extra, noted", [
+    (("--model.attention.document_mask=false", "--model.attention.positions=sequence"), True),
+    (("--model.attention.document_mask=false", "--model.attention.positions=sequence",
+      "--data.pack=false"), False),  # one conversation a row: nothing to see across
+    ((), False),  # sft_debug's document mask
+])
+def test_packed_conversations_without_a_document_mask_are_noted(tmp_path, capsys, extra, noted):
+    """Train and validate alike: each conversation of a packed row would see those before it."""
+    args = [*TINY, f"--run.folder={tmp_path / 'x'}", *extra]
+    out = io.StringIO()
+    Trainer(load_recipe(CONFIGS / "sft_debug.toml", args), out=out)
+    assert main(["validate", str(CONFIGS / "sft_debug.toml"), *args]) == 0
+    for log in (out.getvalue(), capsys.readouterr().out):
+        assert ("chat data: note: data.pack = true puts several conversations in a row and, "
+                "without model.attention.document_mask, each attends to those before it"
+                in log) is noted
 
 
 def test_the_run_and_its_export_keep_the_chat_template(full, base):
