@@ -142,10 +142,16 @@ def build_step(recipe):
     return complete_step(recipe.training.step.build())
 
 
-def flops_per_token(model, step_fn, seq_len: int) -> float:
+def trunk_only(model: nn.Module, step_fn) -> bool:
+    """The model has multi-token prediction modules that the step leaves alone (it scores the
+    main head: ``StepContract.trains_mtp`` false)."""
+    return getattr(model, "mtp", None) is not None and not step_fn.trains_mtp
+
+
+def flops_per_token(model: nn.Module, step_fn, seq_len: int) -> float:
     """The model's training FLOPs per token (MFU's): its multi-token prediction modules count
-    only where the step runs them (``StepContract.trains_mtp``)."""
-    if getattr(model, "mtp", None) is not None and not step_fn.trains_mtp:
+    only where the step runs them."""
+    if trunk_only(model, step_fn):
         return float(model.flops_per_token(seq_len, mtp=False))
     return float(model.flops_per_token(seq_len))
 

@@ -121,7 +121,7 @@ class Trainer:
             data_ranks=self.data_ranks, cut_padding=cut, **self.compiled_losses)
         build = StepBuild(self)
         self.step_fn.setup(build)  # a reference, a teacher: before any resume changes the policy
-        if getattr(self.model, "mtp", None) is not None and not self.step_fn.trains_mtp:
+        if checks.trunk_only(self.model, self.step_fn):
             build.lines.append(f"step: {recipe.training.step.type} trains the main head only; "
                                "the multi-token prediction modules keep their weights")
         for line in build.lines:
