@@ -43,7 +43,7 @@ def run(args) -> int:
     unused = [what for what, used in (
         (f"checkpoint.init_from = {base.checkpoint.init_from!r}", base.checkpoint.init_from),
         (f"training.step.type = {base.training.step.type!r}",
-         base.training.step.type not in ("standard", "segmented_bptt")),
+         base.training.step.type != "standard"),  # (looped models are refused above)
         ("[adapter]", base.adapter is not None)) if used]
     if unused:
         print(f"kiln mup check: note: {', '.join(unused)} not used: the check trains the "
