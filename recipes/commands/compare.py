@@ -150,8 +150,8 @@ def _numeric(key: str) -> bool:
 def _with_error(key: str, row: dict[str, Any]) -> str:
     """A judged value as ``2.3456±0.0123`` (its standard error), else the plain cell."""
     value = row.get(key)
-    if key == "eval_loss":
-        se = row.get("eval_info", {}).get("stderr")
+    if key in ("eval_loss", "reward"):  # (a run's reward has none; a point's does)
+        se = row.get("eval_info" if key == "eval_loss" else "reward_info", {}).get("stderr")
     elif key.startswith("task/"):
         se = row.get("task_info", {}).get(key[len("task/"):], {}).get("stderr")
     else:
@@ -257,13 +257,14 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
         for i, r in enumerate(rows):
             r["judged"] = _marks(judged, i)
         groups = seed_groups.points([r.recipe for r in runs])
-        if groups and judged:  # each run names its point, with the point's figures and marks
-            point_rows = seed_groups.point_rows(groups, rows, judged)
-            by_point = seed_groups.judge_points(groups, rows, judged)
+        pointed = seed_groups.point_judgments(judged, rows)
+        if groups and pointed:  # each run names its point, with the point's figures and marks
+            point_rows = seed_groups.point_rows(groups, rows, pointed)
+            by_point = seed_groups.judge_points(groups, rows, pointed)
             for g, (k, point) in zip(groups, enumerate(point_rows), strict=True):
                 info = {"label": g.label, "seeds": g.seeds,
-                        **{j.column: point.get(j.column) for j in judged},
-                        "stderr": {j.column: _point_stderr(point, j.column) for j in judged},
+                        **{j.column: point.get(j.column) for j in pointed},
+                        "stderr": {j.column: _point_stderr(point, j.column) for j in pointed},
                         "judged": _marks(by_point, k)}
                 for i in g.members:
                     rows[i]["point"] = info
@@ -275,9 +276,10 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
         text += "\n" + (note if markdown else textwrap.fill(note, width=width or 100,
                                                              subsequent_indent="  "))
     groups = seed_groups.points([r.recipe for r in runs])
-    if not groups or not judged:
+    pointed = seed_groups.point_judgments(judged, rows)
+    if not groups or not pointed:
         return text
-    return f"{text}\n\n{_points_table(groups, rows, judged, markdown, width)}"
+    return f"{text}\n\n{_points_table(groups, rows, pointed, markdown, width)}"
 
 
 def _marks(judged: list[judge.Judgment], i: int) -> dict[str, dict[str, Any]]:
@@ -288,8 +290,8 @@ def _marks(judged: list[judge.Judgment], i: int) -> dict[str, dict[str, Any]]:
 
 
 def _point_stderr(point: dict[str, Any], column: str) -> float | None:
-    if column == "eval_loss":
-        return point["eval_info"]["stderr"]
+    if column in ("eval_loss", "reward"):
+        return point["eval_info" if column == "eval_loss" else "reward_info"]["stderr"]
     return point["task_info"][column[len("task/"):]]["stderr"]
 
 
@@ -323,8 +325,8 @@ def verdicts(paths: list[str]) -> list[str]:
     groups = seed_groups.points([r.recipe for r in runs])
     if groups:
         labels = [g.label for g in groups]
-        return [f"across seeds, {judge.sentence(j, labels, 'point')}"
-                for j in seed_groups.judge_points(groups, rows, judged)]
+        return [f"across seeds, {judge.sentence(j, labels, 'point')}" for j in
+                seed_groups.judge_points(groups, rows, seed_groups.point_judgments(judged, rows))]
     return [judge.sentence(j, [r["run"] for r in rows]) for j in judged]
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from kiln.recipes.config.diff import differing, settings_label
 from kiln.recipes.runs import significance
 from kiln.recipes.runs.judge import Judgment
+from kiln.recipes.runs.read import RECENT
 from kiln.recipes.runs.significance import Verdict
 
 SEED = "training.seed"
@@ -59,9 +60,18 @@ def points(recipes: list[Any]) -> list[Point]:
 
 def value_of(row: dict[str, Any], column: str) -> float | None:
     """A judged column's value in a run's summary row."""
-    if column == "eval_loss":
-        return row.get("eval_loss")
+    if column in ("eval_loss", "reward"):
+        return row.get(column)
     return row.get("task_info", {}).get(column[len("task/"):], {}).get("value")
+
+
+def point_judgments(judged: list[Judgment], rows: list[dict[str, Any]]) -> list[Judgment]:
+    """The columns judged across seeds: the runs' judged columns, and an RL run's reward, which
+    has no error bar in one run (a batch's mean, the policy moving) but is one independent value
+    per seed."""
+    if not any(r.get("reward") is not None for r in rows):
+        return judged
+    return [*judged, Judgment("reward", f"reward (last {RECENT})", lower=False)]
 
 
 def point_rows(groups: list[Point], rows: list[dict[str, Any]],
@@ -76,8 +86,9 @@ def point_rows(groups: list[Point], rows: list[dict[str, Any]],
             values = _values(g, rows, j.column)
             mean = float(np.mean(values)) if values else None
             se = _stderr(values)
-            if j.column == "eval_loss":
-                row["eval_loss"], row["eval_info"] = mean, {"stderr": se}
+            if j.column in ("eval_loss", "reward"):
+                info = "eval_info" if j.column == "eval_loss" else "reward_info"
+                row[j.column], row[info] = mean, {"stderr": se}
             else:
                 name = j.column[len("task/"):]
                 metrics = [r["task_metrics"][name] for r in rows

@@ -100,3 +100,39 @@ def test_welch_is_scipys_and_equal_constant_sets_are_no_evidence():
     assert significance.welch(a[:1], b) is None
     assert significance.paired(a, a + 0.1 * np.array([1, 2, 3]), unit="seeds").how == \
         "paired t by seed, n=3"
+
+
+def _rl_run(root, eps, seed, rewards) -> str:
+    """An RL run (no held-out loss) whose logged rewards are ``rewards``."""
+    run = make_run(root / f"eps={eps},seed={seed}", (f"--training.seed={seed}",
+                                                     f"--optimizer.lr={eps}"),
+                   losses=(0.0,) * len(rewards), evals=())
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for line, r in zip(lines, rewards, strict=True):
+        line["reward"] = r
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(run)
+
+
+def test_an_rl_runs_reward_is_judged_across_seeds_not_run_by_run(tmp_path):
+    """Each seed's reward (its last 10 logged values' mean) is one independent value: the points
+    get a t-test over seeds; a single run's reward carries no error bar and no mark."""
+    low = [0.20, 0.35, 0.26]
+    high = [0.30, 0.44, 0.37]
+    runs = [_rl_run(tmp_path, 1e-3, s, [0.0] * 5 + [v] * 10) for s, v in enumerate(low)]
+    runs += [_rl_run(tmp_path, 3e-3, s, [0.0] * 5 + [v] * 10) for s, v in enumerate(high)]
+    (line,) = verdicts(runs)
+    p = stats.ttest_rel(low, high).pvalue
+    assert line == (f"across seeds, winner on reward (last 10): lr=0.003, better than every "
+                    f"other point beyond noise (the closest: {significance.p_text(p)}, paired t "
+                    "by seed, n=3)")
+    table = report(runs, width=0)
+    per_run, points = table.split("Across seeds")
+    assert "±" not in per_run.splitlines()[1] and "*" not in per_run  # runs: plain values
+    row = {r.split()[0]: r.split() for r in points.splitlines()[2:4]}
+    se = np.std(high, ddof=1) / math.sqrt(3)
+    assert row["lr=0.003"][2] == f"{np.mean(high):.4f}±{se:.4f}*"
+    point = json.loads(report(runs, as_json=True))[3]["point"]
+    assert point["reward"] == pytest.approx(np.mean(high))
+    assert point["stderr"]["reward"] == pytest.approx(se)
+    assert point["judged"] == {"reward": {"mark": "*"}}
