@@ -165,8 +165,8 @@ class GRPOStep(StepContract):
         self.dataset, self.run_dir = build.dataset, build.run_dir
         self.rank, self.ranks = build.rank, build.ranks
         self.check_data(build.dataset)
-        if getattr(self.rollout, "truncation", ""):  # as TRL's GRPOTrainer, said once
-            build.lines.append(f"step: grpo samples with {self.rollout.truncation}; the ratio, "
+        if cut := getattr(self.rollout, "truncation", ""):  # as TRL's GRPOTrainer, said once
+            build.lines.append(f"step: grpo samples with {cut}; the ratio, "
                                "KL, entropy and rollout/logp_diff use the whole distribution")
         if self.cfg.share_prompts:
             build.lines.append(sharing_line(

@@ -147,15 +147,19 @@ def _numeric(key: str) -> bool:
     return key in RESULTS or key.startswith(("task/", "source/"))
 
 
+def _stderr(row: dict[str, Any], key: str) -> float | None:
+    """A judged column's standard error in a run's or a point's row (None where it has none:
+    a run's reward, older runs)."""
+    if key in seed_groups.INFO_KEYS:
+        return row.get(seed_groups.INFO_KEYS[key], {}).get("stderr")
+    if key.startswith("task/"):
+        return row.get("task_info", {}).get(key[len("task/"):], {}).get("stderr")
+    return None
+
+
 def _with_error(key: str, row: dict[str, Any]) -> str:
     """A judged value as ``2.3456±0.0123`` (its standard error), else the plain cell."""
-    value = row.get(key)
-    if key in ("eval_loss", "reward"):  # (a run's reward has none; a point's does)
-        se = row.get("eval_info" if key == "eval_loss" else "reward_info", {}).get("stderr")
-    elif key.startswith("task/"):
-        se = row.get("task_info", {}).get(key[len("task/"):], {}).get("stderr")
-    else:
-        se = None
+    value, se = row.get(key), _stderr(row, key)
     text = cell(key, value)
     return f"{text}±{se:.4f}" if value is not None and se is not None else text
 
@@ -264,7 +268,7 @@ def report(paths: list[str], *, sort: str = "", as_json: bool = False,
             for g, (k, point) in zip(groups, enumerate(point_rows), strict=True):
                 info = {"label": g.label, "seeds": g.seeds,
                         **{j.column: point.get(j.column) for j in pointed},
-                        "stderr": {j.column: _point_stderr(point, j.column) for j in pointed},
+                        "stderr": {j.column: _stderr(point, j.column) for j in pointed},
                         "judged": _marks(by_point, k)}
                 for i in g.members:
                     rows[i]["point"] = info
@@ -287,12 +291,6 @@ def _marks(judged: list[judge.Judgment], i: int) -> dict[str, dict[str, Any]]:
     return {j.column: {"mark": j.mark(i), **({"p": j.verdicts[i].p, "test": j.verdicts[i].how}
                                              if i in j.verdicts else {})}
             for j in judged if not j.note}
-
-
-def _point_stderr(point: dict[str, Any], column: str) -> float | None:
-    if column in ("eval_loss", "reward"):
-        return point["eval_info" if column == "eval_loss" else "reward_info"]["stderr"]
-    return point["task_info"][column[len("task/"):]]["stderr"]
 
 
 POINTS_LEGEND = (

@@ -58,9 +58,13 @@ def points(recipes: list[Any]) -> list[Point]:
     return out
 
 
+# Where a summary row keeps a judged column's standard error, besides tasks' ``task_info``
+INFO_KEYS = {"eval_loss": "eval_info", "reward": "reward_info"}
+
+
 def value_of(row: dict[str, Any], column: str) -> float | None:
     """A judged column's value in a run's summary row."""
-    if column in ("eval_loss", "reward"):
+    if column in INFO_KEYS:
         return row.get(column)
     return row.get("task_info", {}).get(column[len("task/"):], {}).get("value")
 
@@ -86,9 +90,8 @@ def point_rows(groups: list[Point], rows: list[dict[str, Any]],
             values = _values(g, rows, j.column)
             mean = float(np.mean(values)) if values else None
             se = _stderr(values)
-            if j.column in ("eval_loss", "reward"):
-                info = "eval_info" if j.column == "eval_loss" else "reward_info"
-                row[j.column], row[info] = mean, {"stderr": se}
+            if j.column in INFO_KEYS:
+                row[j.column], row[INFO_KEYS[j.column]] = mean, {"stderr": se}
             else:
                 name = j.column[len("task/"):]
                 metrics = [r["task_metrics"][name] for r in rows
