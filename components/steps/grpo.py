@@ -139,9 +139,9 @@ class GRPOStep(StepContract):
         for name, reward in self.rewards.items():
             missing = [f for f in getattr(reward, "fields", ()) if f not in have]
             if missing:
-                raise DataError(f"rewards.{name} reads the prompts' field {missing[0]!r}, which "
-                                f"not every prompt has (fields: {', '.join(sorted(have)) or 'none'}"
-                                "); set its field, or map the data's with data.fields")
+                raise DataError(f"rewards.{name} reads the prompts' field {missing[0]!r}, "
+                                f"{dataset.field_problem(missing[0])}; fix the data, set its "
+                                "field, or map the data's with data.fields")
         checks = {n: r.check for n, r in self.rewards.items() if hasattr(r, "check")}
         for split in ("train", "eval") if checks else ():
             rows = list(range(dataset.prompt_count(split)))
@@ -150,9 +150,9 @@ class GRPOStep(StepContract):
                     try:
                         check(fields)
                     except ValueError as exc:
-                        raise DataError(f"rewards.{name} cannot score {split} prompt {row}: "
-                                        f"{exc}; fix that row, or choose another reward "
-                                        "type") from None
+                        raise DataError(f"rewards.{name} cannot score "
+                                        f"{dataset.prompt_where(split, row)} ({exc}); fix that "
+                                        "row, or choose another reward type") from None
         room = dataset.seq_len + 1 - self.rollout.max_new_tokens
         if dataset.longest_prompt > room:
             raise DataError(

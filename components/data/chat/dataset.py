@@ -171,10 +171,12 @@ class ChatDataset(DatasetContract):
         return self.tokenizer.eos_id if pad is None else pad
 
     def _write(self, folder: Path, splits: dict[str, tuple[tuple[np.ndarray, ...], dict]],
-               meta: dict[str, Any], extra: dict[str, np.ndarray] | None = None) -> None:
+               meta: dict[str, Any], extra: dict[str, np.ndarray] | None = None,
+               aside: dict[str, np.ndarray] | None = None) -> None:
         """Each split's arrays (``SPLIT_FILES``), ``extra`` arrays by file name and
         ``meta.json`` (with the splits' counts and the rows' checksum), into ``folder`` at
-        once: written aside, then renamed."""
+        once: written aside, then renamed. ``aside``: arrays by file name kept out of the
+        checksum (where each row came from, for messages: not the rows themselves)."""
         tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -193,6 +195,8 @@ class ChatDataset(DatasetContract):
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
             rows.update(np.ascontiguousarray(array).view(np.uint8))
         meta["rows_xxh3"] = rows.hexdigest()
+        for name, array in (aside or {}).items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, folder)

@@ -69,6 +69,14 @@ class PromptRows(ChatRows):
         column = self.arrays()[2]
         return [json.loads(str(column[i])) for i in at]
 
+    def where(self, row: int) -> str | None:
+        """The file and line (or row) prompt ``row`` came from; None for a cache entry written
+        before kiln kept it."""
+        path = self.folder / f"{self.split}_where.npy"
+        if not path.exists():
+            return None
+        return str(np.load(path, mmap_mode="r", allow_pickle=False)[row])
+
 
 class PromptLoader(ChatLoader):
     rows_class = PromptRows
@@ -102,7 +110,7 @@ class PromptDataset(ChatDataset):
                     for i, r in enumerate(builtin.prompts(self.cfg.builtin_rows, SPLIT_SEED)))
         return read_rows(self.cfg.path, split=self.cfg.split, cache_dir=self.cfg.cache_dir)
 
-    def _encode(self, where: str, row: dict) -> tuple[list[int], str]:
+    def _encode(self, where: str, row: dict) -> tuple[list[int], str, list[str]]:
         messages = prompt_messages(row, self.cfg.fields, where)
         if not messages or messages[-1]["role"] != "user":
             raise DataError(f"{where}: the prompt must end with a user message (the completion "
@@ -112,18 +120,20 @@ class PromptDataset(ChatDataset):
         used = {self.cfg.fields.get("prompt", "prompt"), self.cfg.fields.get("system")}
         kept = {k: v for k, v in row.items() if k not in used
                 and isinstance(v, str | int | float | bool)}
-        return ids, json.dumps(kept, ensure_ascii=False)
+        # (a nested field or a list is left out; a reward naming it is told where it was)
+        left = [k for k, v in row.items() if k not in used and k not in kept and v is not None]
+        return ids, json.dumps(kept, ensure_ascii=False), left
 
     def _build(self, folder) -> None:
         c, width = self.cfg, self.seq_len
         encoded = [(where, *self._encode(where, row)) for where, row in self._rows()]
         if not encoded:
             raise DataError(f"data.path = {c.path!r}: no prompts there")
-        splits, common = {}, None
+        splits, wheres_of, kept = {}, {}, []  # kept: (where, its field names) of each prompt
         for split, picked in self._split_of(len(encoded)).items():
-            ids, fields, truncated, dropped = [], [], 0, 0
+            ids, fields, truncated, dropped, wheres = [], [], 0, 0, []
             for i in sorted(picked):
-                where, p, f = encoded[i]
+                where, p, f, _ = encoded[i]
                 if len(p) > width:
                     if c.overlong == "error":
                         raise DataError(
@@ -136,8 +146,8 @@ class PromptDataset(ChatDataset):
                     p, truncated = p[-width:], truncated + 1
                 ids.append(p)
                 fields.append(f)
-                keys = set(json.loads(f))
-                common = keys if common is None else common & keys
+                wheres.append(where)
+                kept.append((where, set(json.loads(f))))
             prompts = np.full((len(ids), width), self.pad_id, dtype=np.int32)
             for r, p in enumerate(ids):
                 prompts[r, :len(p)] = p
@@ -145,7 +155,17 @@ class PromptDataset(ChatDataset):
             splits[split] = ((prompts, lengths, np.array(fields, dtype=str)), {
                 "prompts": len(ids), "truncated": truncated, "dropped": dropped,
                 "longest": int(lengths.max()) if len(ids) else 0})
-        self._write(folder, splits, {"format": FORMAT, "fields": sorted(common or ())})
+            wheres_of[f"{split}_where"] = np.array(wheres, dtype=str)
+        common = set.intersection(*(keys for _, keys in kept)) if kept else set()
+        # What a reward naming a field no prompt or not every prompt has is told: how many
+        # have it and where the first without it came from; where one held a list or a table.
+        partial = {k: [sum(k in keys for _, keys in kept),
+                       next(w for w, keys in kept if k not in keys)]
+                   for k in sorted(set().union(*(keys for _, keys in kept)) - common)}
+        nested = {k: where for where, _, _, left in reversed(encoded) for k in left}
+        self._write(folder, splits, {"format": FORMAT, "fields": sorted(common),
+                                     "partial_fields": partial, "nested_fields": nested},
+                    aside=wheres_of)
 
     # ------------------------------------------------------------------ what the step reads
     @property
@@ -154,6 +174,27 @@ class PromptDataset(ChatDataset):
         if not self.meta:
             self.prepare()
         return list(self.meta["fields"])
+
+    def field_problem(self, name: str) -> str:
+        """Why a reward cannot read field ``name`` of every prompt, as a clause: "which ..."."""
+        if not self.meta:
+            self.prepare()
+        meta = self.meta
+        if name in meta.get("nested_fields", {}):
+            return (f"which {meta['nested_fields'][name]} holds as a list or a table (a reward "
+                    "reads text, numbers and booleans)")
+        if name in meta.get("partial_fields", {}):
+            have, where = meta["partial_fields"][name]
+            total = sum(s["prompts"] for s in meta["splits"].values())
+            return f"which {have} of the {total} prompts have; the first without it: {where}"
+        every = ", ".join(self.field_names) or "none"
+        if "partial_fields" not in meta:  # a cache entry written before kiln counted them
+            return f"which not every prompt has (every prompt has: {every})"
+        return f"which no prompt has (every prompt has: {every})"
+
+    def prompt_where(self, split: str, row: int) -> str:
+        """Where prompt ``row`` of ``split`` came from (file and line), for messages."""
+        return self._split(split).where(row) or f"{split} prompt {row}"
 
     @property
     def longest_prompt(self) -> int:

@@ -176,11 +176,13 @@ def test_train_and_validate_refuse_the_same_recipes(tmp_path, extra, data, messa
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--rewards.op.field=missing",), "rewards.op reads the prompts' field 'missing'"),
+    (("--rewards.op.field=missing",), "rewards.op reads the prompts' field 'missing', which "
+     r"no prompt has \(every prompt has: a, answer, b, op, restated\)"),
     (("--training.step.rollout.max_new_tokens=100",), "does not fit training.seq_len"),
     (("--training.seq_len=64",), "longer than training.seq_len = 64"),
     (("--rewards.n.type=numeric", "--rewards.n.field=op"),
-     r"rewards.n cannot score train prompt \d+: the prompt's 'op' is not a number"),
+     r"rewards.n cannot score built-in prompt set: row \d+ \(the prompt's 'op' is not a "
+     "number"),
 ])
 def test_bad_data_for_the_step_is_refused_by_train_and_validate(tmp_path, extra, message):
     _refused(tmp_path, extra, PROMPTS, message, DataError)

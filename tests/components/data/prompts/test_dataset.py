@@ -29,7 +29,7 @@ def _dataset(tmp_path, rows=ROWS, tokenizer=None, seq_len=96, **values):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = PromptConfig(type="prompts", path=str(path), cache_dir=str(tmp_path / "cache"),
-                       eval_fraction=0, **{"template": "chatml", **values})
+                       **{"template": "chatml", "eval_fraction": 0, **values})
     ds = PromptDataset(cfg, tokenizer=tokenizer or ByteTokenizer(), seq_len=seq_len, seed=0)
     ds.prepare()
     return ds
@@ -91,6 +91,31 @@ def test_overlong_prompts_follow_the_policy_with_counts(tmp_path):
 def test_bad_rows_name_the_file_and_row(tmp_path, row, message):
     with pytest.raises(DataError, match=f"prompts.jsonl: line 2: .*{message}"):
         _dataset(tmp_path, [ROWS[0], row])
+
+
+def test_a_field_not_every_prompt_can_give_a_reward_is_traced_to_its_row(tmp_path):
+    """What a reward naming a field is told: how many prompts have it and the first line
+    without it, the line where it held a list or a table, or that none has it; and where each
+    prompt came from, for a reward's own refusal of one (held-out prompts included)."""
+    rows = [{"prompt": f"q{i}", "gold": i, "tags": ["a"] if i == 2 else "x"} for i in range(6)]
+    del rows[3]["gold"]
+    rows[4]["gold"] = None  # JSON null: no value
+    ds = _dataset(tmp_path, rows, eval_fraction=0.5)
+    assert ds.field_names == []  # tags is a list on line 3, gold missing on lines 4 and 5
+    assert ds.field_problem("gold") == ("which 4 of the 6 prompts have; the first without it: "
+                                        f"{tmp_path / 'prompts.jsonl'}: line 4")
+    assert ds.field_problem("tags") == (f"which {tmp_path / 'prompts.jsonl'}: line 3 holds as "
+                                        "a list or a table (a reward reads text, numbers and "
+                                        "booleans)")
+    assert ds.field_problem("nope") == "which no prompt has (every prompt has: none)"
+    lines = {f"{tmp_path / 'prompts.jsonl'}: line {i + 1}": f"q{i}" for i in range(6)}
+    for split in ("train", "eval"):
+        for row in range(ds.prompt_count(split)):
+            text = ByteTokenizer().decode(ds.prompt_ids(split, [row])[0])
+            assert f"user\n{lines.pop(ds.prompt_where(split, row))}<" in text
+    assert not lines  # every line once, in one split or the other
+    # the checksum the resume check compares is the rows' own: where they came from is aside
+    assert "where" not in json.dumps(json.loads((ds.folder / "meta.json").read_text())["splits"])
 
 
 def test_the_builtin_prompts_carry_their_answers(tmp_path):
