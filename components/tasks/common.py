@@ -124,7 +124,7 @@ class Task:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def where(self, label: str, index: int) -> str:
-        return f"task {self.name!r}: {label}: example {index}"
+        return f"task {self.name!r}: {label}: {task_files.example(index)}"
 
     def path_of(self, name: str) -> str | list[str]:
         return self.cfg.fields.get(name, name)

@@ -72,8 +72,18 @@ def read_rows(path: str, task: str) -> tuple[list[dict[str, Any]], str]:
         raise DataError(f"task {task!r}: {label} holds no examples")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise DataError(f"task {task!r}: {label}: example {i} is not an object: {row!r:.80}")
+            raise DataError(f"task {task!r}: {label}: {example(i)} is not an object: "
+                            f"{row!r:.80}")
     return rows, label
+
+
+def example(index: int) -> str:
+    """An example's name in messages: its index, counted from 0 as the scores' files count, and
+    its place in the file, counted from 1 as an editor counts lines ("example 5 (the file's
+    6th)")."""
+    n = index + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"example {index} (the file's {n}{suffix})"
 
 
 def _parquet(file: Path, task: str, label: str) -> list[dict[str, Any]]:

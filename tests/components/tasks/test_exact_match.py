@@ -55,8 +55,8 @@ def test_last_match_case_punctuation(tmp_path):
 
 def test_gold_must_match_the_answer_regex(tmp_path):
     path = samples.write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "42"}])
-    with pytest.raises(DataError, match=r"task 'g': .*t.jsonl: example 0: the answer '42' does "
-                                        "not match answer_regex"):
+    with pytest.raises(DataError, match=r"task 'g': .*t.jsonl: example 0 \(the file's 1st\): "
+                                        "the answer '42' does not match answer_regex"):
         samples.task("exact_match", path, name="g", answer_regex="#### (.*)").plan(
             samples.byte_tokenizer(), 256)
     with pytest.raises(DataError, match="max_new_tokens = 64 leaves no room"):

@@ -74,8 +74,10 @@ def test_answers_by_label_letter_number_and_text(tmp_path):
 
 
 @pytest.mark.parametrize("answer, message", [
-    (5, r"example 1: answer 5 is out of range: the example has 2 choices \(0..1\)"),
-    ("zz", "example 1: answer 'zz' is not a choice index, label, letter or choice text"),
+    (5, r"example 1 \(the file's 2nd\): answer 5 is out of range: the example has 2 "
+        r"choices \(0..1\)"),
+    ("zz", r"example 1 \(the file's 2nd\): answer 'zz' is not a choice index, label, letter "
+           "or choice text"),
 ])
 def test_bad_answers_name_task_file_and_example(tmp_path, answer, message):
     rows = [{"context": "a", "choices": ["x", "y"], "answer": 0},
@@ -87,7 +89,7 @@ def test_bad_answers_name_task_file_and_example(tmp_path, answer, message):
 
 def test_a_missing_field_names_the_example(tmp_path):
     path = samples.write_jsonl(tmp_path / "t.jsonl", [{"context": "a", "answer": 0}])
-    with pytest.raises(DataError, match=r"example 0: no field 'choices'"):
+    with pytest.raises(DataError, match=r"example 0 \(the file's 1st\): no field 'choices'"):
         samples.task("multiple_choice", path).plan(samples.byte_tokenizer(), 64)
 
 
@@ -174,8 +176,8 @@ def test_long_prompts_are_cut_from_the_left_and_counted(tmp_path):
     assert [(len(ctx), [len(c) for c in conts]) for ctx, conts in cut[2]] == [(30, [3]),
                                                                             (31, [2])]
     assert cut[1][0][0][0] == 256 and len(cut[1][0][1]) == 2  # not cut: one shared context
-    with pytest.raises(DataError, match="example 0: a choice is 4 tokens, longer than the "
-                                        r"model's context \(3\)"):
+    with pytest.raises(DataError, match=r"example 0 \(the file's 1st\): a choice is 4 tokens, "
+                                        r"longer than the model's context \(3\)"):
         samples.task("multiple_choice", samples.write_jsonl(tmp_path / "u.jsonl", [
             {"context": "a", "choices": ["abc", "d"], "answer": 0}])).plan(
             samples.byte_tokenizer(), 3)

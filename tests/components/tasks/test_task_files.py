@@ -39,7 +39,7 @@ def test_dotted_paths_and_list_items():
     (None, "task 'mc': file .* not found"),
     ('{"a": 1}\nnot json\n', r"line 2 \(example 1\) is not JSON"),
     ("", "holds no examples"),
-    ("[1, 2]", "example 0 is not an object"),
+    ("[1, 2]", r"example 0 \(the file's 1st\) is not an object"),
 ])
 def test_bad_files_name_the_task_file_and_example(tmp_path, content, message):
     path = tmp_path / "x.jsonl"
@@ -80,3 +80,12 @@ def test_hub_dataset_file_from_the_offline_cache(tmp_path, offline_cache):  # no
         task_files.read_rows("hf://datasets/allenai/ai2_arc/ARC-Easy/nope.parquet", "arc")
     with pytest.raises(DataError, match="write hf://datasets/owner/name"):
         task_files.read_rows("hf://datasets/allenai/ai2_arc", "arc")
+
+
+def test_an_example_is_named_by_its_index_and_its_place_in_the_file():
+    from kiln.components.tasks.task_files import example
+
+    assert [example(i).split("'s ")[1] for i in (0, 1, 2, 3, 10, 11, 12, 20, 21, 100, 110)] == [
+        "1st)", "2nd)", "3rd)", "4th)", "11th)", "12th)", "13th)", "21st)", "22nd)", "101st)",
+        "111th)"]
+    assert example(5) == "example 5 (the file's 6th)"

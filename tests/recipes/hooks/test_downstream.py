@@ -94,8 +94,8 @@ def test_bad_task_data_stops_the_run_before_its_first_step(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing trained, nothing written
     bad = samples.write_jsonl(tmp_path / "bad.jsonl",
                               [{"context": "a", "choices": ["x", "y"], "answer": 3}])
-    with pytest.raises(DataError, match=r"task 'mc': .*bad.jsonl: example 0: answer 3 is out "
-                                        "of range"):
+    with pytest.raises(DataError, match=r"task 'mc': .*bad.jsonl: example 0 \(the file's "
+                                        r"1st\): answer 3 is out of range"):
         train(recipe_for("dense", tmp_path / "r", *task_flags(tmp_path, path=bad)))
 
 
