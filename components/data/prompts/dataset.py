@@ -75,7 +75,7 @@ class PromptRows(ChatRows):
         path = self.folder / f"{self.split}_where.npy"
         if not path.exists():
             return None
-        return str(np.load(path, mmap_mode="r", allow_pickle=False)[row])
+        return bytes(np.load(path, mmap_mode="r", allow_pickle=False)[row]).decode()
 
 
 class PromptLoader(ChatLoader):
@@ -155,7 +155,8 @@ class PromptDataset(ChatDataset):
             splits[split] = ((prompts, lengths, np.array(fields, dtype=str)), {
                 "prompts": len(ids), "truncated": truncated, "dropped": dropped,
                 "longest": int(lengths.max()) if len(ids) else 0})
-            wheres_of[f"{split}_where"] = np.array(wheres, dtype=str)
+            # (UTF-8 bytes: a quarter of numpy's fixed-width text)
+            wheres_of[f"{split}_where"] = np.array([w.encode() for w in wheres], dtype=bytes)
         common = set.intersection(*(keys for _, keys in kept)) if kept else set()
         # What a reward naming a field no prompt or not every prompt has is told: how many
         # have it and where the first without it came from; where one held a list or a table.
