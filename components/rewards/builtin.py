@@ -127,10 +127,20 @@ class ExactMatchReward(Extracting):
                 s = s.replace(",", "")  # gold too ("1,034" equals the answer 1034)
             return s.strip().lower() if self.cfg.ignore_case else s.strip()
 
+        def equal(got: str, gold: Any) -> bool:
+            # A number in the data is a number, not its repr: a float column (parquet, a
+            # pandas export with gaps) holds 58 as 58.0, which "58" would never match as text.
+            if isinstance(gold, int | float) and not isinstance(gold, bool):
+                try:
+                    return float(norm(got)) == float(gold)
+                except ValueError:  # not a number: compared as text below
+                    pass
+            return norm(got) == norm(str(gold))
+
         out = []
         for c in completions:
             got = self.answer(c.text)
-            out.append(float(got is not None and norm(got) == norm(str(c.fields[self.cfg.field]))))
+            out.append(float(got is not None and equal(got, c.fields[self.cfg.field])))
         return out
 
 

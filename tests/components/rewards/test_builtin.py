@@ -32,6 +32,17 @@ def test_exact_match_with_a_regex_the_last_number_or_the_whole_text():
     assert last([_c("1 then 2", v="2")]) == [1.0]
 
 
+def test_exact_match_compares_a_number_field_as_a_number_and_a_text_field_as_text():
+    """A gold stored as a number (a float column holds 58 as 58.0) equals the number read;
+    stored as text it is matched as text; an answer that is no number never equals one."""
+    r = _reward("exact_match", extract="last_number", field="sol")
+    assert r([_c("so 58", sol=58.0), _c("so 58.0", sol=58), _c("1,034", sol=1034),
+              _c("so 58", sol=58.5), _c("so 58", sol="58.0"), _c("so 58.0", sol="58.0")]) == [
+        1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    words = _reward("exact_match", extract="all", field="v")
+    assert words([_c("fifty", v=50), _c("True", v=True), _c("50", v=50)]) == [0.0, 1.0, 1.0]
+
+
 def test_numeric_within_a_tolerance_and_commas():
     r = _reward("numeric", tolerance=0.01)
     assert r([_c("about 3.141", answer="3.14"), _c("1,034", answer="1034"),
