@@ -130,11 +130,9 @@ class ExactMatchReward(Extracting):
         def equal(got: str, gold: Any) -> bool:
             # A number in the data is a number, not its repr: a float column (parquet, a
             # pandas export with gaps) holds 58 as 58.0, which "58" would never match as text.
-            if isinstance(gold, int | float) and not isinstance(gold, bool):
-                try:
-                    return float(norm(got)) == float(gold)
-                except ValueError:  # not a number: compared as text below
-                    pass
+            if isinstance(gold, int | float) and not isinstance(gold, bool) and \
+                    (number := _number(got)) is not None:  # (the numeric reward's reading)
+                return number == float(gold)
             return norm(got) == norm(str(gold))
 
         out = []
