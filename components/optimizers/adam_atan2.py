@@ -18,15 +18,11 @@ import torch
 from pydantic import Field
 
 from kiln.components.distributed import local_tensor
-from kiln.components.optimizers.common import OptimizerConfig
+from kiln.components.optimizers.common import AdamFamilyConfig
 from kiln.components.registry import register
 
 
-class AdamATan2Config(OptimizerConfig):
-    betas: list[float] = Field(
-        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2,
-        description="[beta1, beta2]",
-    )
+class AdamATan2Config(AdamFamilyConfig):
     ema: float = Field(
         0.0, ge=0, lt=1, description="decay of an EMA of the weights kept in the state (0 = off)"
     )

@@ -28,16 +28,12 @@ import functools
 import torch
 from pydantic import Field
 
-from kiln.components.optimizers.common import OptimizerConfig
+from kiln.components.optimizers.common import AdamFamilyConfig
 from kiln.components.registry import register
 from kiln.components.torchao_import import import_torchao, quiet_compile
 
 
-class AdamW8bitConfig(OptimizerConfig):
-    betas: list[float] = Field(
-        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2,
-        description="[beta1, beta2]",
-    )
+class AdamW8bitConfig(AdamFamilyConfig):
     eps: float = Field(1e-8, gt=0, description="denominator epsilon")
     block_size: int = Field(
         256, ge=32, description="largest quantisation block; a matrix uses the largest divisor "

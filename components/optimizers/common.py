@@ -74,3 +74,20 @@ class OptimizerConfig(ComponentConfig):
     def _one_rule_is_a_list(cls, value: Any) -> Any:
         """``no_decay = { ndim = [1] }`` (one table) means a list of that one rule."""
         return [value] if isinstance(value, (dict, ParamRule)) else value
+
+
+class AdamFamilyConfig(OptimizerConfig):
+    """The Adam family's moment decays, checked with the recipe: torch's own check raised a bare
+    ValueError when the optimizer was built, after ``kiln validate`` had passed."""
+
+    betas: list[float] = Field(
+        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2,
+        description="[beta1, beta2], each in [0, 1)",
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _decays(cls, betas: list[float]) -> list[float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must lie in [0, 1), got {betas}")
+        return betas

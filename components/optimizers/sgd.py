@@ -21,10 +21,9 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.components.distributed import local_tensor
-from kiln.components.errors import RecipeError
 from kiln.components.optimizers.common import OptimizerConfig
 from kiln.components.registry import register
 
@@ -32,8 +31,20 @@ from kiln.components.registry import register
 class SGDConfig(OptimizerConfig):
     mup_rule: ClassVar[str] = "refuse"  # µP's SGD rules (input and output LRs) are not here
     momentum: float = Field(0.0, ge=0, lt=1, description="momentum factor (0 = plain SGD)")
-    nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0)")
+    nesterov: bool = Field(
+        False, description="Nesterov momentum (needs momentum > 0 and dampening = 0)"
+    )
     dampening: float = Field(0.0, ge=0, le=1, description="dampening of the momentum")
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> SGDConfig:
+        # torch.optim.SGD refuses these with a bare ValueError when it is built
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError(
+                f"nesterov = true needs momentum > 0 and dampening = 0 (momentum = "
+                f"{self.momentum}, dampening = {self.dampening}); set them or drop nesterov"
+            )
+        return self
 
 
 class SignSGDConfig(OptimizerConfig):
@@ -50,8 +61,6 @@ class SignSGDConfig(OptimizerConfig):
 @register("optimizer", "sgd", config=SGDConfig)
 def build_sgd(cfg: SGDConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """Stochastic gradient descent (torch.optim.SGD), optionally with momentum."""
-    if cfg.nesterov and cfg.momentum == 0:
-        raise RecipeError("sgd: nesterov = true needs momentum > 0; set momentum or drop nesterov")
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
                            nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
 

@@ -7,7 +7,9 @@ import torch
 
 from kiln.components.base import default_config
 from kiln.components.errors import RecipeError
+from kiln.recipes.config.files import load_recipe
 from tests.components.optimizers.helpers import dcp_round_trip
+from tests.conftest import REPO
 
 
 def _build(name: str, params, **values):
@@ -23,8 +25,17 @@ def test_sgd_is_torch_sgd():
     p.grad = torch.tensor([1.0, -2.0, 0.5])
     opt.step()
     torch.testing.assert_close(p.detach(), torch.tensor([1 - 0.19, 1 + 0.38, 1 - 0.095]))
-    with pytest.raises(RecipeError, match="nesterov = true needs momentum"):
-        _build("sgd", [p], nesterov=True)
+
+
+@pytest.mark.parametrize("values", [["--optimizer.momentum=0"],
+                                    ["--optimizer.momentum=0.9", "--optimizer.dampening=0.5"]])
+def test_sgd_nesterov_is_refused_with_the_recipe(values):
+    # torch.optim.SGD's own refusal was a bare ValueError; dampening passed `kiln validate`
+    with pytest.raises(RecipeError) as err:
+        load_recipe(REPO / "train_configs/debug.toml",
+                    ["--optimizer.type=sgd", "--optimizer.nesterov=true", *values])
+    assert str(err.value).startswith("command line: [optimizer]: nesterov = true needs momentum "
+                                     "> 0 and dampening = 0")
 
 
 def test_sign_sgd_moves_every_element_by_lr():
