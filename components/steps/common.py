@@ -16,12 +16,19 @@ def finite(t: torch.Tensor | None) -> bool:
     return t is None or bool(torch.isfinite(t).all())
 
 
-def unguarded(stats: dict[str, float]) -> GuardDecision:
+def unguarded(stats: dict[str, float], *, first: bool = False) -> GuardDecision:
     """The decision when the recipe has no guard: a non-finite statistic aborts the run before
-    its optimizer step, which would write NaN into the weights (and every later snapshot)."""
+    its optimizer step, which would write NaN into the weights (and every later snapshot).
+    ``first``: no optimizer step has run yet, so the learning rate cannot be the cause."""
     bad = [f"{k} = {v}" for k, v in stats.items() if not math.isfinite(v)]
     if not bad:
         return GuardDecision()
+    if first:
+        return GuardDecision(abort=True, reason=(
+            f"not finite ({', '.join(bad)}) before any optimizer step, so the learning rate "
+            "is not the cause: the starting weights (the model's init settings, e.g. "
+            "model.init_std, or checkpoint.init_from) or the data give it; check those and "
+            "rerun"))
     return GuardDecision(abort=True, reason=(
         f"not finite ({', '.join(bad)}) and the recipe has no guard, so kiln stopped before "
         "this optimizer step: the weights and the last checkpoint stay finite. Lower "

@@ -166,9 +166,11 @@ def check_step_data(recipe, dataset, step_fn, shape: Layout) -> None:
     if pairs is not None and pairs != (takes or "") and "prompts" in (pairs, takes):
         raise RecipeError(
             f"training.step.type = {step!r} samples completions of prompts, and data.type = "
-            f"{data!r} holds none; use data.type = \"prompts\"" if takes else
+            f"{data!r} holds none; use data.type = \"prompts\"" if takes == "prompts" else
             f"data.type = {data!r} holds prompts to sample from, which training.step.type = "
-            f"{step!r} cannot train on; use training.step.type = \"grpo\"")
+            f"{step!r} cannot train on; use training.step.type = \"grpo\"" + (
+                f" (or data.type = \"preference\" for the {takes} rows it takes)" if takes
+                else ""))
     if pairs is not None and pairs != (takes or ""):
         raise RecipeError(
             f"training.step.type = {step!r} trains on preference pairs, and data.type = "

@@ -317,7 +317,7 @@ class TrainStepContext:
 
     def guard_decision(self, stats: dict[str, float], segment: int) -> GuardDecision:
         if not self.guards:  # non-finite values stop the run (one clear error), never the weights
-            return unguarded(stats)
+            return unguarded(stats, first=self.progress.step == 0 and segment == 0)
         for guard in self.guards.values():
             decision = guard.decide(stats, self.progress.step, segment)
             if decision.skip or decision.abort:

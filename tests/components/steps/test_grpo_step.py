@@ -165,6 +165,10 @@ def test_a_group_whose_rewards_are_all_equal_gets_no_gradient():
     (("--training.step.beta=0.1", "--training.step.reference=none"), PROMPTS,
      "beta > 0 needs a reference"),
     (("--training.step.type=standard",), DATA, "holds prompts to sample from"),
+    # a step taking preference pairs was told it "samples completions of prompts"
+    (("--training.step.type=preference",), DATA, r"'prompts' holds prompts to sample from, "
+     r"which training.step.type = 'preference' cannot train on; use training.step.type = "
+     r"\"grpo\" \(or data.type = \"preference\" for the paired rows it takes\)"),
     ((), ("--data.type=chat", "--data.template=chatml", "--data.builtin_rows=60",
           "--training.step.type=grpo", "--rewards.op.type=format", "--rewards.op.regex='x'",
           "--eval.interval=0", "--eval.at_end=false"), "samples completions of prompts"),

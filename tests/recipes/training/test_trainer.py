@@ -141,6 +141,18 @@ def test_a_non_finite_step_without_a_guard_stops_before_it_writes_anything(tmp_p
     assert len(losses(tmp_path / "n")) == 3  # steps 1-3 logged; step 4 never trained
 
 
+def test_a_non_finite_first_step_does_not_blame_the_learning_rate(tmp_path, monkeypatch):
+    """Before: step 1's NaN (differential attention with lambda_std = 7) said "Lower
+    optimizer.lr", although no optimizer step had run."""
+    from kiln.components.errors import TrainingAborted
+
+    _nan_loss_at(monkeypatch, 1)
+    with pytest.raises(TrainingAborted, match=r"step 1: not finite \(loss = nan, grad_norm = nan\) "
+                       r"before any optimizer step, so the learning rate is not the cause") as err:
+        train(tmp_path, "n", ["--training.steps=2"])
+    assert "optimizer.lr" not in str(err.value)
+
+
 def test_a_skipped_non_finite_step_at_a_checkpoint_step_is_saved(tmp_path, monkeypatch):
     """With a guard the NaN step is skipped, and the snapshot of that step records the loss as
     text (JSON has no NaN); before: the same ValueError from write_manifest."""
