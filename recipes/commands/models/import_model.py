@@ -13,15 +13,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="recipe file to write")
     parser.add_argument("--seq-len", type=int, default=0,
                         help="training.seq_len (default: min(2048, the model's context))")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite --out if it is an existing file")
     parser.add_argument("--ignore-field", action="append", default=[],
                         help="a config.json field kiln does not know but that does not change "
                         "the computation (repeatable)")
 
 
 def run(args) -> int:
+    from kiln.components.errors import RecipeError
     from kiln.recipes.loading.hf_recipe import import_recipe
 
-    summary = import_recipe(args.source, Path(args.out), seq_len=args.seq_len,
+    out = Path(args.out)
+    if out.is_dir():  # os.replace onto it raised a bare IsADirectoryError
+        raise RecipeError(f"--out {out}: is a folder; give the recipe file to write, e.g. "
+                          f"{out / 'imported.toml'}")
+    if out.exists() and not args.force:  # a recipe the user wrote is not replaced silently
+        raise RecipeError(f"--out {out}: the file exists; give a new path, or pass --force to "
+                          "overwrite it")
+    summary = import_recipe(args.source, out, seq_len=args.seq_len,
                             ignore=tuple(args.ignore_field))
     p = summary["params"]
     heads = f"{p['attention.n_heads']} heads"

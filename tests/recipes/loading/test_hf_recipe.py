@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.checkpointing.huggingface import hub
-from kiln.components.errors import CheckpointError
+from kiln.components.errors import CheckpointError, RecipeError
 from kiln.recipes.cli import main
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
@@ -95,6 +95,22 @@ def test_bad_config_is_one_error_naming_the_field(tmp_path, capsys):
     assert "no config.json there" in capsys.readouterr().err
 
 
+def test_out_is_a_new_file_or_forced(tmp_path, capsys):
+    """A folder as --out raised a bare IsADirectoryError; an existing recipe was replaced."""
+    save_tiny(tmp_path / "hf", "llama")
+    (tmp_path / "mine.toml").write_text("# the user's recipe\n")
+    source = str(tmp_path / "hf")
+    assert main(["import", source, "--out", str(tmp_path)]) == RecipeError.exit_code
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path}: is a folder; give the recipe file to write" in err
+    assert "Traceback" not in err
+    assert main(["import", source, "--out", str(tmp_path / "mine.toml")]) != 0
+    assert "the file exists; give a new path, or pass --force" in capsys.readouterr().err
+    assert (tmp_path / "mine.toml").read_text() == "# the user's recipe\n"
+    assert main(["import", source, "--out", str(tmp_path / "mine.toml"), "--force"]) == 0
+    assert "init_from" in (tmp_path / "mine.toml").read_text()
+
+
 def test_init_from_notes_no_difference_where_there_is_none(tmp_path):
     """A recipe that trains the imported model with a document mask and per-document positions
     (how training feeds attention: a config.json has no such key) and writes its kv heads as 0
@@ -136,7 +152,7 @@ def test_hub_source_through_an_offline_cache(tmp_path, offline_cache, capsys):  
     api.create_repo("me/tiny")
     api.upload_folder(repo_id="me/tiny", folder_path=str(tmp_path / "hf"), path_in_repo=".")
     for spec in ("hf://me/tiny", "hf://me/tiny@main", f"hf://me/tiny@{COMMIT}"):
-        assert main(["import", spec, "--out", str(tmp_path / "r.toml")]) == 0, \
+        assert main(["import", spec, "--out", str(tmp_path / "r.toml"), "--force"]) == 0, \
             capsys.readouterr().err
         recipe = load_recipe(tmp_path / "r.toml", [*TRAIN, f"--run.folder={tmp_path / 'run'}"])
         assert recipe.checkpoint.init_from == spec and recipe.model.attention.qk_norm
