@@ -133,9 +133,13 @@ def _layout_settings(args: argparse.Namespace, recipe: Any) -> dict[str, Any]:
 
 def _hint(args: argparse.Namespace, overrides: list[str]) -> str:
     """The command that trains on what was built: the recipe (and overrides) it was prepared
-    with, or the default recipe, plus ``overrides``."""
-    words = ["./run_train.sh", args.recipe or "train_configs/debug.toml", *args.overrides,
-             *overrides]
+    with, or the default recipe, plus ``overrides`` (which replace a given override of the same
+    key: ``--data.path`` once)."""
+    def key(arg: str) -> str:
+        return arg.removeprefix("--").split("=", 1)[0]
+
+    given = [o for o in args.overrides if key(o) not in {key(w) for w in overrides}]
+    words = ["./run_train.sh", args.recipe or "train_configs/debug.toml", *given, *overrides]
     return "train on it: " + " ".join(shlex.quote(str(w)) for w in words)
 
 

@@ -72,6 +72,9 @@ def test_prepare_from_a_recipe_with_overrides(tmp_path, texts, write, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == hint
     meta = json.loads((out / "metadata.json").read_text())
     assert (meta["seed"], meta["seq_len"], meta["num_epochs"]) == (7, 16, 2)
+    # the recipe's own data.path given on the command line: the hint names it once
+    assert main(["data", "prepare", str(recipe), f"--data.path={out}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == hint.replace("--data.num_epochs=2 ", "")
 
 
 def test_corrupt_folder_exits_1(tmp_path, texts, capsys):
