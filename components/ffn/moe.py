@@ -269,7 +269,9 @@ class MoE(nn.Module):
 
     def _capacity_mask(self, order: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         """1 for kept assignments, 0 for those beyond an expert's capacity (in sorted order)."""
-        cap = math.ceil(self.cfg.capacity_factor * n * self.top_k / self.n_experts)
+        # an expert holds at most the n tokens: a larger capacity drops nothing (and
+        # capacity_factor = 1e30 overflowed the comparison below)
+        cap = math.ceil(min(self.cfg.capacity_factor * n * self.top_k / self.n_experts, n))
         starts = torch.cumsum(counts, 0) - counts  # (E,)
         ranks = torch.arange(order.numel(), device=order.device)
         sorted_experts = torch.repeat_interleave(

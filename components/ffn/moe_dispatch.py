@@ -20,6 +20,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kiln.components.errors import RecipeError
+
 log = logging.getLogger(__name__)
 
 
@@ -130,11 +132,31 @@ def experts_loop(
     return torch.cat(outs, 0)
 
 
-def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``grouped`` or ``loop`` for a configured ``dispatch`` (``auto``: grouped where it works)."""
-    if kind != "auto":
-        return kind
-    return "grouped" if grouped_mm_works(device, dtype) else "loop"
+def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype,
+                   widths: tuple[int, ...] = ()) -> str:
+    """``grouped`` or ``loop`` for a configured ``dispatch`` (``auto``: grouped where it works).
+
+    ``widths``: the experts' matrix widths (model dim, hidden width). ``_grouped_mm`` needs
+    each row to be a multiple of 16 bytes (4 fp32 or 8 bf16 values); it raised a bare
+    "strides should be multiple of 16 bytes" at the first forward (hidden_dim = 7)."""
+    odd = [w for w in widths if w * dtype.itemsize % 16]
+    if kind == "grouped" and odd:
+        raise RecipeError(
+            f"model.ffn.dispatch = \"grouped\": torch._grouped_mm needs widths that are a "
+            f"multiple of {16 // dtype.itemsize} in {str(dtype).removeprefix('torch.')}, and the "
+            f"experts have {', '.join(map(str, widths))}; use dispatch = \"auto\" or \"loop\", "
+            "or change model.dim / model.ffn.hidden_dim")
+    if kind != "auto" or odd:
+        return kind if kind != "auto" else "loop"
+    # the meta device (kiln validate) runs no kernel: nothing to probe
+    return "grouped" if device.type == "meta" or grouped_mm_works(device, dtype) else "loop"
+
+
+def expert_widths(layer: torch.nn.Module) -> tuple[int, int]:
+    """An MoE layer's model dim and expert hidden width, as ``resolve_kernel`` takes them."""
+    if hasattr(layer, "w13"):  # gpt-oss experts: w13 (E, D, 2F), w2 (E, F, D)
+        return layer.w13.shape[-2], layer.w2.shape[-2]
+    return layer.w1.shape[-2], layer.w1.shape[-1]  # w1 (E, D, F)
 
 
 # Decided once, so torch.compile may trace it as a constant. This is what
@@ -156,7 +178,7 @@ def run_experts(
     if torch.is_autocast_enabled(xs.device.type):
         dtype = torch.get_autocast_dtype(xs.device.type)
     xs, w1, w3, w2 = (t.to(dtype) for t in (xs, w1, w3, w2))
-    kind = resolve_kernel(kind, xs.device, dtype)
+    kind = resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w1.shape[-1]))
     if kind == "grouped":
         return experts_grouped(xs, w1, w3, w2, counts)
     return experts_loop(xs, w1, w3, w2, counts)
@@ -181,7 +203,7 @@ def run_gpt_oss_experts(
     if torch.is_autocast_enabled(xs.device.type):
         dtype = torch.get_autocast_dtype(xs.device.type)
     xs, w13, b13, w2, b2 = (t.to(dtype) for t in (xs, w13, b13, w2, b2))
-    if resolve_kernel(kind, xs.device, dtype) == "grouped":
+    if resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w2.shape[-2])) == "grouped":
         offs = torch.cumsum(counts, 0).to(torch.int32)
         rows = xs.shape[0]  # each row's expert biases, gathered by the counts
         h = _grouped_mm(xs, w13, offs) + b13.repeat_interleave(counts, 0, output_size=rows)

@@ -10,7 +10,7 @@ import math
 import torch
 
 from kiln.components.ffn.moe import MoE, balance_step, moe_layers
-from kiln.components.ffn.moe_dispatch import resolve_kernel
+from kiln.components.ffn.moe_dispatch import expert_widths, resolve_kernel
 
 
 def pop_aux_loss(layers: list[MoE]) -> torch.Tensor | None:
@@ -73,7 +73,7 @@ class MoEModelMixin:
     def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
         """Decide the expert kernel of every MoE layer for ``device``/``dtype`` now, before any
         forward; one line saying which is used ("" without MoE layers)."""
-        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype)
+        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype, expert_widths(m))
                           for m in self._moe_layers()})
         if not kernels:
             return ""

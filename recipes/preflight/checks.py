@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from kiln.checkpointing.layout import newest_complete
@@ -93,8 +94,18 @@ def open_data(recipe, tokenizer, plan: batch_plan.BatchPlan, *, rank: int, ranks
     return data
 
 
+def compute_dtype(recipe) -> torch.dtype:
+    """The dtype matmuls run in: bf16 under autocast or FSDP2 bf16 params, else fp32."""
+    bf16 = recipe.training.mixed_precision == "bf16" or (
+        recipe.parallelism.param_dtype == "bfloat16")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def check_model(recipe, model: nn.Module, tokenizer) -> None:
-    """The model holds the tokenizer's vocabulary and, for the chunked loss, takes ``head=``."""
+    """The model holds the tokenizer's vocabulary and, for the chunked loss, takes ``head=``;
+    its kernels (``resolve_kernels``, e.g. MoE's ``dispatch = "grouped"``) take its shapes."""
+    if hasattr(model, "resolve_kernels"):  # explicit kernels are checked, none is probed
+        model.resolve_kernels(torch.device("meta"), compute_dtype(recipe))
     if getattr(model, "vocab_size", tokenizer.vocab_size) < tokenizer.vocab_size:
         raise RecipeError(
             f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "

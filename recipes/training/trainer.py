@@ -275,9 +275,7 @@ class Trainer:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype matmuls run in: bf16 under autocast or FSDP2 bf16 params, else fp32."""
-        bf16 = self.recipe.training.mixed_precision == "bf16" or (
-            self.recipe.parallelism.param_dtype == "bfloat16")
-        return torch.bfloat16 if bf16 else torch.float32
+        return checks.compute_dtype(self.recipe)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of one micro-batch, as the step computes it (evaluation)."""

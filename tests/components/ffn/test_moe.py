@@ -145,6 +145,15 @@ def test_capacity_drops_assignments_and_reports_them():
     assert metrics["moe/layer0/min_load"] == 0.0
 
 
+def test_a_capacity_above_every_token_drops_nothing():
+    """capacity_factor = 1e30 raised OverflowError (int too big to convert) in the first step."""
+    x = torch.randn(2, 8, 16)
+    free, huge = make(n_experts=4, top_k=2), make(n_experts=4, top_k=2, capacity_factor=1e30)
+    huge.train()
+    torch.testing.assert_close(huge(x), free(x))
+    assert huge.dropped == 0
+
+
 def test_sequence_aux_loss_is_popped_and_has_gradient():
     m = make(n_experts=4, top_k=2, aux_loss_coeff=0.01)
     m.train()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.components.errors import RecipeError
 from kiln.components.ffn.moe_dispatch import (
     experts_grouped,
     experts_loop,
@@ -82,6 +83,22 @@ def test_run_experts_kinds_agree(kind):
     w = weights(1)
     torch.testing.assert_close(run_experts(kind, xs, *w, counts),
                                experts_loop(xs, *w, counts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("width", "dtype"), [(7, torch.float32), (12, torch.bfloat16)])
+def test_auto_takes_the_loop_where_grouped_mm_cannot_take_the_widths(width, dtype):
+    """_grouped_mm wants rows of a multiple of 16 bytes: hidden_dim = 7 raised "strides should
+    be multiple of 16 bytes" from the first forward of an auto-dispatched model."""
+    ids = torch.tensor([0, 1, 1, 3, 2, 2])
+    order, counts = sort_by_expert(ids, E)
+    xs = torch.randn(6, D, dtype=dtype)[order]
+    g = torch.Generator().manual_seed(0)
+    w = tuple(torch.randn(*s, generator=g, dtype=dtype)
+              for s in ((E, D, width), (E, D, width), (E, width, D)))
+    torch.testing.assert_close(run_experts("auto", xs, *w, counts), experts_loop(xs, *w, counts))
+    with pytest.raises(RecipeError, match=r"model.ffn.dispatch = \"grouped\": torch._grouped_mm "
+                       rf"needs widths that are a multiple of {16 // dtype.itemsize}"):
+        run_experts("grouped", xs, *w, counts)
 
 
 def test_run_experts_casts_to_the_autocast_dtype():

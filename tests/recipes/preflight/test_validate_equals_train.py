@@ -54,6 +54,11 @@ BAD = [
      "checkpoint.init_from = 'no/such/model': no such folder"),
     ("lora-base-missing", "sft_debug.toml",
      [*CHAT, *LORA, "--checkpoint.init_from=no/such/base"], "no such folder"),
+    # validate passed it; train died in the first forward ("strides should be multiple of 16")
+    ("moe-grouped-odd-width", "debug.toml",
+     ["--model.ffn.type=moe", "--model.ffn.hidden_dim=6", "--model.ffn.dispatch=grouped"],
+     "torch._grouped_mm needs widths that are a multiple of 4 in float32, and the experts "
+     "have 32, 6"),
 ]
 
 
