@@ -138,6 +138,9 @@ def run_pending(run: Path, *, device: torch.device, log=warn) -> list[dict[str, 
     from kiln.recipes.config.resolve import build_config
     from kiln.recipes.loading.checkpoint_model import open_model
 
+    if not run.is_dir():
+        raise RecipeError(f"{run}: no such folder; give the run folder of a training run whose "
+                          "tasks have mode = \"pause\"")
     files = sorted(run.glob("pending_downstream_eval*.json"),
                    key=lambda p: (p.name == PENDING, p.name))
     if not files:

@@ -50,6 +50,8 @@ def test_table_limit_list_and_errors(run, capsys):
     assert main(["eval", "--tasks", "mc"]) == 2
     assert main(["eval", str(run / "run"), "--pending"]) == 2
     assert "nothing is pending" in capsys.readouterr().err
+    assert main(["eval", str(run / "typo"), "--pending"]) == 2  # said "nothing is pending"
+    assert f"{run / 'typo'}: no such folder" in capsys.readouterr().err
 
 
 def test_a_hugging_face_folder_with_a_task_file(tmp_path, capsys, write):
