@@ -80,6 +80,10 @@ class ChatLoader(Loader):
     rows_class = ChatRows  # how a batch is read from the folder
     examples = "conversations"  # what a row holds, for messages
 
+    def unit(self) -> str:
+        """What ``windows_per_epoch`` counts, for messages (packed rows of conversations)."""
+        return "rows"
+
     def __init__(self, folder: Path, split: str, *, seq_len: int, micro_batch: int,
                  global_batch: int, rank: int, world_size: int, seed: int,
                  source: str = "") -> None:
@@ -90,7 +94,8 @@ class ChatLoader(Loader):
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
-            held = f"{source or folder}: the {split} split holds {self.windows_per_epoch} rows"
+            held = (f"{source or folder}: the {split} split holds {self.windows_per_epoch} "
+                    f"{self.unit()}")
             raise DataError(
                 f"{held}, fewer than one global batch of {global_batch}; add "
                 f"{self.examples} or lower training.global_batch" if split != "eval" else

@@ -84,6 +84,9 @@ class PairLoader(ChatLoader):
     rows_class = PairRows
     examples = "preference pairs"
 
+    def unit(self) -> str:  # a split of 4 pairs was said to hold "4 rows"
+        return "pairs" if self._windows.labels() is None else "examples"
+
 
 @register("dataset", "preference")
 class PreferenceDataset(ChatDataset):

@@ -82,6 +82,9 @@ class PromptLoader(ChatLoader):
     rows_class = PromptRows
     examples = "prompts"
 
+    def unit(self) -> str:
+        return "prompts"
+
 
 @register("dataset", "prompts")
 class PromptDataset(ChatDataset):

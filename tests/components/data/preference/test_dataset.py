@@ -158,6 +158,18 @@ def test_parquet_rows_with_mapped_fields_read_like_jsonl(tmp_path):
     assert texts == {f"yes {i}<|im_end|>" for i in range(6)}
 
 
+@pytest.mark.parametrize("unpaired", [False, True])
+def test_a_split_smaller_than_a_batch_counts_pairs_or_examples(tmp_path, unpaired):
+    """The message counted "rows" where the split held pairs (a stored pair is two rows)."""
+    rows = [{"prompt": f"Q{i}", "completion": f"A{i}", "label": True} if unpaired else
+            {"prompt": f"Q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(3)]
+    ds = _dataset(tmp_path, rows=rows)
+    unit = "examples" if unpaired else "pairs"
+    with pytest.raises(DataError, match=rf"the train split holds 3 {unit}, fewer than one "
+                       "global batch of 4"):
+        ds.loader("train", micro_batch=4, global_batch=4)
+
+
 def test_unpaired_examples_carry_their_label_and_a_mismatched_row(tmp_path):
     """KTO's rows: each example, then its prompt with the next example's completion (in the
     split's stored order), and each example's label."""
