@@ -101,11 +101,28 @@ def compute_dtype(recipe) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def position_limit(model: nn.Module) -> int | None:
+    """The most positions the model's RoPE tables and learned position rows cover (None: the
+    model has neither, e.g. NoPE, and takes any length)."""
+    from kiln.components.models.absolute_positions import AbsolutePositions
+    from kiln.components.positions.rope import RoPE
+
+    sizes = [m.max_seq_len for m in model.modules() if isinstance(m, RoPE)]
+    sizes += [m.weight.shape[0] for m in model.modules() if isinstance(m, AbsolutePositions)]
+    return min(sizes) if sizes else None
+
+
 def check_model(recipe, model: nn.Module, tokenizer) -> None:
     """The model holds the tokenizer's vocabulary and, for the chunked loss, takes ``head=``;
     its kernels (``resolve_kernels``, e.g. MoE's ``dispatch = "grouped"``) take its shapes."""
     if hasattr(model, "resolve_kernels"):  # explicit kernels are checked, none is probed
         model.resolve_kernels(torch.device("meta"), compute_dtype(recipe))
+    seq_len, known = recipe.training.seq_len, position_limit(model)
+    if known is not None and seq_len > known:  # was a ValueError from the first forward
+        raise RecipeError(
+            f"training.seq_len = {seq_len} exceeds the {known} positions the model knows "
+            f"(model.max_seq_len = {recipe.model.max_seq_len}: its RoPE table or learned "
+            "positions); raise model.max_seq_len or set it to 0 (= training.seq_len)")
     if getattr(model, "vocab_size", tokenizer.vocab_size) < tokenizer.vocab_size:
         raise RecipeError(
             f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's "

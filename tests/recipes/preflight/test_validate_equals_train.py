@@ -54,7 +54,10 @@ BAD = [
      "checkpoint.init_from = 'no/such/model': no such folder"),
     ("lora-base-missing", "sft_debug.toml",
      [*CHAT, *LORA, "--checkpoint.init_from=no/such/base"], "no such folder"),
-    # validate passed it; train died in the first forward ("strides should be multiple of 16")
+    # validate passed both; train died in the first forward (a bare ValueError, and
+    # "strides should be multiple of 16 bytes")
+    ("rope-table-short", "debug.toml", ["--model.max_seq_len=16"],
+     "training.seq_len = 32 exceeds the 16 positions the model knows"),
     ("moe-grouped-odd-width", "debug.toml",
      ["--model.ffn.type=moe", "--model.ffn.hidden_dim=6", "--model.ffn.dispatch=grouped"],
      "torch._grouped_mm needs widths that are a multiple of 4 in float32, and the experts "
