@@ -33,6 +33,7 @@ import mmap
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -249,11 +250,23 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def set_link(root: Path, name: str, target: str) -> None:
-    """Point the symlink ``root/name`` at ``target`` atomically (create, then rename over)."""
+    """Point the symlink ``root/name`` at ``target`` atomically (create, then rename over).
+
+    A folder in its place is a copy of the run made by a tool that follows links (Python's
+    ``shutil.copytree``, ``cp -L``, many sync tools): the rename over it raised a bare
+    IsADirectoryError after the last step. It is moved aside (kept, with a warning)."""
+    path = root / name
+    if path.is_dir() and not path.is_symlink():
+        aside = root / f"{name}.copied-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path, aside)
+        warnings.warn(f"kiln: {path} was a folder, not a link (the run folder was copied "
+                      f"following links); moved it to {aside.name} and pointed {name} at "
+                      f"{target}: delete {aside.name} if it is the same checkpoint",
+                      stacklevel=2)
     tmp = root / f"{TMP_PREFIX}{name}.{os.getpid()}"
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
-    os.replace(tmp, root / name)
+    os.replace(tmp, path)
     fsync_path(root)
 
 

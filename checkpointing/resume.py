@@ -153,7 +153,11 @@ def set_aside_previous(root: Path) -> tuple[list[str], Path | None]:
     for _, folder in found:
         folder.rename(dest / folder.name)
     for name in ("final", "latest"):
-        (root / name).unlink(missing_ok=True)
+        path = root / name
+        if path.is_dir() and not path.is_symlink():  # a copy of the run that followed links
+            path.rename(dest / name)
+        else:
+            path.unlink(missing_ok=True)
     layout.write_index(root)
     return [folder.name for _, folder in found], dest
 

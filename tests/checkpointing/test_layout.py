@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -115,6 +116,20 @@ def test_publish_replaces_an_existing_folder_and_links_are_atomic(tmp_path):
     layout.set_link(tmp_path, "final", "step_0000001")
     layout.set_link(tmp_path, "final", "step_0000001")
     assert os.readlink(tmp_path / "final") == "step_0000001"
+
+
+def test_a_final_folder_from_a_copy_that_followed_links_is_moved_aside(tmp_path):
+    """shutil.copytree (or cp -L) of a run turns the final link into a folder; the rename over
+    it raised IsADirectoryError after the resumed run's last step. Now it is kept aside."""
+    make(tmp_path, 1)
+    make(tmp_path, 2)
+    shutil.copytree(tmp_path / "step_0000001", tmp_path / "final")
+    with pytest.warns(UserWarning, match="final was a folder, not a link"):
+        layout.set_link(tmp_path, "final", "step_0000002")
+    assert os.readlink(tmp_path / "final") == "step_0000002"
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("final.copied-")]
+    assert len(aside) == 1 and (aside[0] / "a.bin").is_file()
+    assert [s for s, _ in layout.list_checkpoints(tmp_path)] == [1, 2]
 
 
 def test_index_lists_complete_checkpoints(tmp_path):

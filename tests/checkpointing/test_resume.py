@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -151,3 +152,18 @@ def test_docs_table_of_recipe_changes_matches_the_check():
                 assert not resume.check_recipe(diff(base, changed), weights_only=True).refused
             checked += 1
     assert checked >= 25
+
+
+def test_starting_over_in_a_copied_run_keeps_its_final_folder(tmp_path):
+    """resume = "off" unlinked ``final``: a folder there (a copy that followed the link) raised
+    IsADirectoryError. It goes to previous/N with the snapshots."""
+    for step in (1, 2):
+        folder = tmp_path / layout.step_name(step)
+        folder.mkdir()
+        (folder / "manifest.json").write_text("{}")
+    shutil.copytree(tmp_path / "step_0000002", tmp_path / "final")
+    layout.write_atomic(tmp_path / "latest", "step_0000002\n")
+    names, dest = resume.set_aside_previous(tmp_path)
+    assert names == ["step_0000001", "step_0000002"] and dest == tmp_path / "previous" / "1"
+    assert (dest / "final" / "manifest.json").is_file()
+    assert not (tmp_path / "final").exists() and not (tmp_path / "latest").exists()
