@@ -181,6 +181,11 @@ def _inside(path: Path, root: Path) -> bool:
 _STATE_KEYS = ("model.", "tokenizer.")
 _DATA_KEYS = ("data.", "training.seed", "training.seq_len", "training.global_batch")
 _INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise fresh weights
+# Training settings of the model table, read each step like the LR: dropout rates and the
+# weights of its auxiliary losses. They leave the saved tensors' shapes and meaning as they
+# are (turning dropout off for an anneal was refused as if it changed the weights).
+_TRAIN_ONLY = re.compile(r"^model\.(?:[a-z_]+\.)?(?:dropout|mtp_weight|aux_loss_coeff|"
+                         r"bias_update_coeff|capacity_factor)$")
 _OPT_TYPE = re.compile(r"^(optimizer|optimizers\.[^.]+)\.type$")
 
 
@@ -204,7 +209,7 @@ def check_recipe(d, *, weights_only: bool) -> Compatibility:
 
 
 def _refusal(key: str, d, weights_only: bool) -> str:
-    if key.startswith(_INIT_ONLY):
+    if key.startswith(_INIT_ONLY) or _TRAIN_ONLY.match(key):
         return ""
     if key.startswith(_STATE_KEYS):
         return "changes the weights' shapes or meaning"

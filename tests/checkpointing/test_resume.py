@@ -81,6 +81,22 @@ def test_allowed_changes_are_reported():
     assert any("optimizer.lr" in line for line in result.allowed)
 
 
+def test_dropout_and_auxiliary_loss_weights_are_training_settings():
+    """They were refused as changing "the weights' shapes or meaning"."""
+    moe = ("--model.ffn.type=moe",)
+    result = check(recipe(*moe), recipe(*moe, "--model.attention.dropout=0.1",
+                                        "--model.ffn.aux_loss_coeff=0.01",
+                                        "--model.ffn.bias_update_coeff=0",
+                                        "--model.ffn.capacity_factor=1.25"), weights_only=False)
+    assert result.refused == [] and len(result.allowed) == 4
+    gpt2 = load_recipe(CONFIGS / "gpt2_char.toml")
+    result = check(gpt2, load_recipe(CONFIGS / "gpt2_char.toml", ["--model.dropout=0"]),
+                   weights_only=False)
+    assert result.refused == [] and result.allowed == ["model.dropout: 0.2 -> 0.0"]
+    refused = check(recipe(), recipe("--model.mtp_depth=1"), weights_only=False).refused
+    assert refused and "shapes" in refused[0]  # the modules themselves still are
+
+
 @pytest.mark.parametrize("override, why", [
     ("--model.dim=64", "shapes"),
     ("--model.attention.n_heads=4", "shapes"),
@@ -141,7 +157,7 @@ def test_docs_table_of_recipe_changes_matches_the_check():
     assert {r[1] for r in rows} == {"exact", "documented difference", "refused"}
     checked = 0
     for changes, result, notes in rows:
-        name = next((n for n in ("nova_debug.toml", "looped_moe_debug.toml")
+        name = next((n for n in ("nova_debug.toml", "looped_moe_debug.toml", "gpt2_char.toml")
                      if f"`{n}`" in changes), "debug.toml")
         for override in re.findall(r"`(--[\w.]+=[^`]+)`", changes):
             base = load_recipe(CONFIGS / name, [])
