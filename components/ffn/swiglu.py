@@ -17,8 +17,10 @@ class SwiGLUConfig(ComponentConfig):
         "rounded up to multiple_of)"
     )
     multiple_of: int = Field(256, ge=1, description="round the Llama-rule width up to this")
+    # bounded: 1e30 overflowed the weights' shape (a bare TypeError from torch.empty)
     ffn_dim_multiplier: float = Field(
-        0.0, ge=0, description="scales the Llama-rule width before rounding (0 = none)"
+        0.0, ge=0, le=64, description="scales the Llama-rule width before rounding (0 = none; "
+        "Llama 3 8B uses 1.3)"
     )
 
 

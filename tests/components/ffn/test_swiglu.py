@@ -24,6 +24,17 @@ def test_hidden_dim_rule(dim, values, want):
     assert hidden_dim(SwiGLUConfig(type="swiglu", **values), dim) == want
 
 
+def test_a_multiplier_beyond_any_model_is_refused_with_the_recipe():
+    """ffn_dim_multiplier = 1e30 overflowed torch.empty's size: a bare TypeError at build."""
+    from kiln.components.errors import RecipeError
+    from kiln.recipes.config.files import load_recipe
+    from tests.conftest import CONFIGS
+
+    with pytest.raises(RecipeError, match=r"model.ffn.ffn_dim_multiplier = 1e\+30: Input should "
+                       "be less than or equal to 64"):
+        load_recipe(CONFIGS / "debug.toml", ["--model.ffn.ffn_dim_multiplier=1e30"])
+
+
 def test_forward_formula_and_names():
     torch.manual_seed(0)
     ffn = default_config("ffn", "swiglu", hidden_dim=24).build(dim=16, layer_idx=0, n_layers=2)
