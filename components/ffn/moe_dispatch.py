@@ -133,12 +133,22 @@ def experts_loop(
 
 
 def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype,
-                   widths: tuple[int, ...] = ()) -> str:
+                   widths: tuple[int, ...] = (), compiling: bool = False) -> str:
     """``grouped`` or ``loop`` for a configured ``dispatch`` (``auto``: grouped where it works).
 
     ``widths``: the experts' matrix widths (model dim, hidden width). ``_grouped_mm`` needs
     each row to be a multiple of 16 bytes (4 fp32 or 8 bf16 values); it raised a bare
-    "strides should be multiple of 16 bytes" at the first forward (hidden_dim = 7)."""
+    "strides should be multiple of 16 bytes" at the first forward (hidden_dim = 7).
+    ``compiling``: under ``torch.compile`` the op's fake-tensor kernel takes bf16 only (torch
+    2.13), so a compiled fp32 model failed to trace it; auto takes the loop there."""
+    if compiling and dtype != torch.bfloat16:
+        if kind == "grouped":
+            raise RecipeError(
+                "model.ffn.dispatch = \"grouped\" with parallelism.compile: torch.compile "
+                f"traces torch._grouped_mm in bfloat16 only, and the experts run in "
+                f"{str(dtype).removeprefix('torch.')}; use dispatch = \"auto\" or \"loop\", or "
+                "training.mixed_precision = \"bf16\"")
+        return "loop" if kind == "auto" else kind
     odd = [w for w in widths if w * dtype.itemsize % 16]
     if kind == "grouped" and odd:
         raise RecipeError(
@@ -178,7 +188,8 @@ def run_experts(
     if torch.is_autocast_enabled(xs.device.type):
         dtype = torch.get_autocast_dtype(xs.device.type)
     xs, w1, w3, w2 = (t.to(dtype) for t in (xs, w1, w3, w2))
-    kind = resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w1.shape[-1]))
+    kind = resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w1.shape[-1]),
+                          torch.compiler.is_compiling())
     if kind == "grouped":
         return experts_grouped(xs, w1, w3, w2, counts)
     return experts_loop(xs, w1, w3, w2, counts)
@@ -203,7 +214,8 @@ def run_gpt_oss_experts(
     if torch.is_autocast_enabled(xs.device.type):
         dtype = torch.get_autocast_dtype(xs.device.type)
     xs, w13, b13, w2, b2 = (t.to(dtype) for t in (xs, w13, b13, w2, b2))
-    if resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w2.shape[-2])) == "grouped":
+    if resolve_kernel(kind, xs.device, dtype, (xs.shape[-1], w2.shape[-2]),
+                      torch.compiler.is_compiling()) == "grouped":
         offs = torch.cumsum(counts, 0).to(torch.int32)
         rows = xs.shape[0]  # each row's expert biases, gathered by the counts
         h = _grouped_mm(xs, w13, offs) + b13.repeat_interleave(counts, 0, output_size=rows)

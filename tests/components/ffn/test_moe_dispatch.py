@@ -101,6 +101,21 @@ def test_auto_takes_the_loop_where_grouped_mm_cannot_take_the_widths(width, dtyp
         run_experts("grouped", xs, *w, counts)
 
 
+def test_a_compiled_fp32_model_takes_the_loop():
+    """torch.compile traces _grouped_mm through its fake-tensor kernel, which takes bf16 only:
+    looped_moe_debug.toml with parallelism.compile = true failed to trace ("Expected inputs of
+    BF16 type"). Checked by hand: that run now trains (2 steps, 45 s here)."""
+    from kiln.components.ffn.moe_dispatch import resolve_kernel
+
+    cpu = torch.device("cpu")
+    assert resolve_kernel("auto", cpu, torch.float32, (8, 12), compiling=True) == "loop"
+    assert resolve_kernel("loop", cpu, torch.float32, (8, 12), compiling=True) == "loop"
+    assert resolve_kernel("auto", cpu, torch.bfloat16, (8, 16), compiling=True) == \
+        resolve_kernel("auto", cpu, torch.bfloat16, (8, 16))
+    with pytest.raises(RecipeError, match="traces torch._grouped_mm in bfloat16 only"):
+        resolve_kernel("grouped", cpu, torch.float32, (8, 12), compiling=True)
+
+
 def test_run_experts_casts_to_the_autocast_dtype():
     ids = torch.tensor([0, 1, 1, 3])
     order, counts = sort_by_expert(ids, E)
