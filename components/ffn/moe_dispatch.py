@@ -156,8 +156,10 @@ def resolve_kernel(kind: str, device: torch.device, dtype: torch.dtype,
             f"multiple of {16 // dtype.itemsize} in {str(dtype).removeprefix('torch.')}, and the "
             f"experts have {', '.join(map(str, widths))}; use dispatch = \"auto\" or \"loop\", "
             "or change model.dim / model.ffn.hidden_dim")
-    if kind != "auto" or odd:
-        return kind if kind != "auto" else "loop"
+    if kind != "auto":
+        return kind
+    if odd:
+        return "loop"
     # the meta device (kiln validate) runs no kernel: nothing to probe
     return "grouped" if device.type == "meta" or grouped_mm_works(device, dtype) else "loop"
 

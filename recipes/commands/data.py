@@ -138,7 +138,8 @@ def _hint(args: argparse.Namespace, overrides: list[str]) -> str:
     def key(arg: str) -> str:
         return arg.removeprefix("--").split("=", 1)[0]
 
-    given = [o for o in args.overrides if key(o) not in {key(w) for w in overrides}]
+    replaced = {key(w) for w in overrides}
+    given = [o for o in args.overrides if key(o) not in replaced]
     words = ["./run_train.sh", args.recipe or "train_configs/debug.toml", *given, *overrides]
     return "train on it: " + " ".join(shlex.quote(str(w)) for w in words)
 
