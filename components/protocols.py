@@ -213,8 +213,10 @@ class ModelContract:
     def load_carry_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what ``carry_state`` returned."""
 
-    def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Pick kernels once the device and dtype are known; a line for the log, or ""."""
+    def resolve_kernels(self, device: torch.device, dtype: torch.dtype,
+                        compiling: bool = False) -> str:
+        """Pick kernels once the device and dtype are known (``compiling``: the blocks run
+        under ``torch.compile``); a line for the log, or ""."""
         return ""
 
     def param_summary(self) -> dict[str, int]:

@@ -70,14 +70,18 @@ class MoEModelMixin:
     def metrics(self) -> dict[str, float]:
         return moe_metrics(self._moe_layers())
 
-    def resolve_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Decide the expert kernel of every MoE layer for ``device``/``dtype`` now, before any
-        forward; one line saying which is used ("" without MoE layers)."""
-        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype, expert_widths(m))
+    def resolve_kernels(self, device: torch.device, dtype: torch.dtype,
+                        compiling: bool = False) -> str:
+        """Decide the expert kernel of every MoE layer for ``device``/``dtype`` (and
+        ``torch.compile`` or not) now, before any forward; one line saying which is used ("" without
+        MoE layers)."""
+        kernels = sorted({resolve_kernel(m.cfg.dispatch, device, dtype, expert_widths(m),
+                                         compiling)
                           for m in self._moe_layers()})
         if not kernels:
             return ""
         names = {"grouped": "grouped (torch._grouped_mm)", "loop": "loop (one matmul per expert)"}
         dispatch = sorted({m.cfg.dispatch for m in self._moe_layers()})
         return (f"MoE expert kernel {' + '.join(names[k] for k in kernels)} on {device.type} "
-                f"{str(dtype).removeprefix('torch.')} (dispatch = {', '.join(dispatch)})")
+                f"{str(dtype).removeprefix('torch.')}{' compiled' if compiling else ''} "
+                f"(dispatch = {', '.join(dispatch)})")

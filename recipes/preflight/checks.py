@@ -116,7 +116,8 @@ def check_model(recipe, model: nn.Module, tokenizer) -> None:
     """The model (completed: ``complete_model``) holds the tokenizer's vocabulary and, for the
     chunked loss, takes ``head=``; its kernels (``resolve_kernels``, e.g. MoE's ``dispatch =
     "grouped"``) take its shapes; its position tables cover ``training.seq_len``."""
-    model.resolve_kernels(torch.device("meta"), compute_dtype(recipe))  # checks, probes none
+    model.resolve_kernels(torch.device("meta"), compute_dtype(recipe),  # checks, probes none
+                          compiling=recipe.parallelism.compile)
     seq_len, known = recipe.training.seq_len, position_limit(model)
     if known is not None and seq_len > known:  # was a ValueError from the first forward
         raise RecipeError(

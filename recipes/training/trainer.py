@@ -229,7 +229,8 @@ class Trainer:
         self.model_inputs.check_model(self.model)
         if line := self.model_inputs.describe():
             self.print(line)
-        if line := self.model.resolve_kernels(self.device, self.compute_dtype):  # e.g. MoE
+        if line := self.model.resolve_kernels(  # e.g. MoE
+                self.device, self.compute_dtype, compiling=self.recipe.parallelism.compile):
             self.print(f"model: {line}")
         return self.parallel.summary
 

@@ -291,6 +291,9 @@ def test_kernel_probe_ignores_no_grad_and_keeps_the_rng():
     assert "grouped (torch._grouped_mm) + loop (one matmul per expert)" in model.resolve_kernels(
         torch.device("cpu"), torch.float32)
     assert MoEModelMixinModel(n=0).resolve_kernels(torch.device("cpu"), torch.float32) == ""
+    model = MoEModelMixinModel()  # compiled fp32 traces no _grouped_mm: the line says the loop
+    assert model.resolve_kernels(torch.device("cpu"), torch.float32, compiling=True) == (
+        "MoE expert kernel loop (one matmul per expert) on cpu float32 compiled (dispatch = auto)")
 
 
 class MoEModelMixinModel(MoEModelMixin, torch.nn.Module):
