@@ -89,18 +89,36 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def _looks_like_override(arg: str) -> bool:
+def _looks_like_override(arg: str, options: set[str]) -> bool:
+    """``--a.b=c``; ``--key=value`` when ``--key`` is none of the command's options (a top-level
+    key such as ``--description=...``, or ``--steps=3`` for ``--training.steps``: the recipe
+    loader names the key and suggests, where argparse said "unrecognized arguments")."""
     key = arg.split("=", 1)[0]
+    if arg.startswith("--") and "=" in arg and key not in options:
+        return True
     return (arg.startswith("--") and "." in key) or ("=" in arg and "." in key and "/" not in key)
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's actions and its subcommands' (``kiln data prepare --out=...``), read from
+    argparse's own lists: it has no public way to list them."""
+    found = []
+    for action in parser._actions:
+        found.append(action)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _actions(sub)
+    return found
 
 
 def _split_overrides(parser: argparse.ArgumentParser,
                      args: list[str]) -> tuple[list[str], list[str]]:
-    takes_value = {opt for action in parser._actions if action.nargs != 0  # argparse's own list
-                   for opt in action.option_strings}
+    actions = _actions(parser)
+    options = {opt for action in actions for opt in action.option_strings}
+    takes_value = {opt for action in actions if action.nargs != 0 for opt in action.option_strings}
     overrides, rest = [], []
     for i, arg in enumerate(args):
-        if _looks_like_override(arg) and not (i and args[i - 1] in takes_value):
+        if _looks_like_override(arg, options) and not (i and args[i - 1] in takes_value):
             overrides.append(arg)
         else:
             rest.append(arg)

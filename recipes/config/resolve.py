@@ -101,6 +101,15 @@ def _component(kind: str, data: Any, path: str, layers: Layered,
     return build_config(entry.config, data, path, layers)
 
 
+def _section_of(key: str, fields: dict) -> str:
+    """" (did you mean training.steps?)" for a key that belongs one table down (``--steps=3``):
+    the plain tables only, since a component's keys depend on its type."""
+    owners = [f"{name}.{key}" for name, info in fields.items()
+              if (nested := _nested_config(info.annotation)) is not None
+              and key in {i.alias or n for n, i in nested.model_fields.items()}]
+    return f" (did you mean {' or '.join(owners)}?)" if owners else ""
+
+
 def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) -> Any:
     """Validate ``data`` (a dict) against ``cls``; raise RecipeError naming the key and file."""
     if not isinstance(data, dict):
@@ -110,9 +119,10 @@ def build_config(cls: type[BaseModel], data: Any, path: str, layers: Layered) ->
     for key in data:
         if key not in fields:
             valid = sorted(fields)
+            hint = _section_of(key, fields) or registry.did_you_mean(key, valid)
             raise RecipeError(
                 f"{layers.source(prefix + key)}: unknown key {prefix}{key}"
-                f"{registry.did_you_mean(key, valid)}; valid keys in [{_fmt(path)}]: "
+                f"{hint}; valid keys in [{_fmt(path)}]: "
                 f"{', '.join(valid)} (see `kiln list`)"
             )
     values: dict[str, Any] = {}

@@ -81,6 +81,27 @@ def test_show_prints_resolved_toml_with_overrides(capsys):
     assert data["model"]["attention"]["position"]["theta"] == 500000.0
 
 
+def test_a_top_level_override_reaches_the_recipe_and_a_misplaced_one_is_placed(capsys):
+    """argparse said "unrecognized arguments: --description=x" for a top-level key and
+    "--steps=3" (no dot) alike; both now reach the recipe loader."""
+    assert main(["show", str(CONFIGS / "debug.toml"), "--description=hello"]) == 0
+    assert 'description = "hello"' in capsys.readouterr().out
+    assert main(["validate", str(CONFIGS / "debug.toml"), "--steps=3"]) == 2
+    assert "unknown key steps (did you mean training.steps?)" in capsys.readouterr().out
+    assert main(["validate", str(CONFIGS / "debug.toml"), "--interval=3"]) == 2
+    assert "(did you mean eval.interval or checkpoint.interval?)" in capsys.readouterr().out
+    # a command's own --option=value is still its own
+    import argparse
+
+    from kiln.recipes.cli import _split_overrides
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", action="append")
+    parser.add_subparsers().add_parser("prepare").add_argument("--out")  # kiln data prepare
+    assert _split_overrides(parser, ["prepare", "--out=x", "--grid=a.b=1,2", "--seed=3"]) == (
+        ["--seed=3"], ["prepare", "--out=x", "--grid=a.b=1,2"])
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_recipe_validates_without_notes(path, capsys):
     status = main(["validate", str(path), *(["--no-data"] if path.name in HUB_DATA else []),
