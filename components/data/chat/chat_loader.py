@@ -94,8 +94,9 @@ class ChatLoader(Loader):
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.steps_per_epoch = self.windows_per_epoch // global_batch
         if self.steps_per_epoch == 0:
-            held = (f"{source or folder}: the {split} split holds {self.windows_per_epoch} "
-                    f"{self.unit()}")
+            n, unit = self.windows_per_epoch, self.unit()
+            unit = unit.removesuffix("s") if n == 1 else unit
+            held = f"{source or folder}: the {split} split holds {n} {unit}"
             raise DataError(
                 f"{held}, fewer than one global batch of {global_batch}; add "
                 f"{self.examples} or lower training.global_batch" if split != "eval" else

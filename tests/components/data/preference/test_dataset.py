@@ -168,6 +168,9 @@ def test_a_split_smaller_than_a_batch_counts_pairs_or_examples(tmp_path, unpaire
     with pytest.raises(DataError, match=rf"the train split holds 3 {unit}, fewer than one "
                        "global batch of 4"):
         ds.loader("train", micro_batch=4, global_batch=4)
+    one = _dataset(tmp_path / "one", rows=rows[:1])
+    with pytest.raises(DataError, match=rf"the train split holds 1 {unit[:-1]}, fewer"):
+        one.loader("train", micro_batch=2, global_batch=2)
 
 
 def test_unpaired_examples_carry_their_label_and_a_mismatched_row(tmp_path):
