@@ -51,8 +51,10 @@ def local_path(path: str, task: str) -> Path:
         return hub_file(path, task)
     file = Path(path).expanduser()
     if not file.is_file():
-        raise DataError(f"task {task!r}: file {file} not found" + (
-            " (it is a folder: name one file of it)" if file.is_dir() else ""))
+        if file.is_dir():
+            raise DataError(f"task {task!r}: {file} is a folder: name one file of it")
+        where = "" if file.is_absolute() else f" (in the working folder, {Path.cwd()})"
+        raise DataError(f"task {task!r}: file {file} not found{where}")
     return file
 
 

@@ -17,6 +17,7 @@ from kiln.components.protocols import complete_model
 from kiln.parallelisms.layout.check import model_problems, raise_problems
 from kiln.parallelisms.pipeline.checks import pipeline_problems
 from kiln.recipes.config.files import load_recipe
+from kiln.recipes.inference.task_plans import plan_evals
 from kiln.recipes.loading.meta_model import build_meta_model
 from kiln.recipes.preflight import batch_plan, checks
 from kiln.recipes.training.layout_report import layout_report
@@ -95,6 +96,10 @@ def describe(recipe, world_size: int = 1, *, data: bool = True) -> str:
         for cfg in recipe.guards.values():
             cfg.build(run_dir=Path(tmp))
     checks.check_step_data(recipe, run_data.dataset if run_data else None, step, shape)
+    tasks = plan_evals(recipe, model, tokenizer, shape, distributed=world_size > 1,
+                       log=lines.append, read=data)[0]  # read and encoded as training does
+    if tasks and data:
+        lines.append(f"in-loop tasks: {', '.join(tasks)} (read and encoded)")
     if run_data is not None and run_data.dataset.pairs:
         lines.append(run_data.dataset.describe())
     if run_data is not None:

@@ -30,12 +30,7 @@ from kiln.components.protocols import Hook
 from kiln.components.tasks import runner
 from kiln.components.tasks.scorer import Scorer
 from kiln.recipes.inference.pending import PENDING, requested, write_pending
-from kiln.recipes.inference.task_plans import (
-    format_metrics,
-    greedy_generate,
-    model_context,
-    plan_tasks,
-)
+from kiln.recipes.inference.task_plans import format_metrics, greedy_generate, plan_evals
 from kiln.recipes.runs import unit_scores
 
 
@@ -69,35 +64,16 @@ class DownstreamEvalHook(Hook):
         self.fingerprints: dict[str, str] = {}
 
     def on_train_start(self, trainer) -> None:
-        cfgs = trainer.recipe.evals
-        if not cfgs:
+        if not trainer.recipe.evals:
             return
-        if trainer.mesh_layout.tp > 1:
-            raise RecipeError("[evals.*] tasks do not run under tensor parallelism yet "
-                              f"(parallelism.tp = {trainer.mesh_layout.tp}): evaluate the "
-                              "checkpoints with `kiln eval RUN --tasks` instead")
-        if trainer.mesh_layout.pp > 1:  # each rank holds only its pipeline stages
-            raise RecipeError("[evals.*] tasks do not run under pipeline parallelism yet "
-                              f"(parallelism.pp = {trainer.mesh_layout.pp}): evaluate the "
-                              "checkpoints with `kiln eval RUN --tasks` instead")
-        paused = [n for n, c in cfgs.items() if c.mode == "pause"]
-        if paused and not trainer.recipe.checkpoint.enable:
-            raise RecipeError(f"evals.{paused[0]}.mode = \"pause\" saves a snapshot: set "
-                              "checkpoint.enable = true (or mode = \"inline\")")
-        self.tasks = {n: c.build(name=n) for n, c in cfgs.items() if c.mode == "inline"}
-        self.max_len = model_context(trainer.model, trainer.recipe.training.seq_len)
-        self.plans = plan_tasks(self.tasks, trainer.tokenizer, self.max_len, trainer.print)
+        self.tasks, self.plans, self.max_len = plan_evals(
+            trainer.recipe, trainer.model, trainer.tokenizer, trainer.mesh_layout,
+            distributed=trainer.world.distributed, log=trainer.print)
         self.fingerprints = {n: t.fingerprint() for n, t in self.tasks.items()}
         self.scorer = Scorer(trainer.model, max_len=self.max_len,
                              vocab_size=trainer.tokenizer.vocab_size, autocast=trainer.autocast,
                              generate=greedy_generate(), lockstep=trainer.world.distributed)
         self._ask_again(trainer)
-        generating = [n for n, t in self.tasks.items() if hasattr(t, "generations")]
-        if generating and trainer.world.distributed and not self.scorer.use_cache:
-            raise RecipeError(f"task {generating[0]!r} generates text on several processes, "
-                              "which needs a model whose attention has a KV cache (prompts of "
-                              "several lengths decode in step); this model has none: run it "
-                              "offline with `kiln eval RUN --tasks`")
 
     def _ask_again(self, trainer) -> None:
         """A pause publishes its snapshot before it writes the request, so a run killed in

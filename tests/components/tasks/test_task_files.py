@@ -49,6 +49,19 @@ def test_bad_files_name_the_task_file_and_example(tmp_path, content, message):
         task_files.read_rows(str(path), "mc")
 
 
+def test_a_relative_path_names_the_working_folder_and_a_folder_is_named_as_one(tmp_path,
+                                                                              monkeypatch):
+    """sft_debug.toml's task path is relative to the repository: run from elsewhere, the
+    message said only "file train_configs/tasks/arith_chat.jsonl not found"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"task 'mc': file tasks/x.jsonl not found \(in the "
+                                        rf"working folder, {tmp_path}\)"):
+        task_files.read_rows("tasks/x.jsonl", "mc")
+    (tmp_path / "tasks").mkdir()
+    with pytest.raises(DataError, match=r"task 'mc': tasks is a folder: name one file of it"):
+        task_files.read_rows("tasks", "mc")
+
+
 @pytest.mark.parametrize("name", ["x.jsonl", "x.json"])
 def test_a_file_not_in_utf8_is_one_error_naming_the_file_and_line(tmp_path, name):
     path = tmp_path / name

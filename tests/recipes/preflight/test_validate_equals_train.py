@@ -66,6 +66,13 @@ BAD = [
     ("moe-grouped-compiled", "debug.toml",
      ["--model.ffn.type=moe", "--model.ffn.dispatch=grouped", "--parallelism.compile=true"],
      "traces torch._grouped_mm in bfloat16 only"),
+    # validate read no task file; train stopped before step 1
+    ("task-file-missing", "debug_evals.toml", ["--evals.python_mc.path=no/such/task.jsonl"],
+     "task 'python_mc': file no/such/task.jsonl not found"),
+    ("task-field-missing", "debug_evals.toml", ["--evals.python_mc.fields.context=nope"],
+     "task 'python_mc'"),
+    ("task-pause-without-snapshots", "debug_evals.toml", ["--evals.python_em.mode=pause"],
+     "evals.python_em.mode = \"pause\" saves a snapshot"),
 ]
 
 
