@@ -239,4 +239,3 @@ def trainable_line(model: nn.Module) -> str:
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     return f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
-
