@@ -98,7 +98,7 @@ class LoopedConfig(ComponentConfig):
         -1, ge=-1, description="reset a row's carry after a window containing this token id "
         "(its document ended; e.g. the EOS id) (-1 = off)"
     )
-    seed: int = Field(0, description="seed of the random loop counts")
+    seed: int = Field(0, ge=0, lt=2**63, description="seed of the random loop counts")
 
     @model_validator(mode="after")
     def _check(self) -> LoopedConfig:
@@ -265,7 +265,8 @@ class Looped(MoEModelMixin, ModelContract, RetiedOnEmpty):
         cfg = self.cfg
         if cfg.random_loops == "off":
             return self.loops
-        g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + self.step) * 1009 + self._slot)
+        key = (cfg.seed * 1_000_003 + self.step) * 1009 + self._slot
+        g = torch.Generator().manual_seed(key % (1 << 64))  # (manual_seed takes 64 bits)
         if cfg.random_loops == "uniform":
             h = int(torch.randint(cfg.min_loops, self.loops + 1, (1,), generator=g))
         else:  # Poisson with a lognormal rate around the mean (Geiping et al. 2025)

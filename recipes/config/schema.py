@@ -105,7 +105,8 @@ class TrainingConfig(Config):
         0, ge=0, description="micro-batches per step per rank (0 = global_batch/world/micro)"
     )
     seq_len: int = Field(256, ge=1, description="tokens per training sequence")
-    seed: int = Field(0, description="seed for init, data order and dropout")
+    seed: int = Field(0, ge=0, lt=2**63,
+                      description="seed for init, data order and dropout (0 to 2^63 - 1)")
     grad_clip: float = Field(1.0, ge=0, description="clip the global grad norm (0 = off)")
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="autocast dtype for the forward pass"

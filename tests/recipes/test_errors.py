@@ -80,6 +80,16 @@ def test_override_errors_name_the_command_line(write):
     assert "unknown key training.nope" in _error(path, ["--training.nope=1"])
 
 
+def test_a_seed_is_a_64_bit_count(write):
+    """training.seed = -1 passed validate and failed in the chat loader's NumPy generator
+    ("expected non-negative integer"); 2**64 failed torch.manual_seed."""
+    path = write("r.toml", "[training]\nsteps = 3\n")
+    assert "training.seed = -1: Input should be greater than or equal to 0" in _error(
+        path, ["--training.seed=-1"])
+    assert "training.seed = 9223372036854775808: Input should be less than" in _error(
+        path, ["--training.seed=9223372036854775808"])
+
+
 def test_extends_cycle_and_missing_extends_file(write):
     write("a.toml", 'extends = "b.toml"\n')
     b = write("b.toml", 'extends = "a.toml"\n')
