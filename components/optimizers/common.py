@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kiln.components.base import ComponentConfig, Config, Sub, component
 from kiln.components.errors import RecipeError
@@ -68,6 +68,17 @@ class OptimizerConfig(ComponentConfig):
             raise RecipeError(f"optimizer {table!r} ({self.type}): no µP learning-rate rule "
                               "for this optimizer; use adamw (or another AdamW-family "
                               "optimizer) or muon, or model.parametrization = \"standard\"")
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_sign(self) -> OptimizerConfig:
+        """Weight decay multiplies the weights by 1 - lr * weight_decay a step: at 1 or more it
+        zeroes or flips them, and the run went NaN at step 2 with a message blaming the LR."""
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(
+                f"lr * weight_decay = {self.lr:g} * {self.weight_decay:g} >= 1: each step "
+                "multiplies the weights by 1 - lr * weight_decay, which would zero or flip "
+                "them; weight_decay is usually 0.01 to 0.1")
+        return self
 
     @field_validator("no_decay", mode="before")
     @classmethod
