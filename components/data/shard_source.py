@@ -17,9 +17,11 @@ instead, and ``hf_hub_download`` serves files from (and fills) the usual Hub cac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -144,11 +146,27 @@ class HubSource:
     def list(self, domain: str) -> list[str]:
         if self.offline:
             return self._list_cached(domain)
-        entries = self.hub.HfApi().list_repo_tree(
-            self.repo_id, path_in_repo=self._path(domain), repo_type="dataset",
-            revision=self.revision, recursive=False,
-        )
+        with self._reaching(f"list {self._path(domain)}/"):
+            entries = list(self.hub.HfApi().list_repo_tree(
+                self.repo_id, path_in_repo=self._path(domain), repo_type="dataset",
+                revision=self.revision, recursive=False,
+            ))
         return sorted(self._strip(e.path) for e in entries if e.path.endswith(".npy"))
+
+    @contextlib.contextmanager
+    def _reaching(self, what: str) -> Iterator[None]:
+        """A Hub call's failure as one DataError: the repository, what was asked and why (a
+        missing repository, revision or file, refused access, no network: the Hub library and
+        its HTTP client raise each as its own type, so any is caught)."""
+        try:
+            yield
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DataError(
+                f"{self.where}: cannot {what} ({type(exc).__name__}: {first[:200]}); check "
+                "data.repo_id and data.revision and that the Hub can be reached, or train "
+                "from a local copy (data.path, or data.local_files_only = true once it is "
+                "cached)") from None
 
     def _list_cached(self, domain: str) -> list[str]:
         try:
@@ -168,7 +186,8 @@ class HubSource:
 
     def fetch(self, name: str) -> Path:
         filename = f"{self.prefix}/{name}" if self.prefix else name
-        return Path(self.hub.hf_hub_download(
-            self.repo_id, filename, repo_type="dataset", revision=self.revision,
-            cache_dir=self.cache_dir, local_files_only=self.offline,
-        ))
+        with self._reaching(f"fetch {filename}"):
+            return Path(self.hub.hf_hub_download(
+                self.repo_id, filename, repo_type="dataset", revision=self.revision,
+                cache_dir=self.cache_dir, local_files_only=self.offline,
+            ))

@@ -69,3 +69,31 @@ def test_hub_source_paths_and_offline_without_cache(tmp_path, monkeypatch):
     assert bare._path("code") == "code" and bare._strip("code/a.npy") == "code/a.npy"
     with pytest.raises(DataError, match="offline and no cached snapshot"):
         src.list("code")
+
+
+def test_a_hub_that_cannot_be_reached_is_one_error_naming_the_repository(tmp_path,
+                                                                        monkeypatch):
+    """data.repo_id on a machine without network: the HTTP client's ConnectError came out of
+    the first step as a traceback."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    src = HubSource("me/data", "data", "", str(tmp_path), local_files_only=False)
+
+    class ConnectError(Exception):
+        pass
+
+    def unreachable(*args, **kwargs):
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    class Api:
+        def list_repo_tree(self, *args, **kwargs):
+            yield from ()  # lazy, as the Hub's is: the error comes with the first entry
+            unreachable()
+
+    monkeypatch.setattr(src.hub, "HfApi", Api)
+    monkeypatch.setattr(src.hub, "hf_hub_download", unreachable)
+    with pytest.raises(DataError, match=r"hf://datasets/me/data/data: cannot list data/code/ "
+                                        r"\(ConnectError: \[Errno -2\] Name or service not "
+                                        r"known\); check data.repo_id"):
+        src.list("code")
+    with pytest.raises(DataError, match=r"cannot fetch data/code/a.npy \(ConnectError"):
+        src.fetch("code/a.npy")
