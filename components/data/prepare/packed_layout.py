@@ -302,6 +302,13 @@ def open_layout(folder: str | Path, tokenizer: Tokenizer | None = None) -> Packe
     try:
         meta = json.loads((folder / META).read_text())
     except FileNotFoundError:
+        if not any((folder / name).exists() for name in (TOKENS, OFFSETS)):
+            # not a kiln dataset at all (e.g. the user's text): never advise deleting it
+            raise DataError(
+                f"dataset folder {folder} holds no prepared dataset (no {META}, {TOKENS} or "
+                f"{OFFSETS}): the path names a folder `kiln data prepare` wrote; if {folder} "
+                f"holds your text, build one from it with `kiln data prepare --input {folder} "
+                "--out FOLDER` and point the path at FOLDER") from None
         raise _bad(folder, f"{META} is missing (an interrupted build?)") from None
     except (ValueError, OSError) as exc:
         raise _bad(folder, f"{META} is unreadable ({exc})") from None

@@ -110,6 +110,14 @@ def test_missing_folder(tmp_path):
     (tmp_path / "text.jsonl").write_text('{"text": "a"}\n')  # the text itself, not a folder
     with pytest.raises(DataError, match=r"text.jsonl is a file.*--input .*text.jsonl --out"):
         open_layout(tmp_path / "text.jsonl")
+    # a folder of the user's text: it said "not a valid packed-document layout ... delete it"
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("text")
+    with pytest.raises(DataError, match=r"corpus holds no prepared dataset \(no metadata.json, "
+                                        r"tokens.bin or doc_offsets.npy\).*--input .*corpus "
+                                        r"--out FOLDER") as err:
+        open_layout(tmp_path / "corpus")
+    assert "delete" not in str(err.value)
 
 
 def _plant(folder, value=300):
