@@ -220,7 +220,9 @@ def test_in_loop_downstream_evals_are_refused_under_pp():
     from kiln.recipes.hooks.downstream import DownstreamEvalHook
 
     trainer = SimpleNamespace(recipe=SimpleNamespace(evals={"mc": object()}),
-                              mesh_layout=SimpleNamespace(tp=1, pp=2))
+                              mesh_layout=SimpleNamespace(tp=1, pp=2), model=None,
+                              tokenizer=None, world=SimpleNamespace(distributed=False),
+                              print=print)
     with pytest.raises(RecipeError, match=r"pipeline parallelism yet \(parallelism.pp = 2\)"):
         DownstreamEvalHook().on_train_start(trainer)
 
