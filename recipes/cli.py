@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     # Recipe overrides (--a.b=c) are not argparse options: split them off first (not the
     # value of an option of the command: `kiln sweep R --grid optimizer.lr=1e-3,3e-3`).
     overrides, rest = _split_overrides(cmd_parser, argv[1:])
-    args = cmd_parser.parse_args(rest)
+    args, unknown = cmd_parser.parse_known_args(rest)  # parse_args, with a hint on what is left
+    if unknown:
+        hint = ("; recipe overrides are one word each, --section.key=value (e.g. "
+                "--training.steps=3)" if overrides_too and unknown[0].startswith("--") else "")
+        cmd_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.overrides = overrides
     try:
         for arg in overrides:

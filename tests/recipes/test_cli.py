@@ -90,6 +90,10 @@ def test_a_top_level_override_reaches_the_recipe_and_a_misplaced_one_is_placed(c
     assert "unknown key steps (did you mean training.steps?)" in capsys.readouterr().out
     assert main(["validate", str(CONFIGS / "debug.toml"), "--interval=3"]) == 2
     assert "(did you mean eval.interval or checkpoint.interval?)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse's exit status 2, with the form to write
+        main(["validate", str(CONFIGS / "debug.toml"), "--steps", "3"])
+    assert ("unrecognized arguments: --steps 3; recipe overrides are one word each, "
+            "--section.key=value") in capsys.readouterr().err
     # a command's own --option=value is still its own
     import argparse
 
