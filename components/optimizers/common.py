@@ -77,7 +77,7 @@ class OptimizerConfig(ComponentConfig):
             raise ValueError(
                 f"lr * weight_decay = {self.lr:g} * {self.weight_decay:g} >= 1: each step "
                 "multiplies the weights by 1 - lr * weight_decay, which would zero or flip "
-                "them; weight_decay is usually 0.01 to 0.1")
+                "them; lower lr or weight_decay (usually 0.01 to 0.1)")
         return self
 
     @field_validator("no_decay", mode="before")
