@@ -186,6 +186,11 @@ _INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise f
 # are (turning dropout off for an anneal was refused as if it changed the weights).
 _TRAIN_ONLY = re.compile(r"^model\.(?:[a-z_]+\.)?(?:dropout|mtp_weight|aux_loss_coeff|"
                          r"bias_update_coeff|capacity_factor)$")
+# How the data is loaded, not which: the saved cursor is a position in the stream whatever the
+# workers, their read-ahead or pinned memory (a streaming cursor that records its workers checks
+# them itself when it loads). Fewer workers on a smaller machine was refused as if the cursor
+# pointed elsewhere.
+_LOADER_ONLY = re.compile(r"^data\.(?:sources\.[^.]+\.)?(?:num_workers|prefetch|pin_memory)$")
 _OPT_TYPE = re.compile(r"^(optimizer|optimizers\.[^.]+)\.type$")
 
 
@@ -209,7 +214,7 @@ def check_recipe(d, *, weights_only: bool) -> Compatibility:
 
 
 def _refusal(key: str, d, weights_only: bool) -> str:
-    if key.startswith(_INIT_ONLY) or _TRAIN_ONLY.match(key):
+    if key.startswith(_INIT_ONLY) or _TRAIN_ONLY.match(key) or _LOADER_ONLY.match(key):
         return ""
     if key.startswith(_STATE_KEYS):
         return "changes the weights' shapes or meaning"

@@ -97,6 +97,19 @@ def test_dropout_and_auxiliary_loss_weights_are_training_settings():
     assert refused and "shapes" in refused[0]  # the modules themselves still are
 
 
+def test_how_the_data_is_loaded_may_change():
+    """Workers, read-ahead and pinned memory leave the cursor's position as it was: fewer
+    workers on a smaller machine was refused as "the saved data cursor would point
+    elsewhere"."""
+    result = check(recipe(), recipe("--data.num_workers=2", "--data.prefetch=4",
+                                    "--data.pin_memory=false"), weights_only=False)
+    assert result.refused == [] and len(result.allowed) == 3
+    mix = load_recipe(CONFIGS / "mixture_debug.toml")
+    moved = load_recipe(CONFIGS / "mixture_debug.toml", ["--data.sources.code.num_workers=1"])
+    assert check(mix, moved, weights_only=False).refused == []
+    assert check(recipe(), recipe("--data.cache_dir=elsewhere"), weights_only=False).refused
+
+
 @pytest.mark.parametrize("override, why", [
     ("--model.dim=64", "shapes"),
     ("--model.attention.n_heads=4", "shapes"),

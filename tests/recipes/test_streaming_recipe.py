@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.components.errors import KilnError
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
 from tests import forked
@@ -27,11 +28,11 @@ def _streaming(corpus):
             "--data.eval_docs=2", "--data.batch_docs=4"]
 
 
-def run(folder, corpus, steps, signal_at=None):
+def run(folder, corpus, steps, signal_at=None, extra=()):
     import io
 
     recipe = load_recipe(CONFIGS / "debug.toml", [*_streaming(corpus), f"--training.steps={steps}",
-                                                  f"--run.folder={folder}"])
+                                                  f"--run.folder={folder}", *extra])
     rec = Record(signal_at)
     trainer = Trainer(recipe, hooks=[rec], out=io.StringIO())
     trainer.fit()
@@ -43,6 +44,10 @@ def test_streaming_stop_and_resume_gives_identical_losses(tmp_path):
     full, _ = run(tmp_path / "full", corpus, 8)
     first, t1 = run(tmp_path / "cut", corpus, 8, signal_at=2)
     assert t1.stop_requested and max(first.losses) == 3
+    # the recipe check lets loader settings change (checkpointing/resume.py); this cursor
+    # records its workers and refuses other ones itself, leaving the run as it was
+    with pytest.raises(KilnError, match="saved with num_workers = 0, this loader has 2; "):
+        run(tmp_path / "cut", corpus, 8, extra=["--data.num_workers=2"])
     second, _ = run(tmp_path / "cut", corpus, 8)
     assert min(second.losses) == 4
     assert {**first.losses, **second.losses} == full.losses
