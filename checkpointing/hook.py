@@ -101,6 +101,9 @@ class CheckpointHook(Hook):
         if tried:
             self._report_recovery(trainer, source, tried)
         if source is None:
+            if cfg.resume == "auto":
+                resume.check_no_stray_snapshots(Path(trainer.run_dir), self.root,
+                                                f"checkpoint.folder = {cfg.folder!r}")
             return
         verified = valid is not None and source.folder.resolve() == valid.resolve()
         weights_only = cfg.weights_only and source.explicit

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.checkpointing.resume import check_no_stray_snapshots
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.protocols import Hook, complete_model
@@ -318,6 +319,8 @@ class Trainer:
         try:
             if self.resumer is not None:
                 self.resumer.resume(self)  # the hooks start from the resumed progress
+            elif not self.recipe.checkpoint.enable:  # a run folder with snapshots: not anew
+                check_no_stray_snapshots(self.run_dir, None, "checkpoint.enable = false")
             for hook in self.hooks:
                 hook.on_train_start(self)
             if self.progress.step >= self.total_steps:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from kiln.components.errors import CheckpointError
 from kiln.components.protocols import Hook
 from kiln.recipes.config.files import load_recipe
 from kiln.recipes.training.trainer import Trainer
@@ -43,9 +44,9 @@ class Record(Hook):
             os.kill(os.getpid(), signal.SIGTERM)  # seen at the next step boundary
 
 
-def run(folder, steps, signal_at=None):
+def run(folder, steps, signal_at=None, extra=()):
     recipe = load_recipe(CONFIGS / "debug.toml",
-                         [*TINY, f"--training.steps={steps}", f"--run.folder={folder}"])
+                         [*TINY, f"--training.steps={steps}", f"--run.folder={folder}", *extra])
     rec = Record(signal_at)
     trainer = Trainer(recipe, hooks=[rec], out=io.StringIO())
     trainer.fit()
@@ -58,6 +59,14 @@ def test_stop_and_resume_gives_identical_losses(tmp_path):
     assert t1.stop_requested and max(first.losses) == 4  # saved at step 4, then stopped
     assert (tmp_path / "cut" / "checkpoints" / "step_0000004").is_dir()
     assert not (tmp_path / "cut" / "checkpoints" / "final").exists()
+    # checkpoint.folder changed: the run started over from step 1 beside its snapshots
+    with pytest.raises(CheckpointError, match=r"this run has snapshots in .*cut/checkpoints "
+                       r"\(newest step_0000004\), and checkpoint.folder = 'ckpt' \(.*cut/ckpt\) "
+                       "holds none, so kiln does not start the run over"):
+        run(tmp_path / "cut", 10, extra=["--checkpoint.folder=ckpt"])
+    with pytest.raises(CheckpointError, match=r"\(newest step_0000004\), and checkpoint.enable "
+                       "= false, so kiln does not start the run over"):
+        run(tmp_path / "cut", 10, extra=["--checkpoint.enable=false"])
     second, t2 = run(tmp_path / "cut", 10)  # the same command again: continues
     assert min(second.losses) == 5 and t2.progress.step == 10
     assert {**first.losses, **second.losses} == full.losses  # bit-identical, every step
