@@ -1,9 +1,10 @@
-"""Train each recipe mutation ``kiln validate`` accepted for two steps: what ``kiln train``
-refuses that validate passed, and any raw exception, are reported.
+"""Train each recipe mutation ``kiln validate`` accepted for two steps, or resume a run with
+it: what ``kiln train`` refuses that validate passed, a resume that does not say what changed,
+and any raw exception, are reported.
 
     python scripts/fuzz_recipe.py train_configs/sft_debug.toml --switch --accepted acc.json
     python scripts/fuzz_train.py train_configs/sft_debug.toml acc.json [--one-per-key]
-        [--jobs 2] [--base=--training.micro_batch=1 ...]
+        [--jobs 2] [--base=--training.micro_batch=1 ...] [--resume-from RUN]
 
 Each mutation runs as its own ``kiln train RECIPE --training.steps=2 --run.folder=TMP
 --eval.at_end=false --checkpoint.enable=false BASE... MUTATION`` process (one thread each,
@@ -13,14 +14,22 @@ absurd init, or the base's own settings (``checkpoint.enable = false`` with
 ``training.max_hours``); each message is printed once with how many runs gave it. A traceback
 is a bug (exit status 1). ``--one-per-key`` trains one mutation per set of keys, the most
 extreme value first (1e30, -1, 0, ...): a recipe's 1,000 accepted mutations become about 300.
+
+``--resume-from RUN``: each mutation resumes a copy of the run folder RUN (trained with the
+recipe and ``--base`` overrides, which must then raise ``training.steps``) instead: a resume
+must refuse the change in one line or resume and list every key it changed (``kiln diff``'s
+keys); a run that starts over, or resumes without listing a changed key, is a bug too.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,16 +65,41 @@ def classify(returncode: int, stderr: str) -> tuple[str, str]:
     return "refused", (errors or lines or [f"exit status {returncode}"])[-1]
 
 
-def train(recipe: str, mutation: list[str], base: list[str], folder: str,
-          timeout: float) -> tuple[str, str]:
-    argv = [sys.executable, "-m", "kiln.recipes.cli", "train", recipe, *BASE,
+def resumed(output: str, changed: list[str]) -> tuple[str, str]:
+    """A finished resume: ("ok", "") when it says it resumed and lists every changed key."""
+    if "kiln: resumed from " not in output:
+        return "raw", "started over instead of resuming"
+    listed = {line.strip().split(":", 1)[0] for line in output.splitlines()
+              if line.startswith("  ")}
+    unlisted = [key for key in changed if key not in listed]
+    return ("raw", f"resumed without listing {', '.join(unlisted)}") if unlisted else ("ok", "")
+
+
+def changed_keys(recipe: str, base: list[str], mutation: list[str]) -> list[str]:
+    """The keys ``mutation`` changes in the resolved recipe (those ``kiln diff`` shows)."""
+    from kiln.recipes.config.diff import diff
+    from kiln.recipes.config.files import load_recipe
+
+    with contextlib.redirect_stderr(io.StringIO()):  # notes of the loader, not wanted here
+        return diff(load_recipe(recipe, base), load_recipe(recipe, [*base, *mutation])).keys()
+
+
+def train(recipe: str, mutation: list[str], base: list[str], folder: str, timeout: float,
+          resume_from: str = "") -> tuple[str, str]:
+    fixed = [] if resume_from else BASE
+    if resume_from:
+        shutil.copytree(resume_from, folder, symlinks=True)
+    argv = [sys.executable, "-m", "kiln.recipes.cli", "train", recipe, *fixed,
             f"--run.folder={folder}", *base, *mutation]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "raw", f"no result in {timeout:.0f} s"
-    return classify(done.returncode, done.stderr)
+    kind, why = classify(done.returncode, done.stderr)
+    if kind == "ok" and resume_from:
+        return resumed(done.stdout + done.stderr, changed_keys(recipe, base, mutation))
+    return kind, why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--base", action="append", default=[],
                         help="an override every run starts from (repeatable)")
+    parser.add_argument("--resume-from", default="",
+                        help="resume a copy of this run folder with each mutation")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a run may take")
     args = parser.parse_args(argv)
     with open(args.accepted) as f:
@@ -87,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         def one(item: tuple[int, list[str]]) -> tuple[str, str]:
             index, mutation = item
             folder = os.path.join(tmp, str(index))
-            kind, why = train(args.recipe, mutation, args.base, folder, args.timeout)
+            kind, why = train(args.recipe, mutation, args.base, folder, args.timeout,
+                              args.resume_from)
+            shutil.rmtree(folder, ignore_errors=True)
             return kind, why.replace(folder, "RUN_FOLDER")  # the same message, one line
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             results = list(pool.map(one, enumerate(mutations)))
     refusals: collections.Counter[str] = collections.Counter()
-    raw = 0
+    raw = 0  # a traceback; with --resume-from also a start-over or an unlisted change
     for mutation, (kind, why) in zip(mutations, results, strict=True):
         if kind == "raw":
             raw += 1
@@ -103,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     for why, count in refusals.most_common():
         print(f"REFUSED x{count}: {why}")
     ok = sum(kind == "ok" for kind, _ in results)
-    print(f"{len(mutations)} mutations trained: {ok} ok, {sum(refusals.values())} refused by "
-          f"train, {raw} raw exception(s)")
+    done = "resumed" if args.resume_from else "trained"
+    print(f"{len(mutations)} mutations {done}: {ok} ok, {sum(refusals.values())} refused by "
+          f"train, {raw} bug(s)")
     return 1 if raw else 0
 
 

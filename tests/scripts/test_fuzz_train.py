@@ -39,14 +39,14 @@ def test_raw_runs_are_printed_and_refusals_counted_once_a_message(tmp_path, caps
     script = _script()
     outcomes = {"--x=1": ("ok", ""), "--x=2": ("refused", "kiln train: error: no"),
                 "--x=3": ("refused", "kiln train: error: no"), "--x=4": ("raw", "KeyError: 'k'")}
-    script["main"].__globals__["train"] = lambda recipe, mutation, base, folder, timeout: (
+    script["main"].__globals__["train"] = lambda recipe, mutation, base, folder, timeout, _: (
         outcomes[mutation[0]])
     accepted = tmp_path / "accepted.json"
     accepted.write_text(json.dumps([[m] for m in outcomes]))
     assert script["main"](["r.toml", str(accepted), "--jobs", "1"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out == ["RAW --x=4: KeyError: 'k'", "REFUSED x2: kiln train: error: no",
-                   "4 mutations trained: 1 ok, 2 refused by train, 1 raw exception(s)"]
+                   "4 mutations trained: 1 ok, 2 refused by train, 1 bug(s)"]
 
 
 @pytest.mark.slow
@@ -60,5 +60,37 @@ def test_a_real_mutation_trains_for_two_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "checkpoint.enable = false" in out  # the base's own setting, counted as a refusal
-    assert out.strip().endswith("2 mutations trained: 1 ok, 1 refused by train, "
-                                "0 raw exception(s)"), out
+    assert out.strip().endswith("2 mutations trained: 1 ok, 1 refused by train, 0 bug(s)"), out
+
+
+def test_a_resume_must_say_it_resumed_and_list_each_change():
+    resumed = _script()["resumed"]
+    out = ("kiln: recipe changed since the checkpoint (allowed):\n  optimizer.eps: 1e-08 -> 0.5\n"
+           "  training.steps: 2 -> 3\nkiln: resumed from RUN/checkpoints/step_0000002 at step 2\n")
+    assert resumed(out, ["optimizer.eps"]) == ("ok", "")
+    assert resumed(out, ["optimizer.eps", "data.prefetch"]) == (
+        "raw", "resumed without listing data.prefetch")
+    assert resumed("step 1/3 ...\n", []) == ("raw", "started over instead of resuming")
+
+
+@pytest.mark.slow
+def test_a_real_resume_of_each_mutation(tmp_path, capsys):
+    """The run folder is trained once; each mutation resumes a copy of it."""
+    from kiln.recipes.cli import main
+
+    small = ["--model.dim=32", "--model.n_layers=1", "--model.attention.n_heads=2",
+             "--training.seq_len=32", "--training.global_batch=2", "--training.micro_batch=1",
+             "--eval.at_end=false", "--checkpoint.interval=2"]
+    recipe = str(CONFIGS / "debug.toml")
+    assert main(["train", recipe, *small, "--training.steps=2",
+                 f"--run.folder={tmp_path / 'run'}"]) == 0
+    accepted = tmp_path / "accepted.json"
+    accepted.write_text(json.dumps([["--data.prefetch=4"], ["--model.dim=64"]]))
+    capsys.readouterr()
+    status = _script()["main"]([recipe, str(accepted), "--resume-from", str(tmp_path / "run"),
+                                *(f"--base={b}" for b in [*small, "--training.steps=3"])])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "REFUSED x1: kiln train: error: RUN_FOLDER/checkpoints/step_0000002: the recipe " \
+        "changed in ways this checkpoint cannot follow:" in out
+    assert out.strip().endswith("2 mutations resumed: 1 ok, 1 refused by train, 0 bug(s)"), out
