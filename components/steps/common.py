@@ -27,7 +27,8 @@ def unguarded(stats: dict[str, float], *, first: bool = False) -> GuardDecision:
         return GuardDecision(abort=True, reason=(
             f"not finite ({', '.join(bad)}) before any optimizer step, so the learning rate "
             "is not the cause: the starting weights (the model's init settings, e.g. "
-            "model.init_std, or checkpoint.init_from), a loss setting (a weight or beta, "
+            "model.init_std, an adapter's scale adapter.alpha, or checkpoint.init_from), a "
+            "loss setting (a weight or beta, "
             "e.g. training.step.loss.beta, model.ffn.aux_loss_coeff) or the data give it; "
             "check those and rerun"))
     return GuardDecision(abort=True, reason=(

@@ -151,6 +151,7 @@ def test_a_non_finite_first_step_does_not_blame_the_learning_rate(tmp_path, monk
                        r"before any optimizer step, so the learning rate is not the cause") as err:
         train(tmp_path, "n", ["--training.steps=2"])
     assert "optimizer.lr" not in str(err.value)
+    assert "adapter.alpha" in str(err.value)  # (alpha = 1e30 got this line without naming it)
 
 
 def test_a_skipped_non_finite_step_at_a_checkpoint_step_is_saved(tmp_path, monkeypatch):
