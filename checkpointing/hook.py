@@ -110,7 +110,8 @@ class CheckpointHook(Hook):
         if source.note:
             trainer.print(f"kiln: {source.note}")
         resume.compare_with_checkpoint(source.folder, self.recipe_diff,
-                                       weights_only=weights_only, log=trainer.print)
+                                       weights_only=weights_only, log=trainer.print,
+                                       data_record=getattr(trainer, "data_record", None))
         if not weights_only:  # a new schedule may start on other data
             dataset = getattr(trainer, "dataset", None)  # (a test's train state has none)
             for line in resume.check_data(

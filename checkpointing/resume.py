@@ -212,11 +212,13 @@ _INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise f
 # are (turning dropout off for an anneal was refused as if it changed the weights).
 _TRAIN_ONLY = re.compile(r"^model\.(?:[a-z_]+\.)?(?:dropout|mtp_weight|aux_loss_coeff|"
                          r"bias_update_coeff|capacity_factor)$")
-# How the data is loaded, not which: the saved cursor is a position in the stream whatever the
-# workers, their read-ahead or pinned memory (a streaming cursor that records its workers checks
-# them itself when it loads). Fewer workers on a smaller machine was refused as if the cursor
-# pointed elsewhere.
+# How the data is loaded, not which: the cursor is a position whatever the workers, read-ahead
+# or pinned memory (a streaming cursor that records its workers checks them itself).
 _LOADER_ONLY = re.compile(r"^data\.(?:sources\.[^.]+\.)?(?:num_workers|prefetch|pin_memory)$")
+# Where a source's data lives: the same data moved (another machine, a faster disk) resumes if
+# the source records a fingerprint, which ``check_data`` compares; streaming_text and
+# balanced_shards record none, so nothing would check what a new path holds: refused.
+_LOCATION = re.compile(r"^(data(?:\.sources\.[^.]+)?)\.(?:path|cache_dir|source_path)$")
 _OPT_TYPE = re.compile(r"^(optimizer|optimizers\.[^.]+)\.type$")
 
 
@@ -226,15 +228,18 @@ class Compatibility:
     allowed: list[str]
 
 
-def check_recipe(d, *, weights_only: bool) -> Compatibility:
+def check_recipe(d, *, weights_only: bool,
+                 fingerprinted: frozenset[str] = frozenset()) -> Compatibility:
     """Classify the differences between the checkpoint's recipe and the current one. ``d`` is
     their diff (``kiln.recipes.config.diff.RecipeDiff``: ``keys()``, ``changed``, ``only_a``
-    for keys
-    only the checkpoint has, ``only_b`` for keys only the current recipe has)."""
+    for keys only the checkpoint has, ``only_b`` for keys only the current recipe has).
+    ``fingerprinted``: the data sources (``data``, ``data.sources.NAME``) whose fingerprint the
+    checkpoint and this run both record, which may therefore move (``_LOCATION``)."""
     refused, allowed = [], []
     for key in d.keys():  # noqa: SIM118 (RecipeDiff.keys(), not a dict)
         line = _describe(d, key)
-        why = _refusal(key, d, weights_only)
+        moved = (m := _LOCATION.match(key)) is not None and m.group(1) in fingerprinted
+        why = "" if moved else _refusal(key, d, weights_only)
         (refused if why else allowed).append(f"{line}  ({why})" if why else line)
     return Compatibility(refused, allowed)
 
@@ -271,17 +276,20 @@ def _describe(d, key: str) -> str:
     return f"{key}: added ({d.only_b[key]!r})"
 
 
-def compare_with_checkpoint(folder: Path, recipe_diff, *, weights_only: bool, log) -> None:
+def compare_with_checkpoint(folder: Path, recipe_diff, *, weights_only: bool, log,
+                            data_record: dict | None = None) -> None:
     """Refuse incompatible recipe changes (CheckpointError); report allowed ones via ``log``.
     ``recipe_diff(folder)`` diffs the checkpoint's recipe against the current one (the trainer
-    passes it: reading recipes is the recipes package's job); RecipeError = unreadable."""
+    passes it: reading recipes is the recipes package's job); RecipeError = unreadable.
+    ``data_record``: this run's (``check_data``), for the sources that may move."""
     try:
         d = recipe_diff(folder)
     except RecipeError as exc:
         log(f"kiln: warning: cannot read the checkpoint's recipe to compare ({exc}); resuming "
             "without the recipe check")
         return
-    result = check_recipe(d, weights_only=weights_only)
+    result = check_recipe(d, weights_only=weights_only, fingerprinted=frozenset() if weights_only
+                          else _fingerprinted(folder, data_record))  # (weights_only: any data)
     if result.refused:
         raise CheckpointError(
             f"{folder}: the recipe changed in ways this checkpoint cannot follow:\n  "
@@ -296,6 +304,17 @@ def compare_with_checkpoint(folder: Path, recipe_diff, *, weights_only: bool, lo
 
 
 # ------------------------------------------------------------------------ data compatibility
+def _fingerprinted(folder: Path, record: dict | None) -> frozenset[str]:
+    """The sources whose data fingerprint checkpoint ``folder`` and ``record`` both hold."""
+    from kiln.checkpointing.load_checks import read_state
+
+    saved = read_state(folder).get("data") if record is not None else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("fingerprints"), dict):
+        return frozenset()
+    now = record.get("fingerprints", {})
+    return frozenset(k for k, v in saved["fingerprints"].items() if v and now.get(k))
+
+
 def check_data(folder: Path, record: dict | None, *, policy: str, pin=None,
                total_steps: int = 0) -> list[str]:
     """The data the checkpoint's cursor points into against this run's (``record``: the

@@ -72,6 +72,29 @@ def test_unchanged_data_resumes_without_a_word(tmp_path):
     assert len(losses) == 2 and "data changed" not in out.getvalue()
 
 
+def test_the_same_data_moved_elsewhere_resumes_and_other_data_there_is_refused(tmp_path):
+    """Another machine's paths, a cache on a faster disk: data.source_path and data.cache_dir
+    changed were refused as if the cursor pointed elsewhere, although the fingerprint checks
+    what the data is."""
+    import shutil
+
+    texts, run = tmp_path / "texts", tmp_path / "run"
+    _texts(texts)
+    full, _ = train(_folder_recipe(texts, tmp_path / "full", "--training.steps=6"))
+    train(_folder_recipe(texts, run, "--training.steps=4"))
+    moved = tmp_path / "elsewhere" / "texts"
+    shutil.copytree(texts, moved)
+    out = io.StringIO()
+    losses, _ = train(_folder_recipe(moved, run, "--training.steps=6",
+                                     f"--data.cache_dir={tmp_path / 'cache2'}"), out=out)
+    assert losses == full[4:]  # the same stream, bit for bit
+    assert "data.source_path: " in out.getvalue() and "data.cache_dir: " in out.getvalue()
+    _same_size_edit(moved / "doc03.txt")  # other data at the new place: still refused
+    with pytest.raises(CheckpointError, match=r"step_0000006: data changed since this "):
+        train(_folder_recipe(moved, run, "--training.steps=8",
+                             f"--data.cache_dir={tmp_path / 'cache3'}"))
+
+
 def _mixture_recipe(tmp_path, run, steps, *extra):
     for name in ("a", "b"):
         _texts(tmp_path / name, n=10)

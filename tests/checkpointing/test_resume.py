@@ -110,6 +110,23 @@ def test_how_the_data_is_loaded_may_change():
     assert check(recipe(), recipe("--data.cache_dir=elsewhere"), weights_only=False).refused
 
 
+def test_where_the_data_lives_may_change_where_a_fingerprint_checks_it():
+    moved = diff(recipe(), recipe("--data.cache_dir=/fast", "--data.source_path=/data/py"))
+    check_recipe = resume.check_recipe
+    assert check_recipe(moved, weights_only=False).refused  # nothing would check it
+    result = check_recipe(moved, weights_only=False, fingerprinted=frozenset({"data"}))
+    assert result.refused == [] and len(result.allowed) == 2
+    other = diff(recipe(), recipe("--data.max_bytes=1000"))  # what the data is: still refused
+    assert resume.check_recipe(other, weights_only=False, fingerprinted=frozenset({"data"})
+                               ).refused
+    mix = load_recipe(CONFIGS / "mixture_debug.toml")
+    to = load_recipe(CONFIGS / "mixture_debug.toml", ["--data.sources.code.cache_dir=/fast"])
+    assert resume.check_recipe(diff(mix, to), weights_only=False,
+                               fingerprinted=frozenset({"data.sources.tests"})).refused
+    assert not resume.check_recipe(diff(mix, to), weights_only=False,
+                                   fingerprinted=frozenset({"data.sources.code"})).refused
+
+
 @pytest.mark.parametrize("override, why", [
     ("--model.dim=64", "shapes"),
     ("--model.attention.n_heads=4", "shapes"),
@@ -175,10 +192,13 @@ def test_docs_table_of_recipe_changes_matches_the_check():
         for override in re.findall(r"`(--[\w.]+=[^`]+)`", changes):
             base = load_recipe(CONFIGS / name, [])
             changed = load_recipe(CONFIGS / name, [override])
-            full = resume.check_recipe(diff(base, changed), weights_only=False)
+            # these recipes' packed data records a fingerprint, as at a real resume
+            full = resume.check_recipe(diff(base, changed), weights_only=False,
+                                       fingerprinted=frozenset({"data"}))
             assert bool(full.refused) == (result == "refused"), (override, full)
             if "weights_only = true" in notes:
-                assert not resume.check_recipe(diff(base, changed), weights_only=True).refused
+                assert not resume.check_recipe(diff(base, changed),
+                                                      weights_only=True).refused
             checked += 1
     assert checked >= 25
 
