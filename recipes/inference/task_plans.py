@@ -44,9 +44,8 @@ def plan_evals(recipe, model, tokenizer, shape, *, distributed: bool,
     cfgs = recipe.evals
     if not cfgs:
         return {}, {}, 0
-    for size, name in ((shape.tp, "tensor"), (shape.pp, "pipeline")):
+    for size, name, key in ((shape.tp, "tensor", "tp"), (shape.pp, "pipeline", "pp")):
         if size > 1:  # (pipeline: each rank holds only its stages)
-            key = "tp" if name == "tensor" else "pp"
             raise RecipeError(f"[evals.*] tasks do not run under {name} parallelism yet "
                               f"(parallelism.{key} = {size}): evaluate the checkpoints with "
                               "`kiln eval RUN --tasks` instead")
