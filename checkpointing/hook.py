@@ -102,7 +102,7 @@ class CheckpointHook(Hook):
             self._report_recovery(trainer, source, tried)
         if source is None:
             if cfg.resume == "auto":
-                resume.check_no_stray_snapshots(Path(trainer.run_dir), self.root,
+                layout.check_no_stray_snapshots(Path(trainer.run_dir), self.root,
                                                 f"checkpoint.folder = {cfg.folder!r}")
             return
         verified = valid is not None and source.folder.resolve() == valid.resolve()

@@ -59,32 +59,6 @@ def find_checkpoint(path: Path, key: str = "") -> Path:
                           f"one step_XXXXXXX folder{also}")
 
 
-def check_no_stray_snapshots(run_dir: Path, root: Path | None, setting: str) -> None:
-    """Before a run folder starts fresh: refuse when snapshots lie in it outside ``root``, the
-    checkpoint folder (None: checkpoints are off). ``setting``: what differs from when they
-    were saved (``checkpoint.folder = 'x'``, ``checkpoint.enable = false``). Such a run started
-    over from step 1 without a word, beside its snapshots."""
-    if not run_dir.is_dir():
-        return
-    for folder in sorted(p for p in [run_dir, *run_dir.iterdir()] if p.is_dir()):
-        if root is not None and folder.resolve() == root.resolve():
-            continue
-        found = layout.newest_complete(folder, warn=False)
-        if found is None:
-            continue
-        if root is None:
-            what = (f"{setting}, so kiln does not start the run over; set checkpoint.enable = "
-                    "true to resume from them")
-        else:
-            what = (f"{setting} ({root}) holds none, so kiln does not start the run over; set "
-                    "checkpoint.folder back to the folder they are in to resume, point "
-                    f"checkpoint.resume at {found} to continue from it, or start over on "
-                    "purpose with --checkpoint.resume=off (the snapshots are kept)")
-        raise CheckpointError(f"{run_dir}: this run has snapshots in {folder} (newest "
-                              f"{found.name}), and {what}, or start a new run with another "
-                              "--run.folder")
-
-
 def resolve(resume: str, root: Path, *, download=None) -> Source | None:
     """The checkpoint to resume from (None = start fresh). ``download(spec) -> Path`` fetches
     ``hf://`` sources."""

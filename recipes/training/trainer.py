@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpointing.resume import check_no_stray_snapshots
+from kiln.checkpointing.layout import check_no_stray_snapshots
 from kiln.checkpointing.rng import seed_step
 from kiln.components import distributed
 from kiln.components.protocols import Hook, complete_model
