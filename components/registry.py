@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -66,6 +67,10 @@ class Entry:
 _entries: dict[tuple[str, str], Entry] = {}
 _builtins_loaded = False
 _plugins_loaded = False
+# Held while the built-ins or the plugins load: a second thread's first lookup (a data loader's,
+# a script's thread pool) waits for the whole loading instead of seeing it half done. Re-entrant:
+# a module being loaded may look up a component in the same thread.
+_loading = threading.RLock()
 
 
 def _origin(obj: Any) -> str:
@@ -106,12 +111,13 @@ def unregister(kind: str, name: str) -> None:
 
 def _load_builtins() -> None:
     global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        # Each package lists its built-in modules itself, in ``BUILTINS``.
-        for package in BUILTIN_PACKAGES:
-            for name in importlib.import_module(package).BUILTINS:
-                importlib.import_module(name)
+    with _loading:
+        if not _builtins_loaded:
+            _builtins_loaded = True
+            # Each package lists its built-in modules itself, in ``BUILTINS``.
+            for package in BUILTIN_PACKAGES:
+                for name in importlib.import_module(package).BUILTINS:
+                    importlib.import_module(name)
 
 
 def load_plugins(force: bool = False) -> list[str]:
@@ -122,9 +128,14 @@ def load_plugins(force: bool = False) -> list[str]:
     distribution, and does not stop runs that do not use it.
     """
     global _plugins_loaded
-    if _plugins_loaded and not force:
-        return []
-    _plugins_loaded = True
+    with _loading:
+        if _plugins_loaded and not force:
+            return []
+        _plugins_loaded = True
+        return _load_entry_points()
+
+
+def _load_entry_points() -> list[str]:
     problems = []
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
@@ -137,7 +148,7 @@ def load_plugins(force: bool = False) -> list[str]:
                 f"kiln plugin {ep.name!r} from distribution {dist!r} failed to load "
                 f"({type(exc).__name__}: {exc}); its components are unavailable"
             )
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
             problems.append(msg)
     return problems
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import warnings
 
 import pytest
@@ -156,3 +158,43 @@ def test_did_you_mean_offers_a_second_choice_as_close_as_the_first():
     assert did_you_mean("trainig", ["training", "tokenizer", "data"]) == \
         " (did you mean 'training'?)"
     assert did_you_mean("zzz", ["training"]) == ""
+
+
+def test_a_second_thread_waits_for_the_built_ins_to_finish_loading(tmp_path, monkeypatch):
+    # A thread pool's first lookups (scripts/fuzz_train.py) found the hooks half registered:
+    # the flag said "loaded" while the first thread was still importing.
+    package = tmp_path / "kiln_slow_builtins"
+    package.mkdir()
+    (package / "__init__.py").write_text("BUILTINS = ['kiln_slow_builtins.late']\n")
+    (package / "late.py").write_text(textwrap.dedent("""
+        import time
+        from pydantic import Field
+        from kiln.components import registry
+        from kiln.components.base import ComponentConfig
+
+        time.sleep(0.3)
+
+        class _Cfg(ComponentConfig):
+            size: int = Field(1, description="a size")
+
+        @registry.register("hook", "test_late_hook")
+        class Late:
+            Config = _Cfg
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "BUILTIN_PACKAGES", ("kiln_slow_builtins",))
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    found: list[object] = []
+
+    def look_up() -> None:
+        found.append(registry.get("hook", "test_late_hook").name)
+
+    first = threading.Thread(target=registry.ensure_loaded)
+    first.start()
+    time.sleep(0.05)  # the first thread is inside the slow import now
+    try:
+        look_up()
+    finally:
+        first.join()
+        registry.unregister("hook", "test_late_hook")
+    assert found == ["test_late_hook"]
