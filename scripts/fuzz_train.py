@@ -8,12 +8,13 @@ and any raw exception, are reported.
 
 Each mutation runs as its own ``kiln train RECIPE --training.steps=2 --run.folder=TMP
 --eval.at_end=false --checkpoint.enable=false BASE... MUTATION`` process (one thread each,
-``--jobs`` at a time). A run that ends in kiln's one-line error is a refusal: most are the data
-checks ``fuzz_recipe.py`` leaves out without ``--data``, the non-finite first step of an
-absurd init, or the base's own settings (``checkpoint.enable = false`` with
-``training.max_hours``); each message is printed once with how many runs gave it. A traceback
-is a bug (exit status 1). ``--one-per-key`` trains one mutation per set of keys, the most
-extreme value first (1e30, -1, 0, ...): a recipe's 1,000 accepted mutations become about 300.
+``--jobs`` at a time; a mutation of ``run.folder``, which the script sets, is left out). A run
+that ends in kiln's one-line error is a refusal: most are the data checks ``fuzz_recipe.py``
+leaves out without ``--data``, the non-finite first step of an absurd init, or the base's own
+settings (``checkpoint.enable = false`` with ``training.max_hours``); each message is printed
+once with how many runs gave it. A traceback is a bug (exit status 1). ``--one-per-key`` trains
+one mutation per set of keys, the most extreme value first (1e30, -1, 0, ...): a recipe's 1,000
+accepted mutations become about 300.
 
 ``--resume-from RUN``: each mutation resumes a copy of the run folder RUN (trained with the
 recipe and ``--base`` overrides, which must then raise ``training.steps``) instead: a resume
@@ -52,6 +53,12 @@ def one_per_key(mutations: list[list[str]]) -> list[list[str]]:
         if keys not in best or rank(mutation) < rank(best[keys]):
             best[keys] = mutation
     return list(best.values())
+
+
+def own_keys_left_out(mutations: list[list[str]]) -> list[list[str]]:
+    """The mutations that leave ``run.folder`` alone: the script sets it (a fresh folder, or
+    the copy to resume), and a mutation of it trains elsewhere, beside the working folder."""
+    return [m for m in mutations if not any(x.split("=", 1)[0] == "--run.folder" for x in m)]
 
 
 def classify(returncode: int, stderr: str) -> tuple[str, str]:
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.accepted) as f:
         mutations = json.load(f)
+    mutations = own_keys_left_out(mutations)
     if args.one_per_key:
         mutations = one_per_key(mutations)
     with tempfile.TemporaryDirectory() as tmp:

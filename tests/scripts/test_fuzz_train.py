@@ -25,6 +25,12 @@ def test_one_mutation_per_set_of_keys_the_most_extreme_first():
     assert pick(mutations) == [["--a.b=1e30"], ["--c=\"abc\""], ["--t=x", "--t.k=0"]]
 
 
+def test_mutations_of_the_run_folder_are_left_out():
+    keep = _script()["own_keys_left_out"]
+    assert keep([["--run.folder=\"abc\""], ["--run.name=\"x\""], ["--run.folder="]]) == [
+        ["--run.name=\"x\""]]
+
+
 def test_a_run_is_ok_refused_or_raw_by_its_status_and_stderr():
     classify = _script()["classify"]
     assert classify(0, "step 1/2 ...") == ("ok", "")
