@@ -29,7 +29,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / STATE}: unreadable ({exc})") from exc
     required = {"format", "step", "tokens", "world_size", "progress", "optimizers", "json_state"}
-    optional = {"layout", "qkv_rows", "data", "base"}
+    optional = {"layout", "qkv_rows", "data", "base", "frozen"}
     if not isinstance(meta, dict) or not required <= set(meta) <= required | optional \
             or meta["format"] != layout.FORMAT \
             or type(meta["step"]) is not int or type(meta["world_size"]) is not int \

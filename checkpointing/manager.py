@@ -5,7 +5,8 @@ The manager works on a *train state*: any object with ``model``, ``optimizers`` 
 ``guards`` (dict), ``world`` (``kiln.components.distributed.World``) and optionally
 ``recipe_toml`` (the resolved recipe's text, copied into every snapshot), ``data_record`` (a
 JSON dict: the data's fingerprints and stage steps, checked on resume), ``base_record`` (an
-adapters-only run's base: init_from and its weights' fingerprint), ``train_loader``
+adapters-only run's base: init_from and its weights' fingerprint), ``frozen_record`` (the
+same of each frozen model a step read from a source, by source), ``train_loader``
 (``state_dict``/``load_state_dict``) and ``layout`` (a JSON dict: ``world_size``, ``mesh``,
 ``fsdp``, ``global_batch``, ``micro_batch``, ``grad_accum`` and this rank's global-batch
 ``rows``). The trainer is one; tests use small ones.
@@ -181,7 +182,8 @@ class CheckpointManager:
                                        if k != "rows"}, "layout"),
             "qkv_rows": QKV_ROWS,
         }
-        for key in ("data", "base"):  # what the cursor points into; an adapters-only base
+        # what the cursor points into; an adapters-only base; a step's frozen models' sources
+        for key in ("data", "base", "frozen"):
             if (record := getattr(state, f"{key}_record", None)) is not None:
                 meta[key] = storage.to_json(record, key)  # (checked on resume: resume.py)
         seal = {"tokens": int(state.progress.tokens), "world_size": self.world.world_size,

@@ -78,8 +78,11 @@ class StepBuild(StepBuildContext):
                         replica_max_params=pcfg.replica_init_max_params, pipeline=plan.pipeline)
         spec = recipe.checkpoint.init_from if source == "initial" else source
         if spec:
-            n = Source.open(recipe, is_main=t.world.is_main, spec=spec).load(model)
+            opened = Source.open(recipe, is_main=t.world.is_main, spec=spec)
+            n = opened.load(model)
             what = f"{spec} ({n} tensors)"
+            # saved with every checkpoint: a resume must find the same weights (check_frozen)
+            t.frozen_record = {**(t.frozen_record or {}), source: opened.base_record()}
         else:
             _copy_weights(self.policy, model)
             what = "the policy's initial weights"
@@ -100,3 +103,38 @@ def _copy_weights(policy: nn.Module, frozen: nn.Module) -> None:
             raise RecipeError(f"training.step: the frozen model's {name} has no counterpart in "
                               "the policy; it cannot start from the policy's weights")
         t.copy_(have[name])
+
+
+def check_frozen(resumed: Path, records: dict | None) -> list[str]:
+    """A resumed run's frozen models read from a source (``checkpoint.init_from`` for the
+    reference, a teacher's folder) against those its checkpoint was trained with: other weights
+    are refused (a DPO or GRPO run would go on against another reference); the same weights at
+    another place give a line for the log. ``records`` (``Trainer.frozen_record``) and the
+    checkpoint's ``frozen`` map a source (``"initial"``, a spec) to its ``base_record``."""
+    from kiln.checkpointing.load_checks import read_state
+    from kiln.components.errors import CheckpointError
+    from kiln.recipes.loading.weights import place
+
+    saved = read_state(Path(resumed)).get("frozen")
+    if not records or not isinstance(saved, dict):  # (saved before frozen models were recorded)
+        return []
+    lines = []
+    for source, record in records.items():
+        old = saved.get(source)
+        if not isinstance(old, dict) or not isinstance(old.get("fingerprint"), str):
+            continue
+        what = ("the step's frozen reference, checkpoint.init_from" if source == "initial"
+                else f"the step's frozen model from {source!r}")
+        if old["fingerprint"] != record["fingerprint"]:
+            raise CheckpointError(
+                f"{resumed}: {what} = {record['init_from']!r} holds other weights than the run "
+                f"was trained against ({old.get('init_from')!r}, weights fingerprint "
+                f"{old['fingerprint'][:12]}; now {record['fingerprint'][:12]}), and the run "
+                "would go on against another model; restore those weights there (or name "
+                "where they are now), or continue from this checkpoint's weights against the "
+                "new ones with checkpoint.weights_only = true (a fresh schedule, optimizer and "
+                "data stream)")
+        if place(str(old.get("init_from", ""))) != place(record["init_from"]):
+            lines.append(f"kiln: {what} moved: {old.get('init_from')!r} is now "
+                         f"{record['init_from']!r}, with the same weights")
+    return lines

@@ -88,6 +88,7 @@ class Trainer:
         self.adapter = None  # the built [adapter] (AdapterContract)
         self.saved_params = None
         self.base_record: dict | None = None  # its base's init_from and fingerprint
+        self.frozen_record: dict | None = None  # the same of a step's frozen models, by source
         self.parent: dict | None = None  # the run whose weights this one starts from, if any
         if recipe.adapter is not None:
             self.adapter, line = checks.add_adapter(recipe, self.model)
@@ -268,6 +269,15 @@ class Trainer:
         if not resumed and self.adapter is not None:
             self.adapter.on_base_loaded(self.model)  # e.g. DoRA's magnitudes: the base's norms
 
+    def _check_frozen(self) -> None:
+        """A resumed run's frozen models (a reference) against the weights it trained with."""
+        from kiln.recipes.training.step_build import check_frozen
+
+        resumed = self.resumer.resumed_from
+        if resumed and not self.recipe.checkpoint.weights_only:
+            for line in check_frozen(Path(resumed), self.frozen_record):
+                self.print(line)
+
     # -------------------------------------------------------- helpers the step components use
     @functools.cached_property
     def peak_flops(self) -> float:
@@ -319,6 +329,7 @@ class Trainer:
         try:
             if self.resumer is not None:
                 self.resumer.resume(self)  # the hooks start from the resumed progress
+                self._check_frozen()
             elif not self.recipe.checkpoint.enable:  # a run folder with snapshots: not anew
                 check_no_stray_snapshots(self.run_dir, None, "checkpoint.enable = false")
             for hook in self.hooks:

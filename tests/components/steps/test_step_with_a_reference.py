@@ -222,3 +222,40 @@ def test_under_fsdp2_the_reference_is_sharded_as_the_policy(tmp_path):
     assert [(ranks[0]["drift"][str(s)] + ranks[1]["drift"][str(s)]) / 2
             for s in range(1, 5)] == pytest.approx([one.drift[s] for s in range(1, 5)],
                                                    rel=1e-4, abs=1e-9)
+
+
+def test_a_resume_refuses_a_reference_whose_weights_changed(tmp_path):
+    """The reference is read from init_from again on resume: other weights there (a rewritten
+    export, another folder) would be another objective, without a word. Refused; the same
+    weights moved give a line; weights_only takes the new ones on purpose."""
+    import shutil
+
+    from kiln.components.errors import CheckpointError
+    from kiln.components.models.block import padded_vocab
+    from kiln.recipes.inference.saved_model import export_checkpoint
+    from tests.components.adapters.test_lora import _save
+
+    base = load_recipe(CONFIGS / "debug.toml", TINY)
+    for seed, name in ((7, "hf"), (8, "other")):
+        torch.manual_seed(seed)
+        model = base.model.build(vocab_size=padded_vocab(base.model, 258), seq_len=32)
+        export_checkpoint(_save(tmp_path / f"base{seed}", model, base), tmp_path / name)
+    shutil.copytree(tmp_path / "hf", tmp_path / "moved")
+    _run(tmp_path / "run", steps=2, extra=[f"--checkpoint.init_from={tmp_path / 'hf'}"])
+
+    def resume(source: str, *extra: str):
+        recipe = load_recipe(CONFIGS / "debug.toml", [
+            *TINY, "--training.steps=3", f"--run.folder={tmp_path / 'run'}",
+            f"--checkpoint.init_from={tmp_path / source}", *extra])
+        trainer = Trainer(recipe, out=io.StringIO())
+        trainer.fit()
+        return trainer.out.getvalue()
+
+    with pytest.raises(CheckpointError, match="frozen reference, checkpoint.init_from = .*other"
+                                              "' holds other weights than the run was trained"):
+        resume("other")
+    out = resume("moved")
+    assert "the step's frozen reference, checkpoint.init_from moved:" in out
+    assert "resumed from" in out
+    out = resume("other", "--training.steps=4", "--checkpoint.weights_only=true")
+    assert "holds other weights" not in out
