@@ -178,14 +178,17 @@ def _inside(path: Path, root: Path) -> bool:
 
 # ---------------------------------------------------------------------- recipe compatibility
 # Keys whose change leaves the saved tensors or cursors meaningless for an exact resume.
-_STATE_KEYS = ("model.", "tokenizer.")
+# (an [adapter]'s type, rank, targets and alpha too: its saved tensors' shapes, and its scale)
+_STATE_KEYS = ("model.", "tokenizer.", "adapter.")
 _DATA_KEYS = ("data.", "training.seed", "training.seq_len", "training.global_batch")
 _INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise fresh weights
 # Training settings of the model table, read each step like the LR: dropout rates and the
-# weights of its auxiliary losses. They leave the saved tensors' shapes and meaning as they
+# weights of its auxiliary losses (and an adapter's dropout, and whether it may start from a
+# random base). They leave the saved tensors' shapes and meaning as they
 # are (turning dropout off for an anneal was refused as if it changed the weights).
 _TRAIN_ONLY = re.compile(r"^model\.(?:[a-z_]+\.)?(?:dropout|mtp_weight|aux_loss_coeff|"
-                         r"bias_update_coeff|capacity_factor)$")
+                         r"bias_update_coeff|capacity_factor)$|^adapter\.(?:dropout|"
+                         r"allow_random_base)$")
 # How the data is loaded, not which: the cursor is a position whatever the workers, read-ahead
 # or pinned memory (a streaming cursor that records its workers checks them itself).
 _LOADER_ONLY = re.compile(r"^data\.(?:sources\.[^.]+\.)?(?:num_workers|prefetch|pin_memory)$")

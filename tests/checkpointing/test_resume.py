@@ -97,6 +97,22 @@ def test_dropout_and_auxiliary_loss_weights_are_training_settings():
     assert refused and "shapes" in refused[0]  # the modules themselves still are
 
 
+def test_an_adapters_shape_or_scale_is_refused_and_its_dropout_is_a_training_setting():
+    """A changed rank or adapter type reached DCP's load and its "Missing key in checkpoint
+    state_dict: ...lora.A"; alpha resumed on another scale of the saved adapters."""
+    lora = ("--adapter.rank=2", "--adapter.allow_random_base=true")
+    for change in ("--adapter.rank=4", "--adapter.type=dora", "--adapter.alpha=32",
+                   '--adapter.targets=["*.attention.wq"]'):
+        for weights_only in (False, True):
+            refused = check(recipe(*lora), recipe(*lora, change),
+                            weights_only=weights_only).refused
+            assert refused and "shapes or meaning" in refused[0], (change, refused)
+    result = check(recipe(*lora), recipe(*lora, "--adapter.dropout=0.1"), weights_only=False)
+    assert result.refused == [] and result.allowed == ["adapter.dropout: 0.0 -> 0.1"]
+    assert check(recipe(), recipe(*lora), weights_only=False).refused  # an adapter added
+    assert check(recipe(*lora), recipe(), weights_only=False).refused  # or removed
+
+
 def test_how_the_data_is_loaded_may_change():
     """Workers, read-ahead and pinned memory leave the cursor's position as it was: fewer
     workers on a smaller machine was refused as "the saved data cursor would point
