@@ -213,11 +213,14 @@ class CheckpointManager:
             self.log('kiln: training goes on (checkpoint.on_save_error = "continue"); the next '
                      "save tries again")
             return None
+        fix = ("Free space there (or lower checkpoint.keep_last, or point checkpoint.folder "
+               "elsewhere) and rerun" if "no space left on device" in reason else
+               "Remove the cause above (an error of the file system, or of what the state "
+               "holds) and rerun")
         raise CheckpointError(
-            f"{text}.\nFree space there (or lower checkpoint.keep_last, or point "
-            "checkpoint.folder elsewhere) and rerun the same command: it continues from the "
-            "intact checkpoint. checkpoint.on_save_error = \"continue\" keeps training when an "
-            "interval save fails instead."
+            f"{text}.\n{fix} the same command: it continues from the intact checkpoint. "
+            "checkpoint.on_save_error = \"continue\" keeps training when an interval save "
+            "fails instead."
         )
 
     def wait(self, *, final: bool = False, agree: bool = True) -> None:

@@ -184,8 +184,8 @@ _DATA_KEYS = ("data.", "training.seed", "training.seq_len", "training.global_bat
 _INIT_ONLY = ("model.init_std", "model.depth_init")  # used only to initialise fresh weights
 # Training settings of the model table, read each step like the LR: dropout rates and the
 # weights of its auxiliary losses (and an adapter's dropout, and whether it may start from a
-# random base). They leave the saved tensors' shapes and meaning as they
-# are (turning dropout off for an anneal was refused as if it changed the weights).
+# random base). They leave the saved tensors' shapes and meaning as they are (turning dropout
+# off for an anneal was refused as if it changed the weights).
 _TRAIN_ONLY = re.compile(r"^model\.(?:[a-z_]+\.)?(?:dropout|mtp_weight|aux_loss_coeff|"
                          r"bias_update_coeff|capacity_factor)$|^adapter\.(?:dropout|"
                          r"allow_random_base)$")

@@ -61,6 +61,9 @@ class OptimizerConfig(ComponentConfig):
     # "own" where the optimizer keeps its LR width-independent itself (Muon's spectral
     # scaling), "refuse" where kiln has no µP rule (plain SGD).
     mup_rule: ClassVar[str] = "scale"
+    # Why ``checkpoint.async = true`` cannot save this optimizer's state ("" where it can):
+    # DCP's async staging copies every state tensor, which a tensor subclass may not implement.
+    async_save_problem: ClassVar[str] = ""
 
     def check_mup(self, table: str) -> None:
         """Raise a RecipeError when this optimizer cannot train a µP model as configured."""

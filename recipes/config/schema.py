@@ -193,6 +193,19 @@ class Recipe(Config):
         return self
 
     @model_validator(mode="after")
+    def _async_saves_what_it_can_copy(self) -> Recipe:
+        if not (self.checkpoint.enable and self.checkpoint.async_save):
+            return self
+        for name, cfg in self.optimizer_tables().items():
+            if cfg.async_save_problem:
+                table = "optimizer" if name == "main" and self.optimizer is not None \
+                    else f"optimizers.{name}"
+                raise ValueError(f"checkpoint.async = true cannot save {table}.type = "
+                                 f"{cfg.type!r}: {cfg.async_save_problem}; set "
+                                 "checkpoint.async = false (saves then block the step)")
+        return self
+
+    @model_validator(mode="after")
     def _one_optimizer_table(self) -> Recipe:
         if self.optimizer is not None and self.optimizers:
             raise ValueError("both [optimizer] and [optimizers.NAME] tables are set; use one")
