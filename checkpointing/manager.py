@@ -214,7 +214,7 @@ class CheckpointManager:
                      "save tries again")
             return None
         fix = ("Free space there (or lower checkpoint.keep_last, or point checkpoint.folder "
-               "elsewhere) and rerun" if "no space left on device" in reason else
+               "elsewhere) and rerun" if save_failure.FULL_DISK in reason else
                "Remove the cause above (an error of the file system, or of what the state "
                "holds) and rerun")
         raise CheckpointError(

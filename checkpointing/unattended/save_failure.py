@@ -38,6 +38,10 @@ class SaveFailed(Exception):  # noqa: N818 (internal signal between a save's pha
         self.reason = reason
 
 
+# How ``describe`` names a full disk; the manager's advice keys on it.
+FULL_DISK = "no space left on device"
+
+
 def together(world, root: Path, part: Callable[[], Any]) -> Any:
     """Run this rank's ``part`` of a save. If it failed on any rank, every rank raises
     SaveFailed with the same reason (the lowest failing rank's): no rank is left waiting in a
@@ -68,7 +72,7 @@ def describe(exc: BaseException, root: Path) -> str:
     free = _free_bytes(mount)
     if full or (free is not None and free < NEARLY_FULL):
         left = f" has {_size(free)} free" if free is not None else ""
-        return f"no space left on device: the file system at {mount}{left}"
+        return f"{FULL_DISK}: the file system at {mount}{left}"
     inner = next((e for e in causes if not isinstance(e, CheckpointException)), exc)
     text = " ".join(f"{type(inner).__name__}: {inner}".split())
     return text if len(text) <= 300 else text[:300] + " ..."
